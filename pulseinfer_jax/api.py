@@ -1,0 +1,195 @@
+"""Public API: `generate_long()` (one result per prompt, in order) and `stream_long()` (token events)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+from models.loading import LoadedModel, load_model
+from pulseinfer_jax.config import EngineConfig
+from pulseinfer_jax.engine import Engine
+from pulseinfer_jax.sampling import SamplingParams
+from pulseinfer_jax.scheduler import Request
+
+Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    text: str  # generated text, without the prompt, special tokens or a matched stop string
+    token_ids: list[int]  # generated ids (an EOS that ended generation is included)
+    finish_reason: str  # "stop" (EOS or stop string) | "length" (max_new_tokens or the model's positions)
+    stats: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEvent:
+    index: int  # which prompt
+    token_id: int
+    text: str  # newly completed text (may be "" while a multi-byte character is incomplete)
+    finish_reason: str | None
+    result: GenerationResult | None  # set on the request's last event
+
+
+def _engine_for(model: Any, dtype: str, config: EngineConfig) -> Engine:
+    if isinstance(model, Engine):
+        if model.config != config:
+            return Engine(model.model, config, model.device)
+        return model
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
+    return Engine(loaded, config)
+
+
+def _encode(engine: Engine, i: int, prompt: Prompt, chat: bool) -> list[int]:
+    tok = engine.model.tokenizer
+    if isinstance(prompt, str):
+        if tok is None:
+            raise ValueError(f"prompt {i} is text but model {engine.model.source} has no tokenizer; "
+                             "pass token-id lists instead")
+        if not prompt:
+            raise ValueError(f"prompt {i} is an empty string; give some text")
+        if chat:
+            if not tok.has_chat_template:
+                raise ValueError(f"chat=True but {engine.model.source} has no chat template")
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False)
+        return tok.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ValueError(f"prompt {i} is bytes; pass str or a list of token ids")
+    try:
+        ids = [int(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise ValueError(f"prompt {i} must be a string or a sequence of int token ids, got {type(prompt).__name__}")
+    if any(isinstance(t, bool) for t in prompt):
+        raise ValueError(f"prompt {i} contains booleans; token ids must be ints")
+    return ids
+
+
+class _TextTracker:
+    """Per-request detokenization with stop-string matching."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]):
+        from models.detokenize import IncrementalDecoder
+
+        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.stop = stop
+        self.text = ""
+        self.emitted = 0  # chars of self.text already streamed
+        self.stopped = False
+
+    def add(self, token_id: int, final: bool) -> str:
+        if self.decoder is None:
+            return ""
+        self.text += self.decoder.add(token_id)
+        if final:
+            self.text += self.decoder.flush()
+        hold = 0
+        if self.stop:
+            hits = [(self.text.find(s, max(0, self.emitted - len(s))), s) for s in self.stop]
+            hits = [(p, s) for p, s in hits if p >= 0]
+            if hits:
+                self.text = self.text[: min(p for p, _ in hits)]
+                self.stopped = True
+            elif not final:
+                # hold back a tail that could still grow into a stop string
+                hold = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])),
+                           default=0)
+        upto = len(self.text) if (self.stopped or final) else len(self.text) - hold
+        delta = self.text[self.emitted: upto]
+        self.emitted = max(self.emitted, upto)
+        return delta
+
+
+def _stats(r: Request, t_start: float) -> dict[str, Any]:
+    n = len(r.output)
+    decode_s = max(0.0, r.t_done - r.t_first)
+    return {
+        "prompt_tokens": len(r.prompt),
+        "generated_tokens": n,
+        "prefill_s": r.prefill_s,
+        "decode_s": decode_s,
+        "ttft_s": r.t_first - t_start,
+        "tpot_s": decode_s / (n - 1) if n > 1 else 0.0,
+        "queue_s": max(0.0, r.t_admit - t_start),
+        "total_s": r.t_done - t_start,
+        "mode": "dense",
+    }
+
+
+def stream_long(
+    prompts: Sequence[Prompt],
+    model: Any = None,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    mode: str = "dense",
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    chat: bool = False,
+    dtype: str = "float32",
+    block_size: int = 16,
+    max_batch: int = 32,
+    prefill_chunk: int = 512,
+    kv_cache_tokens: int | None = None,
+    progress: bool | None = None,
+    engine_config: EngineConfig | None = None,
+) -> Iterator[StreamEvent]:
+    """Like `generate_long` but yields a StreamEvent per generated token as soon as it exists."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError("prompts must be a list of strings or of token-id lists (wrap a single prompt in [...])")
+    if not prompts:
+        raise ValueError("prompts is empty; give at least one prompt")
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                              stop=tuple(stop), ignore_eos=ignore_eos)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not (0 <= seed < 2**32):
+        raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
+    config = engine_config or EngineConfig(block_size=block_size, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                                           key_chunk=prefill_chunk, kv_cache_tokens=kv_cache_tokens, mode=mode,
+                                           progress=progress)
+    engine = _engine_for(model, dtype, config)
+    t_start = time.perf_counter()
+    reqs = [engine.make_request(i, _encode(engine, i, p, chat), sampling) for i, p in enumerate(prompts)]
+    trackers = [_TextTracker(engine.model.tokenizer, sampling.stop) for _ in reqs]
+    for ev in engine.run(reqs, seed=seed):
+        req, tr = reqs[ev.index], trackers[ev.index]
+        if tr.stopped:
+            continue  # a stop string already ended it; this token was computed in the same batch
+        delta = tr.add(ev.token_id, final=ev.finish_reason is not None)
+        reason = ev.finish_reason
+        if tr.stopped and reason is None:
+            engine.stop_request(req, "stop")
+            reason = "stop"
+        result = None
+        if reason is not None:
+            result = GenerationResult(tr.text, list(req.output), reason, _stats(req, t_start))
+        yield StreamEvent(ev.index, ev.token_id, delta, reason, result)
+
+
+def generate_long(
+    prompts: Sequence[Prompt],
+    model: Any = None,
+    *,
+    on_token: Callable[[StreamEvent], None] | None = None,
+    **kwargs: Any,
+) -> list[GenerationResult]:
+    """Generate a continuation for every prompt; returns one GenerationResult per prompt, in order.
+
+    prompts: list of strings (tokenized with the model's tokenizer; `chat=True` wraps each in the chat
+        template as a user turn) or of token-id lists.
+    model: None (embedded SmolLM2-135M-Instruct), a Hugging Face directory, a .gguf file,
+        "random:<preset>", a `LoadedModel`, or an `Engine` to reuse (compiled code and KV pool).
+    Keyword options are those of `stream_long` (max_new_tokens, temperature, top_p, top_k, seed, mode,
+        stop, ignore_eos, chat, dtype, block_size, max_batch, prefill_chunk, kv_cache_tokens, progress,
+        engine_config). `on_token` is called with each StreamEvent as it is produced.
+    """
+    results: dict[int, GenerationResult] = {}
+    for ev in stream_long(prompts, model, **kwargs):
+        if on_token is not None:
+            on_token(ev)
+        if ev.result is not None:
+            results[ev.index] = ev.result
+    return [results[i] for i in range(len(prompts))]

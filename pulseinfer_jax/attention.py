@@ -1,0 +1,125 @@
+"""Paged-KV attention in plain jnp: cache writes, batched decode, memory-bounded chunked prefill.
+
+All functions take the full cache `kv: [L, NB, 2, Hkv, bs, hd]` (see kv_cache.py) plus a traced layer
+index, so they run inside the layer scan with the cache as the (donated, in-place updated) carry.
+Softmax statistics are float32 whatever the cache dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+NEG_INF = -1e30
+
+
+def write_decode_kv(
+    kv: Float[Array, "L NB 2 Hkv bs hd"],
+    layer: Int[Array, ""],
+    k: Float[Array, "B Hkv hd"],
+    v: Float[Array, "B Hkv hd"],
+    block_tables: Int[Array, "B MB"],
+    positions: Int[Array, "B"],
+) -> Array:
+    """Write one new token per sequence at `positions` (inactive rows point at the null block)."""
+    bs = kv.shape[4]
+    rows = jnp.arange(block_tables.shape[0])
+    blk = block_tables[rows, positions // bs]  # [B]
+    off = positions % bs  # [B]
+    kv = kv.at[layer, blk, 0, :, off, :].set(k.astype(kv.dtype))
+    return kv.at[layer, blk, 1, :, off, :].set(v.astype(kv.dtype))
+
+
+def paged_decode_attention(
+    q: Float[Array, "B Hq hd"],
+    kv: Float[Array, "L NB 2 Hkv bs hd"],
+    layer: Int[Array, ""],
+    block_tables: Int[Array, "B MB"],
+    lengths: Int[Array, "B"],
+) -> Float[Array, "B Hq hd"]:
+    """softmax(q K^T / sqrt(hd)) V over the first `lengths[b]` tokens of each sequence's blocks (GQA)."""
+    b, hq, hd = q.shape
+    hkv, bs = kv.shape[3], kv.shape[4]
+    g = hq // hkv
+    blocks = kv[layer, block_tables]  # [B, MB, 2, Hkv, bs, hd]
+    k = blocks[:, :, 0].astype(jnp.float32)  # [B, MB, Hkv, bs, hd]
+    v = blocks[:, :, 1].astype(jnp.float32)
+    qg = q.reshape(b, hkv, g, hd).astype(jnp.float32) * (hd ** -0.5)
+    s = jnp.einsum("bhgd,bmhsd->bhgms", qg, k)  # [B, Hkv, G, MB, bs]
+    pos = jnp.arange(block_tables.shape[1] * bs).reshape(block_tables.shape[1], bs)
+    valid = pos[None] < lengths[:, None, None]  # [B, MB, bs]
+    s = jnp.where(valid[:, None, None], s, NEG_INF)
+    m = jnp.max(s, axis=(-2, -1), keepdims=True)
+    p = jnp.exp(s - m)
+    p = jnp.where(valid[:, None, None], p, 0.0)  # a NaN in an unused slot must not leak through 0 * NaN
+    v = jnp.where(valid[:, :, None, :, None], v, 0.0)
+    o = jnp.einsum("bhgms,bmhsd->bhgd", p, v) / jnp.sum(p, axis=(-2, -1))[..., None]
+    return o.reshape(b, hq, hd).astype(q.dtype)
+
+
+def write_prefill_kv(
+    kv: Float[Array, "L NB 2 Hkv bs hd"],
+    layer: Int[Array, ""],
+    k: Float[Array, "C Hkv hd"],
+    v: Float[Array, "C Hkv hd"],
+    chunk_blocks: Int[Array, "nb"],
+) -> Array:
+    """Write a block-aligned chunk of C = nb * bs tokens into blocks `chunk_blocks` (null block = drop)."""
+    c, hkv, hd = k.shape
+    bs = kv.shape[4]
+    nb = c // bs
+    kb = k.reshape(nb, bs, hkv, hd).transpose(0, 2, 1, 3).astype(kv.dtype)  # [nb, Hkv, bs, hd]
+    vb = v.reshape(nb, bs, hkv, hd).transpose(0, 2, 1, 3).astype(kv.dtype)
+    kv = kv.at[layer, chunk_blocks, 0].set(kb)
+    return kv.at[layer, chunk_blocks, 1].set(vb)
+
+
+def chunked_prefill_attention(
+    q: Float[Array, "C Hq hd"],
+    kv: Float[Array, "L NB 2 Hkv bs hd"],
+    layer: Int[Array, ""],
+    block_table: Int[Array, "MB"],
+    start: Int[Array, ""],
+    *,
+    key_chunk: int,
+) -> Float[Array, "C Hq hd"]:
+    """Causal attention of chunk queries at positions start..start+C-1 over the sequence's cached keys.
+
+    Keys are visited `key_chunk` tokens at a time with an online softmax, and only up to the chunk's
+    last position (a dynamic trip count), so memory is O(C * key_chunk) whatever the context length.
+    The chunk's own K/V must already be written to the cache.
+    """
+    c, hq, hd = q.shape
+    hkv, bs = kv.shape[3], kv.shape[4]
+    g = hq // hkv
+    kc_blocks = key_chunk // bs
+    qg = (q.astype(jnp.float32) * (hd ** -0.5)).reshape(c, hkv, g, hd).transpose(1, 2, 0, 3)
+    qg = qg.reshape(hkv, g * c, hd)  # [Hkv, G*C, hd]
+    q_pos = jnp.tile(start + jnp.arange(c), g)  # [G*C], matches the (g, c) flattening
+    n_chunks = (start + c + key_chunk - 1) // key_chunk
+    # pad the table so the last key chunk's dynamic slice stays in bounds
+    table = jnp.concatenate([block_table, jnp.zeros((kc_blocks,), block_table.dtype)])
+
+    def body(i, carry):
+        acc, m, l = carry
+        ids = jax.lax.dynamic_slice(table, (i * kc_blocks,), (kc_blocks,))
+        blocks = kv[layer, ids]  # [kcb, 2, Hkv, bs, hd]
+        k = blocks[:, 0].transpose(1, 0, 2, 3).reshape(hkv, key_chunk, hd).astype(jnp.float32)
+        v = blocks[:, 1].transpose(1, 0, 2, 3).reshape(hkv, key_chunk, hd).astype(jnp.float32)
+        k_pos = i * key_chunk + jnp.arange(key_chunk)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [G*C, kc]
+        s = jnp.einsum("hqd,hkd->hqk", qg, k)
+        s = jnp.where(mask[None], s, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(mask[None], jnp.exp(s - m_new[..., None]), 0.0)
+        v = jnp.where((k_pos <= start + c - 1)[None, :, None], v, 0.0)  # never touch unwritten slots
+        scale = jnp.exp(m - m_new)
+        acc = acc * scale[..., None] + jnp.einsum("hqk,hkd->hqd", p, v)
+        return acc, m_new, l * scale + jnp.sum(p, axis=-1)
+
+    init = (jnp.zeros((hkv, g * c, hd), jnp.float32), jnp.full((hkv, g * c), NEG_INF, jnp.float32),
+            jnp.zeros((hkv, g * c), jnp.float32))
+    acc, _, l = jax.lax.fori_loop(0, n_chunks, body, init)
+    o = acc / l[..., None]  # [Hkv, G*C, hd]
+    return o.reshape(hkv, g, c, hd).transpose(2, 0, 1, 3).reshape(c, hq, hd).astype(q.dtype)

@@ -1,0 +1,155 @@
+"""`pulseinfer` command line: generate, demo, info. Bad input prints one line and exits 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from models.config import UnsupportedModelError
+from models.weights import CheckpointError
+
+USER_ERRORS = (ValueError, FileNotFoundError, UnsupportedModelError, CheckpointError, OSError)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF directory, .gguf file or random:<preset>; default: embedded SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
+    p.add_argument("--stats", action="store_true", help="print per-request stats as JSON to stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pulseinfer", description="PulseInfer-JAX long-context decoding engine")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate a continuation of a prompt")
+    g.add_argument("prompt", nargs="?", help="prompt text; '-' or omitted reads stdin")
+    g.add_argument("--file", help="read the prompt from this file")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the chat template (default: on when the model has one)")
+    g.add_argument("--no-stream", action="store_true", help="print the text only when done")
+    _add_model_args(g)
+    _add_sampling_args(g)
+
+    d = sub.add_parser("demo", help="long-context demo: find a passkey hidden in a ~2K-token document")
+    d.add_argument("--tokens", type=int, default=2000, help="approximate document length in tokens")
+    d.add_argument("--depth", type=float, default=0.5, help="where the passkey sits, 0..1")
+    _add_model_args(d)
+    _add_sampling_args(d)
+
+    i = sub.add_parser("info", help="model config, parameter count and KV bytes per token")
+    i.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file, random:<preset>; default SmolLM2")
+    i.add_argument("--dtype", default="float32")
+    return ap
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            return f.read()
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if sys.stdin is None or (args.prompt is None and sys.stdin.isatty()):
+        raise ValueError("no prompt: pass it as an argument, with --file, or on stdin")
+    return sys.stdin.read()
+
+
+def _print_stats(results) -> None:
+    for k, r in enumerate(results):
+        print(json.dumps({"prompt": k, "finish_reason": r.finish_reason, **r.stats}), file=sys.stderr)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pulseinfer_jax.api import generate_long
+    from pulseinfer_jax.engine import Engine
+    from pulseinfer_jax.config import EngineConfig
+    from models.loading import load_model
+
+    prompt = _read_prompt(args)
+    if not prompt.strip():
+        raise ValueError("the prompt is empty; give some text")
+    model = load_model(args.model, dtype=args.dtype)
+    chat = args.chat
+    if chat is None:
+        chat = bool(model.tokenizer and model.tokenizer.has_chat_template)
+    engine = Engine(model, EngineConfig(block_size=args.block_size, progress=True))
+
+    def on_token(ev) -> None:
+        if not args.no_stream:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+
+    results = generate_long([prompt], engine, on_token=on_token, **_sampling_kwargs(args), chat=chat,
+                            engine_config=engine.config)
+    if args.no_stream:
+        sys.stdout.write(results[0].text)
+    sys.stdout.write("\n")
+    if args.stats:
+        _print_stats(results)
+    return 0
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pulseinfer_jax.demo import run_demo
+
+    ok = run_demo(model=args.model, dtype=args.dtype, tokens=args.tokens, depth=args.depth, seed=args.seed,
+                  block_size=args.block_size, stats=args.stats)
+    return 0 if ok else 1
+
+
+def _info(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from models.loading import describe_model
+    from models.transformer import resolve_dtype
+
+    itemsize = jnp.dtype(resolve_dtype(args.dtype)).itemsize
+    c, tok, source = describe_model(args.model)
+    info = {
+        "source": source,
+        "config": dataclasses.asdict(c),
+        "parameters": c.num_parameters(),
+        "dtype": args.dtype,
+        "weight_bytes": c.num_parameters() * itemsize,
+        "kv_bytes_per_token": c.kv_bytes_per_token(itemsize),
+        "kv_bytes_per_16_token_block_per_layer": 2 * 16 * c.kv_dim * itemsize,
+        "tokenizer": None if tok is None else {"vocab_size": tok.vocab_size, "eos_token_ids": list(tok.eos_token_ids),
+                                               "chat_template": tok.has_chat_template},
+    }
+    print(json.dumps(info, indent=2, default=str))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": _generate, "demo": _demo, "info": _info}[args.cmd](args)
+    except USER_ERRORS as e:
+        print(f"pulseinfer: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pulseinfer: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

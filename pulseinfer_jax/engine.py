@@ -1,0 +1,224 @@
+"""The engine: owns the model, the paged KV pool and the scheduler; one `step()` = schedule, run, postprocess.
+
+Each step runs at most one prefill chunk (of the oldest admitted request) and one decode step over
+every running request, so long prompts prefill while the batch keeps decoding (chunked prefill).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.loading import LoadedModel
+from pulseinfer_jax.config import EngineConfig
+from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for
+from pulseinfer_jax.runner import bucket, decode_step, prefill_step
+from pulseinfer_jax.sampling import SamplingParams, greedy_sample, sample
+from pulseinfer_jax.scheduler import Request, Scheduler, Status
+
+CPU_DEFAULT_KV_BYTES = 4 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of request `index` (streaming); `finish_reason` is set on its last token."""
+
+    index: int
+    token_id: int
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig(), device: jax.Device | None = None):
+        self.model = model
+        self.config = config
+        self.device = device or jax.devices()[0]
+        self.kv: jax.Array | None = None
+        self.spec: CacheSpec | None = None
+        self.allocator: BlockAllocator | None = None
+        self.scheduler: Scheduler | None = None
+        self.seed = 0
+        self._bars: dict = {}
+        self.eos_ids = frozenset(model.tokenizer.eos_token_ids if model.tokenizer else model.cfg.eos_token_ids)
+
+    # ---- KV pool -------------------------------------------------------------------------------
+    def _spec(self, num_blocks: int) -> CacheSpec:
+        c = self.model.cfg
+        return CacheSpec(c.num_layers, num_blocks, c.num_kv_heads, self.config.block_size, c.head_dim,
+                         jnp.dtype(self.model.dtype))
+
+    def _kv_byte_cap(self) -> int:
+        if self.config.kv_cache_bytes is not None:
+            return self.config.kv_cache_bytes
+        if self.device.platform == "cpu":
+            return CPU_DEFAULT_KV_BYTES
+        stats = self.device.memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        return int(0.85 * free) if free > 0 else CPU_DEFAULT_KV_BYTES
+
+    def ensure_pool(self, requests: Sequence[Request]) -> None:
+        """Size the KV pool for `requests` (or to kv_cache_tokens) and (re)allocate it if it changed."""
+        bs = self.config.block_size
+        per_block = self._spec(1).bytes_per_block
+        if self.config.kv_cache_tokens is not None:
+            num_blocks = blocks_for(self.config.kv_cache_tokens, bs) + 1
+        else:
+            want = sum(blocks_for(r.need_tokens, bs) for r in requests) + 1
+            cap = self._kv_byte_cap() // per_block
+            num_blocks = max(2, min(want, cap))
+        if self.spec is None or self.spec.num_blocks != num_blocks:
+            self.kv = None  # free the old pool before allocating the new one
+            self.spec = self._spec(num_blocks)
+            self.kv = self.spec.allocate(self.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler = Scheduler(self.allocator, bs, self.config.max_batch)
+
+    # ---- request intake ------------------------------------------------------------------------
+    def make_request(self, index: int, prompt: list[int], sampling: SamplingParams) -> Request:
+        c = self.model.cfg
+        if not prompt:
+            raise ValueError(f"prompt {index} is empty; give at least one token")
+        bad = [t for t in prompt if not (0 <= t < c.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt {index} has token ids outside [0, {c.vocab_size}): {bad[:5]}")
+        if len(prompt) >= c.max_position_embeddings:
+            raise ValueError(
+                f"prompt {index} has {len(prompt)} tokens but the model handles at most "
+                f"{c.max_position_embeddings} positions; shorten the prompt"
+            )
+        max_new = min(sampling.max_new_tokens, c.max_position_embeddings - len(prompt))
+        return Request(index, list(prompt), sampling, max_new, t_submit=time.perf_counter())
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self, requests: Sequence[Request], seed: int = 0) -> Iterator[TokenEvent]:
+        """Run requests to completion with continuous batching, yielding each token as it is made."""
+        self.seed = seed
+        self.ensure_pool(requests)
+        for r in requests:
+            self.scheduler.add(r)
+        while self.scheduler.has_work():
+            yield from self.step()
+        self.allocator.check_integrity()
+        if self.allocator.num_free != self.allocator.capacity:
+            raise RuntimeError("KV blocks leaked after all requests finished")
+
+    def step(self) -> Iterator[TokenEvent]:
+        sched = self.scheduler
+        now = time.perf_counter()
+        for r in sched.admit():
+            r.t_admit = now
+        pf = sched.next_prefill()
+        if pf is not None:
+            yield from self._prefill_chunk(pf)
+        if sched.running:
+            yield from self._decode(list(sched.running))
+        if not sched.running and pf is None and sched.waiting:
+            raise RuntimeError("scheduler stalled: waiting requests cannot be admitted into an idle engine")
+
+    def _prefill_chunk(self, req: Request) -> Iterator[TokenEvent]:
+        cfg = self.config
+        t0 = time.perf_counter()
+        start = req.prefilled
+        remaining = len(req.prompt) - start
+        bs = cfg.block_size
+        size = min(cfg.prefill_chunk, bs * bucket(blocks_for(remaining, bs)))
+        n = min(size, remaining)
+        chunk = np.zeros(size, np.int32)
+        chunk[:n] = req.prompt[start:start + n]
+        table = self._table(req.blocks, bucket(len(req.blocks)))
+        self.kv, logits = prefill_step(self.model.transformer, self.model.params, self.kv, jnp.asarray(chunk),
+                                       jnp.int32(start), jnp.int32(n), jnp.asarray(table), key_chunk=min(cfg.key_chunk, size))
+        req.prefilled += n
+        bar = self._progress_bar(req)
+        if req.prefilled < len(req.prompt):
+            jax.block_until_ready(self.kv)  # honest per-chunk timing / progress
+            req.prefill_s += time.perf_counter() - t0
+            if bar is not None:
+                bar.update(n)
+            return
+        if bar is not None:
+            bar.update(n)
+            bar.close()
+            del self._bars[req.index]
+        token = self._sample(logits[None], [req])[0]
+        req.prefill_s += time.perf_counter() - t0
+        req.t_first = time.perf_counter()
+        self.scheduler.prefill_done(req)
+        yield from self._accept([req], [token])
+
+    def _progress_bar(self, req: Request):
+        if req.index in self._bars:
+            return self._bars[req.index]
+        if len(req.prompt) < self.config.progress_min_tokens or not progress_enabled(self.config):
+            return None
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(req.prompt), desc=f"prefill #{req.index}", unit="tok", leave=False, file=sys.stderr)
+        self._bars[req.index] = bar
+        return bar
+
+    def _decode(self, reqs: list[Request]) -> Iterator[TokenEvent]:
+        b = bucket(len(reqs))
+        mb = bucket(max(len(r.blocks) for r in reqs))
+        tokens = np.zeros(b, np.int32)
+        positions = np.zeros(b, np.int32)
+        tables = np.zeros((b, mb), np.int32)
+        for i, r in enumerate(reqs):
+            tokens[i] = r.output[-1]
+            positions[i] = r.seq_len - 1
+            tables[i] = self._table(r.blocks, mb)
+        self.kv, logits = decode_step(self.model.transformer, self.model.params, self.kv, jnp.asarray(tokens),
+                                      jnp.asarray(positions), jnp.asarray(tables))
+        yield from self._accept(reqs, self._sample(logits, reqs))
+
+    # ---- postprocess ---------------------------------------------------------------------------
+    def _sample(self, logits: jax.Array, reqs: list[Request]) -> list[int]:
+        if all(r.sampling.greedy for r in reqs):
+            out = greedy_sample(logits)
+        else:
+            b = logits.shape[0]
+            pad = b - len(reqs)
+            sp = [r.sampling for r in reqs]
+            temps = np.array([s.temperature for s in sp] + [0.0] * pad, np.float32)
+            top_k = np.array([s.top_k for s in sp] + [0] * pad, np.int32)
+            top_p = np.array([s.top_p for s in sp] + [1.0] * pad, np.float32)
+            ids = np.array([r.index for r in reqs] + [0] * pad, np.int32)
+            steps = np.array([len(r.output) for r in reqs] + [0] * pad, np.int32)
+            out = sample(logits, temps, top_k, top_p, jnp.uint32(self.seed), ids, steps)
+        return [int(t) for t in np.asarray(out)[: len(reqs)]]
+
+    def _accept(self, reqs: list[Request], tokens: list[int]) -> Iterator[TokenEvent]:
+        now = time.perf_counter()
+        for r, t in zip(reqs, tokens):
+            r.output.append(t)
+            reason = None
+            if t in self.eos_ids and not r.sampling.ignore_eos:
+                reason = "stop"
+            elif len(r.output) >= r.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                r.t_done = now
+                self.scheduler.finish(r, reason)
+            yield TokenEvent(r.index, t, reason)
+
+    def stop_request(self, req: Request, reason: str) -> None:
+        """Finish a request early (e.g. a stop string matched); frees its blocks."""
+        if req.status is not Status.FINISHED:
+            req.t_done = time.perf_counter()
+            self.scheduler.finish(req, reason)
+
+    @staticmethod
+    def _table(blocks: list[int], width: int) -> np.ndarray:
+        t = np.zeros(width, np.int32)
+        t[: len(blocks)] = blocks
+        return t
+
+
+def progress_enabled(config: EngineConfig) -> bool:
+    return sys.stderr.isatty() if config.progress is None else config.progress

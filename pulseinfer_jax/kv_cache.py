@@ -1,0 +1,124 @@
+"""Paged KV cache: layout, block allocator, per-request block tables.
+
+Layout (one array for all layers):
+
+    kv: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
+             layer     block    K|V    head        token      feature
+
+One block of one layer, `kv[l, b]`, is a single contiguous run of 2 * Hkv * block_size * head_dim
+elements holding every KV head's K and V for `block_size` consecutive tokens of one request. That is
+the unit that later moves between GPU and pinned host memory in one transfer (SoloHead recall);
+`kv[l, b, :, h]` is the per-(block, head) unit of the headwise baseline.
+
+Block 0 is the *null block*: never allocated, the target of padded writes (inactive batch rows,
+the unused tail of a prefill chunk's table) and of padded block-table entries, which attention masks
+by sequence length. Real data therefore never aliases garbage writes.
+
+Token t of a request lives in block `table[t // block_size]`, slot `t % block_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+NULL_BLOCK = 0
+
+
+class OutOfBlocksError(RuntimeError):
+    """The allocator cannot satisfy a request; nothing was allocated."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    num_layers: int
+    num_blocks: int  # including the null block
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: jnp.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, self.num_blocks, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers (K and V, every head)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim * jnp.dtype(
+            self.dtype).itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def allocate(self, device: jax.Device | None = None) -> jax.Array:
+        """Zero-filled cache array on `device`."""
+        with jax.default_device(device or jax.devices()[0]):
+            return jnp.zeros(self.shape, self.dtype)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockAllocator:
+    """Free-list allocator over blocks 1..num_blocks-1 (block 0 is the null block).
+
+    Contract: `allocate(n)` returns n distinct blocks or raises OutOfBlocksError without side effects;
+    `free(blocks)` returns blocks that are currently owned; a block is owned by at most one request;
+    `check_integrity()` verifies free + owned == all usable blocks, disjointly.
+    """
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is reserved as the null block)")
+        self.num_blocks = num_blocks
+        # Pop from the end: low ids first, which keeps tests readable and allocation deterministic.
+        self._free: list[int] = list(range(num_blocks - 1, 0, -1))
+        self._owner: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_blocks - 1
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int, owner: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate n={n} blocks")
+        if n > len(self._free):
+            raise OutOfBlocksError(f"need {n} KV blocks but only {len(self._free)} of {self.capacity} are free")
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._owner[b] = owner
+        return out
+
+    def free(self, blocks: list[int], owner: int) -> None:
+        for b in blocks:
+            if self._owner.get(b) != owner:
+                raise RuntimeError(f"block {b} freed by request {owner} but owned by {self._owner.get(b)}")
+        for b in blocks:
+            del self._owner[b]
+            self._free.append(b)
+
+    def owned_by(self, owner: int) -> list[int]:
+        return sorted(b for b, o in self._owner.items() if o == owner)
+
+    def check_integrity(self) -> None:
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("free list holds duplicate blocks")
+        if NULL_BLOCK in free or NULL_BLOCK in self._owner:
+            raise AssertionError("the null block was handed out")
+        if free & set(self._owner):
+            raise AssertionError(f"blocks both free and owned: {sorted(free & set(self._owner))}")
+        if free | set(self._owner) != set(range(1, self.num_blocks)):
+            raise AssertionError("blocks leaked: free + owned != all usable blocks")

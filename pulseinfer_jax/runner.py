@@ -1,0 +1,87 @@
+"""Jitted model steps over the paged cache: one prefill chunk of one request, one decode step of a batch.
+
+Both donate the cache, so the per-layer K/V writes update it in place. The model (a frozen, hashable
+`Transformer`) is a static argument: engines over equal configs share compiled code. Shapes are
+bucketed by the caller (batch and block-table width to powers of two, prefill chunks to powers of two
+up to the chunk size) so the number of compiled variants stays small.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from models.transformer import Transformer
+from pulseinfer_jax.attention import (
+    chunked_prefill_attention,
+    paged_decode_attention,
+    write_decode_kv,
+    write_prefill_kv,
+)
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("kv",))
+def decode_step(
+    model: Transformer,
+    params: dict,
+    kv: Float[Array, "L NB 2 Hkv bs hd"],
+    tokens: Int[Array, "B"],
+    positions: Int[Array, "B"],
+    block_tables: Int[Array, "B MB"],
+) -> tuple[Array, Float[Array, "B V"]]:
+    """Append each sequence's token at `positions` and return next-token logits (rows are independent).
+
+    Inactive (padding) rows carry an all-null block table and write into the null block.
+    """
+    lengths = positions + 1
+
+    def attend(layer, q, k, v, cache):
+        cache = write_decode_kv(cache, layer, k[:, 0], v[:, 0], block_tables, positions)
+        return paged_decode_attention(q[:, 0], cache, layer, block_tables, lengths)[:, None], cache
+
+    x = model.embed(params, tokens[:, None])
+    x, kv = model.layers(params, x, positions[:, None], attend, kv)
+    return kv, model.logits(params, x[:, 0])
+
+
+@functools.partial(jax.jit, static_argnames=("model", "key_chunk"), donate_argnames=("kv",))
+def prefill_step(
+    model: Transformer,
+    params: dict,
+    kv: Float[Array, "L NB 2 Hkv bs hd"],
+    tokens: Int[Array, "C"],
+    start: Int[Array, ""],
+    n_valid: Int[Array, ""],
+    block_table: Int[Array, "MB"],
+    *,
+    key_chunk: int,
+) -> tuple[Array, Float[Array, "V"]]:
+    """Prefill tokens at positions start..start+n_valid-1 (start block aligned); logits of the last one.
+
+    C = tokens.shape[0] must be a multiple of the block size; the tail past n_valid is padding whose
+    K/V land in the request's own (not yet used) slots or in the null block.
+    """
+    bs = kv.shape[4]
+    c = tokens.shape[0]
+    nb = c // bs
+    padded = jnp.concatenate([block_table, jnp.zeros((nb,), block_table.dtype)])
+    chunk_blocks = jax.lax.dynamic_slice(padded, (start // bs,), (nb,))
+    positions = start + jnp.arange(c, dtype=jnp.int32)
+
+    def attend(layer, q, k, v, cache):
+        cache = write_prefill_kv(cache, layer, k[0], v[0], chunk_blocks)
+        o = chunked_prefill_attention(q[0], cache, layer, block_table, start, key_chunk=key_chunk)
+        return o[None], cache
+
+    x = model.embed(params, tokens[None])
+    x, kv = model.layers(params, x, positions[None], attend, kv)
+    last = jax.lax.dynamic_index_in_dim(x[0], n_valid - 1, keepdims=False)
+    return kv, model.logits(params, last)
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    return 1 << max(0, (max(n, minimum) - 1).bit_length())

