@@ -228,6 +228,8 @@ def _hf_config(path: pathlib.Path, arch: str, md: Mapping[str, Any], tensors: Ma
         "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
     }
     rope_scaling = _rope_scaling(arch, md)
+    if rope_scaling is None and "rope_freqs.weight" in tensors:
+        rope_scaling = _llama3_rope_scaling(path, dequantize_tensor(tensors["rope_freqs.weight"]), config)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
@@ -244,6 +246,43 @@ def _rope_scaling(arch: str, md: Mapping[str, Any]) -> dict[str, Any] | None:
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
     return scaling
+
+
+def _llama3_rope_scaling(path: pathlib.Path, freq_factors: np.ndarray, config: Mapping[str, Any]) -> dict:
+    """Recover Llama 3.x ``rope_scaling`` from llama.cpp's ``rope_freqs`` tensor (per-frequency divisors).
+
+    llama.cpp bakes factor / low_freq_factor / high_freq_factor / original context into that tensor; every
+    Llama 3.x release uses low 1, high 4, original 8192 and varies only ``factor`` (= the largest divisor).
+    The candidate is re-derived and must reproduce the tensor, otherwise loading fails rather than run the
+    model with silently wrong positions.
+    """
+    scaling = {
+        "rope_type": "llama3",
+        "factor": _clean_float(freq_factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    expected = llama3_rope_freq_factors(config["rope_theta"], config["head_dim"], scaling)
+    if expected.shape != freq_factors.shape or not np.allclose(expected, freq_factors, rtol=1e-5, atol=1e-6):
+        raise ValueError(
+            f"{path} has a rope_freqs.weight tensor of shape {freq_factors.shape} that is not Llama 3 RoPE "
+            f"scaling with factor {scaling['factor']}, low 1, high 4, original context 8192; this scaling "
+            "is not supported"
+        )
+    return scaling
+
+
+def llama3_rope_freq_factors(rope_theta: float, head_dim: int, scaling: Mapping[str, Any]) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` for Llama 3 scaling: [head_dim // 2] divisors of the inverse frequencies."""
+    inv_freq = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * np.pi / inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    smooth = (original / wavelen - low) / (high - low)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    factors = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
+    return factors.astype(np.float32)
 
 
 def _hf_entries(path: pathlib.Path, arch: str, config: dict, tensors: Mapping[str, Any]) -> dict:

@@ -29,7 +29,7 @@ PRESETS: dict[str, dict] = {
     "tiny-llama": {
         "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 65536,
         "tie_word_embeddings": False,
     },
 }

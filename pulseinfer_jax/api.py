@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -58,11 +59,13 @@ def _encode(engine: Engine, i: int, prompt: Prompt, chat: bool) -> list[int]:
     if isinstance(prompt, (bytes, bytearray)):
         raise ValueError(f"prompt {i} is bytes; pass str or a list of token ids")
     try:
-        ids = [int(t) for t in prompt]
-    except (TypeError, ValueError):
+        items = list(prompt)
+    except TypeError:
         raise ValueError(f"prompt {i} must be a string or a sequence of int token ids, got {type(prompt).__name__}")
-    if any(isinstance(t, bool) for t in prompt):
-        raise ValueError(f"prompt {i} contains booleans; token ids must be ints")
+    bad = [t for t in items if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise ValueError(f"prompt {i}: token ids must be ints, got {bad[0]!r} ({type(bad[0]).__name__})")
+    ids = [int(t) for t in items]
     return ids
 
 

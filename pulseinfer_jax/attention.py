@@ -15,7 +15,7 @@ NEG_INF = -1e30
 
 
 def write_decode_kv(
-    kv: Float[Array, "L NB 2 Hkv bs hd"],
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
     layer: Int[Array, ""],
     k: Float[Array, "B Hkv hd"],
     v: Float[Array, "B Hkv hd"],
@@ -23,43 +23,51 @@ def write_decode_kv(
     positions: Int[Array, "B"],
 ) -> Array:
     """Write one new token per sequence at `positions` (inactive rows point at the null block)."""
-    bs = kv.shape[4]
+    bs = kv.shape[3]
     rows = jnp.arange(block_tables.shape[0])
     blk = block_tables[rows, positions // bs]  # [B]
     off = positions % bs  # [B]
-    kv = kv.at[layer, blk, 0, :, off, :].set(k.astype(kv.dtype))
-    return kv.at[layer, blk, 1, :, off, :].set(v.astype(kv.dtype))
+    kv = kv.at[layer, blk, 0, off].set(k.astype(kv.dtype))
+    return kv.at[layer, blk, 1, off].set(v.astype(kv.dtype))
 
 
 def paged_decode_attention(
     q: Float[Array, "B Hq hd"],
-    kv: Float[Array, "L NB 2 Hkv bs hd"],
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
     layer: Int[Array, ""],
     block_tables: Int[Array, "B MB"],
     lengths: Int[Array, "B"],
 ) -> Float[Array, "B Hq hd"]:
-    """softmax(q K^T / sqrt(hd)) V over the first `lengths[b]` tokens of each sequence's blocks (GQA)."""
+    """softmax(q K^T / sqrt(hd)) V over the first `lengths[b]` tokens of each sequence's blocks (GQA).
+
+    The gathered blocks form a [T, Hkv*hd] matrix per sequence; multiplying it by a block-diagonal
+    query [Hq, Hkv*hd] (each query head non-zero only on its KV head's columns) gives every head's
+    scores in one plain matmul with no transpose of the (large) K/V. The extra zero products cost
+    Hkv x the (small) attention FLOPs; the pass over memory is what decode pays for.
+    """
     b, hq, hd = q.shape
-    hkv, bs = kv.shape[3], kv.shape[4]
+    bs, hkv = kv.shape[3], kv.shape[4]
     g = hq // hkv
-    blocks = kv[layer, block_tables]  # [B, MB, 2, Hkv, bs, hd]
-    k = blocks[:, :, 0].astype(jnp.float32)  # [B, MB, Hkv, bs, hd]
-    v = blocks[:, :, 1].astype(jnp.float32)
-    qg = q.reshape(b, hkv, g, hd).astype(jnp.float32) * (hd ** -0.5)
-    s = jnp.einsum("bhgd,bmhsd->bhgms", qg, k)  # [B, Hkv, G, MB, bs]
-    pos = jnp.arange(block_tables.shape[1] * bs).reshape(block_tables.shape[1], bs)
-    valid = pos[None] < lengths[:, None, None]  # [B, MB, bs]
-    s = jnp.where(valid[:, None, None], s, NEG_INF)
-    m = jnp.max(s, axis=(-2, -1), keepdims=True)
-    p = jnp.exp(s - m)
-    p = jnp.where(valid[:, None, None], p, 0.0)  # a NaN in an unused slot must not leak through 0 * NaN
-    v = jnp.where(valid[:, :, None, :, None], v, 0.0)
-    o = jnp.einsum("bhgms,bmhsd->bhgd", p, v) / jnp.sum(p, axis=(-2, -1))[..., None]
+    mb = block_tables.shape[1]
+    blocks = kv[layer, block_tables]  # [B, MB, 2, bs, Hkv, hd]
+    k = blocks[:, :, 0].reshape(b, mb * bs, hkv * hd).astype(jnp.float32)
+    v = blocks[:, :, 1].reshape(b, mb * bs, hkv * hd).astype(jnp.float32)
+    eye = jnp.eye(hkv, dtype=jnp.float32)
+    qbd = q.astype(jnp.float32).reshape(b, hkv, g, 1, hd) * eye[None, :, None, :, None]
+    qbd = qbd.reshape(b, hq, hkv * hd) * (hd ** -0.5)
+    s = jnp.einsum("bqc,btc->bqt", qbd, k)  # [B, Hq, T]
+    valid = (jnp.arange(mb * bs)[None] < lengths[:, None])[:, None]  # [B, 1, T]
+    s = jnp.where(valid, s, NEG_INF)
+    p = jnp.where(valid, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
+    v = jnp.where(valid[:, 0, :, None], v, 0.0)  # a NaN in an unused slot must not leak through 0 * NaN
+    o = jnp.einsum("bqt,btc->bqc", p, v).reshape(b, hkv, g, hkv, hd)
+    o = jnp.einsum("bhghd->bhgd", o)  # each head's own KV head (the block diagonal)
+    o = o / jnp.sum(p, axis=-1).reshape(b, hkv, g)[..., None]
     return o.reshape(b, hq, hd).astype(q.dtype)
 
 
 def write_prefill_kv(
-    kv: Float[Array, "L NB 2 Hkv bs hd"],
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
     layer: Int[Array, ""],
     k: Float[Array, "C Hkv hd"],
     v: Float[Array, "C Hkv hd"],
@@ -67,17 +75,15 @@ def write_prefill_kv(
 ) -> Array:
     """Write a block-aligned chunk of C = nb * bs tokens into blocks `chunk_blocks` (null block = drop)."""
     c, hkv, hd = k.shape
-    bs = kv.shape[4]
+    bs = kv.shape[3]
     nb = c // bs
-    kb = k.reshape(nb, bs, hkv, hd).transpose(0, 2, 1, 3).astype(kv.dtype)  # [nb, Hkv, bs, hd]
-    vb = v.reshape(nb, bs, hkv, hd).transpose(0, 2, 1, 3).astype(kv.dtype)
-    kv = kv.at[layer, chunk_blocks, 0].set(kb)
-    return kv.at[layer, chunk_blocks, 1].set(vb)
+    kv = kv.at[layer, chunk_blocks, 0].set(k.reshape(nb, bs, hkv, hd).astype(kv.dtype))
+    return kv.at[layer, chunk_blocks, 1].set(v.reshape(nb, bs, hkv, hd).astype(kv.dtype))
 
 
 def chunked_prefill_attention(
     q: Float[Array, "C Hq hd"],
-    kv: Float[Array, "L NB 2 Hkv bs hd"],
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
     layer: Int[Array, ""],
     block_table: Int[Array, "MB"],
     start: Int[Array, ""],
@@ -91,7 +97,7 @@ def chunked_prefill_attention(
     The chunk's own K/V must already be written to the cache.
     """
     c, hq, hd = q.shape
-    hkv, bs = kv.shape[3], kv.shape[4]
+    bs, hkv = kv.shape[3], kv.shape[4]
     g = hq // hkv
     kc_blocks = key_chunk // bs
     qg = (q.astype(jnp.float32) * (hd ** -0.5)).reshape(c, hkv, g, hd).transpose(1, 2, 0, 3)
@@ -104,9 +110,9 @@ def chunked_prefill_attention(
     def body(i, carry):
         acc, m, l = carry
         ids = jax.lax.dynamic_slice(table, (i * kc_blocks,), (kc_blocks,))
-        blocks = kv[layer, ids]  # [kcb, 2, Hkv, bs, hd]
-        k = blocks[:, 0].transpose(1, 0, 2, 3).reshape(hkv, key_chunk, hd).astype(jnp.float32)
-        v = blocks[:, 1].transpose(1, 0, 2, 3).reshape(hkv, key_chunk, hd).astype(jnp.float32)
+        blocks = kv[layer, ids]  # [kcb, 2, bs, Hkv, hd]
+        k = blocks[:, 0].reshape(key_chunk, hkv, hd).transpose(1, 0, 2).astype(jnp.float32)
+        v = blocks[:, 1].reshape(key_chunk, hkv, hd).transpose(1, 0, 2).astype(jnp.float32)
         k_pos = i * key_chunk + jnp.arange(key_chunk)
         mask = k_pos[None, :] <= q_pos[:, None]  # [G*C, kc]
         s = jnp.einsum("hqd,hkd->hqk", qg, k)

@@ -2,13 +2,16 @@
 
 Layout (one array for all layers):
 
-    kv: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
-             layer     block    K|V    head        token      feature
+    kv: [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
+             layer     block    K|V    token        head        feature
 
-One block of one layer, `kv[l, b]`, is a single contiguous run of 2 * Hkv * block_size * head_dim
+One block of one layer, `kv[l, b]`, is a single contiguous run of 2 * block_size * Hkv * head_dim
 elements holding every KV head's K and V for `block_size` consecutive tokens of one request. That is
 the unit that later moves between GPU and pinned host memory in one transfer (SoloHead recall);
-`kv[l, b, :, h]` is the per-(block, head) unit of the headwise baseline.
+`kv[l, b, :, :, h]` (two strided [block_size, head_dim] tiles) is the per-(block, head) unit of the
+headwise baseline. Token-major inside a block makes a gathered run of blocks a plain
+[tokens, Hkv * head_dim] matrix (no transpose before the attention matmuls) and lets prefill write a
+chunk's [tokens, Hkv, head_dim] K/V without reordering.
 
 Block 0 is the *null block*: never allocated, the target of padded writes (inactive batch rows,
 the unused tail of a prefill chunk's table) and of padded block-table entries, which attention masks
@@ -42,7 +45,7 @@ class CacheSpec:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, self.num_blocks, 2, self.num_kv_heads, self.block_size, self.head_dim)
+        return (self.num_layers, self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:

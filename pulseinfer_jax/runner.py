@@ -23,11 +23,23 @@ from pulseinfer_jax.attention import (
 )
 
 
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("kv",))
+# XLA:CPU compiles without reassociation/contraction by default, which keeps the many small reductions and
+# matrix-vector products of a decode step scalar (measured: SmolLM2 decode 27 ms -> 16 ms per step with
+# these on). NaN/Inf/division/function semantics stay IEEE. GPU compiles ignore the xla_cpu_* options.
+CPU_FAST_MATH = {
+    "xla_cpu_enable_fast_math": True,
+    "xla_cpu_fast_math_honor_nans": True,
+    "xla_cpu_fast_math_honor_infs": True,
+    "xla_cpu_fast_math_honor_division": True,
+    "xla_cpu_fast_math_honor_functions": True,
+}
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("kv",), compiler_options=CPU_FAST_MATH)
 def decode_step(
     model: Transformer,
     params: dict,
-    kv: Float[Array, "L NB 2 Hkv bs hd"],
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
     tokens: Int[Array, "B"],
     positions: Int[Array, "B"],
     block_tables: Int[Array, "B MB"],
@@ -47,11 +59,12 @@ def decode_step(
     return kv, model.logits(params, x[:, 0])
 
 
-@functools.partial(jax.jit, static_argnames=("model", "key_chunk"), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("model", "key_chunk"), donate_argnames=("kv",),
+                   compiler_options=CPU_FAST_MATH)
 def prefill_step(
     model: Transformer,
     params: dict,
-    kv: Float[Array, "L NB 2 Hkv bs hd"],
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
     tokens: Int[Array, "C"],
     start: Int[Array, ""],
     n_valid: Int[Array, ""],
@@ -64,7 +77,7 @@ def prefill_step(
     C = tokens.shape[0] must be a multiple of the block size; the tail past n_valid is padding whose
     K/V land in the request's own (not yet used) slots or in the null block.
     """
-    bs = kv.shape[4]
+    bs = kv.shape[3]
     c = tokens.shape[0]
     nb = c // bs
     padded = jnp.concatenate([block_table, jnp.zeros((nb,), block_table.dtype)])

@@ -30,7 +30,7 @@ def _dense_attention(q, k, v, causal_offset=None):
 
 
 def _pool(rng, nb, hkv, bs, hd, dtype):
-    kv = np.full((2, nb, 2, hkv, bs, hd), np.nan, np.float32)  # NaN everywhere: stray reads show
+    kv = np.full((2, nb, 2, bs, hkv, hd), np.nan, np.float32)  # NaN everywhere: stray reads show
     return jnp.asarray(kv, dtype)
 
 
@@ -97,12 +97,12 @@ def test_chunked_prefill_matches_causal_dense(bs, kc_blocks, group):
 
 def test_decode_write_lands_in_the_right_slot():
     bs, hkv, hd = 4, 2, 8
-    kv = jnp.zeros((1, 6, 2, hkv, bs, hd))
+    kv = jnp.zeros((1, 6, 2, bs, hkv, hd))
     tables = jnp.asarray([[3, 5, 0], [2, 0, 0]], jnp.int32)
     k = jnp.ones((2, hkv, hd)) * jnp.asarray([1.0, 2.0])[:, None, None]
     kv = write_decode_kv(kv, jnp.int32(0), k, -k, tables, jnp.asarray([6, 0]))
     got = np.asarray(kv)
-    assert (got[0, 5, 0, :, 2] == 1).all() and (got[0, 5, 1, :, 2] == -1).all()  # pos 6 -> block 5 slot 2
-    assert (got[0, 2, 0, :, 0] == 2).all()
+    assert (got[0, 5, 0, 2] == 1).all() and (got[0, 5, 1, 2] == -1).all()  # pos 6 -> block 5 slot 2
+    assert (got[0, 2, 0, 0] == 2).all()
     assert np.count_nonzero(got) == 2 * 2 * hkv * hd  # nothing else touched
     assert jax.numpy.isfinite(kv).all()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import time
 
@@ -42,9 +43,16 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_tiny_gguf(path: pathlib.Path, arch: str, tensors: dict[str, np.ndarray], **types) -> None:
-    """A small GGUF file with one layer's metadata (hidden 8, 2 heads / 1 KV head of dim 4)."""
+def write_tiny_gguf(
+    path: pathlib.Path, arch: str, tensors: dict[str, np.ndarray], rope_dims: int | None = None, **types
+) -> None:
+    """A small GGUF file with one layer's metadata (hidden 8, 2 heads / 1 KV head of dim 4).
+
+    ``types``: tensor name with dots as underscores -> GGMLQuantizationType to quantize it to.
+    """
     writer = gguf.GGUFWriter(str(path), arch)
+    if rope_dims is not None:
+        writer.add_rope_dimension_count(rope_dims)
     writer.add_context_length(32)
     writer.add_embedding_length(8)
     writer.add_feed_forward_length(16)
@@ -239,6 +247,42 @@ def test_tiny_qwen2_is_not_unpermuted_and_keeps_biases(tmp_path: pathlib.Path) -
     assert "rope_freqs.weight" in checkpoint.tensors  # no HF name: kept under its GGUF name
     assert checkpoint.hf_config["model_type"] == "qwen2" and checkpoint.hf_config["attention_bias"] is True
     assert checkpoint.hf_config["tie_word_embeddings"] is True
+
+
+def llama_cpp_rope_freqs(theta: float, dim: int, factor: float) -> np.ndarray:
+    """convert_hf_to_gguf.py's Llama 3 ``rope_freqs`` loop (low 1, high 4, original context 8192)."""
+    low_wavelen, high_wavelen = 8192 / 1.0, 8192 / 4.0
+    factors = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, np.float32)
+
+
+def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path: pathlib.Path) -> None:
+    embed = np.zeros((6, 8), np.float32)
+    good = tmp_path / "llama31.gguf"
+    freqs = llama_cpp_rope_freqs(10000.0, 64, 8.0)
+    assert ((freqs > 1.0) & (freqs < 8.0)).any()  # the smoothed band is exercised
+    write_tiny_gguf(good, "llama", {"token_embd.weight": embed, "rope_freqs.weight": freqs}, rope_dims=64)
+    assert load_gguf(good).hf_config["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    bad = tmp_path / "odd.gguf"
+    odd = np.linspace(1, 3, 32, dtype=np.float32)
+    write_tiny_gguf(bad, "llama", {"token_embd.weight": embed, "rope_freqs.weight": odd}, rope_dims=64)
+    with pytest.raises(ValueError, match="rope_freqs.weight .* not Llama 3 RoPE scaling"):
+        load_gguf(bad)
 
 
 def test_unsupported_tensor_type_names_tensor_and_type(tmp_path: pathlib.Path) -> None:

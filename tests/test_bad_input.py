@@ -1,0 +1,138 @@
+"""Every bad input raises a clear error naming the value, fast; the CLI prints one line and exits 2."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, TINY
+
+from models.config import UnsupportedModelError
+from models.loading import load_model
+from models.weights import CheckpointError
+from pulseinfer_jax import EngineConfig, generate_long
+from pulseinfer_jax.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(TINY / "llama2")
+
+
+@pytest.mark.parametrize("prompts,kw,match", [
+    ([""], {}, "empty"),
+    ([[]], {}, "empty"),
+    ([], {}, "empty"),
+    ("just a string", {}, "list"),
+    ([[1, 2, 99999]], {}, "outside"),
+    ([[1, 2.5]], {}, "int"),
+    ([list(range(3, 300)) * 2], {}, "positions"),
+    ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens"),
+    ([[1, 2]], {"temperature": -0.5}, "temperature"),
+    ([[1, 2]], {"top_p": 0}, "top_p"),
+    ([[1, 2]], {"top_k": -1}, "top_k"),
+    ([[1, 2]], {"seed": -1}, "seed"),
+    ([[1, 2]], {"block_size": 0}, "block_size"),
+    ([[1, 2]], {"mode": "sparse"}, "mode"),
+    ([[1, 2]], {"kv_cache_tokens": 32, "max_new_tokens": 100}, "KV cache holds"),
+])
+def test_bad_generate_args(tiny, prompts, kw, match):
+    with pytest.raises(ValueError, match=match):
+        generate_long(prompts, tiny, **kw)
+
+
+def test_bad_dtype_and_missing_paths(tmp_path):
+    with pytest.raises(ValueError, match="float64"):
+        load_model(TINY / "llama2", dtype="float64")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path)
+    with pytest.raises(ValueError, match="preset"):
+        load_model("random:gpt-17")
+
+
+def test_text_prompt_without_tokenizer():
+    m = load_model("random:tiny-llama")
+    with pytest.raises(ValueError, match="no tokenizer"):
+        generate_long(["hello"], m, max_new_tokens=1)
+
+
+def test_unsupported_architecture(tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(TINY / "llama2", d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        load_model(d)
+    (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        load_model(d)
+
+
+def test_corrupt_and_truncated_weights(tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(TINY / "llama2", d)
+    w = d / "model.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_model(d)
+    w.write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError):
+        load_model(d)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="JSON"):
+        load_model(d)
+
+
+def test_missing_tensor_in_sharded_checkpoint(tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(TINY / "qwen2", d)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    (d / shard).unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        load_model(d)
+
+
+def test_engine_config_validation():
+    with pytest.raises(ValueError, match="multiples of block_size"):
+        EngineConfig(block_size=16, prefill_chunk=100)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["generate", "--model", "/nonexistent/model", "hi"], "does not exist"),
+    (["generate", "--model", str(TINY / "llama2"), "--max-new-tokens", "0", "hi"], "max_new_tokens"),
+    (["generate", "--model", str(TINY / "llama2"), "--temperature", "-1", "hi"], "temperature"),
+    (["generate", "--model", str(TINY / "llama2"), "--dtype", "int4", "hi"], "dtype"),
+    (["generate", "--model", str(TINY / "llama2"), ""], "empty"),
+    (["info", "/nonexistent"], "does not exist"),
+])
+def test_cli_errors_exit_2_one_line(capsys, argv, match):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pulseinfer: error:") and match in err[0]
+
+
+def test_cli_generate_and_info(capsys, tmp_path):
+    assert main(["generate", "--model", str(TINY / "smollm2"), "--max-new-tokens", "5", "--stats", "hello"]) == 0
+    out = capsys.readouterr()
+    stats = json.loads(out.err.strip().splitlines()[-1])
+    assert stats["generated_tokens"] >= 1 and stats["prompt_tokens"] > 0
+    f = tmp_path / "p.txt"
+    f.write_text("hello from a file")
+    assert main(["generate", "--model", str(TINY / "llama2"), "--file", str(f), "--max-new-tokens", "3",
+                 "--no-stream"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["info", "random:llama-3.1-8b"]) == 0  # config only: no 8B weights are built
+    info = json.loads(capsys.readouterr().out)
+    assert info["parameters"] == pytest.approx(8.03e9, rel=0.01)
+    assert info["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 4
+
+
+def test_cli_subprocess_no_traceback():
+    p = subprocess.run([sys.executable, "-m", "pulseinfer_jax.cli", "generate", "--model", "/nope", "x"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1
