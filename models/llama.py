@@ -8,7 +8,8 @@ it threads through the layer loop. This keeps one model implementation for every
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -36,9 +37,14 @@ class RMSNorm(nn.Module):
         return w * y.astype(x.dtype)
 
 
+def matmul_precision(dtype: Any) -> jax.lax.Precision | None:
+    """float32 models compute in true float32 (GPUs would otherwise use TF32); narrower dtypes use the default."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def _dense(features: int, bias: bool, dtype: Any, name: str) -> nn.Dense:
     return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name,
-                    kernel_init=nn.initializers.normal(0.02))
+                    kernel_init=nn.initializers.normal(0.02), precision=matmul_precision(dtype))
 
 
 class DecoderLayer(nn.Module):
@@ -110,5 +116,6 @@ class Embedder(nn.Module):
         """float32 logits of the final-normed hidden states."""
         h = self.final_norm(x)
         if self.cfg.tie_word_embeddings:
-            return self.embed.attend(h).astype(jnp.float32)
+            emb = self.embed.embedding.astype(h.dtype)
+            return jnp.einsum("...d,vd->...v", h, emb, precision=matmul_precision(self.dtype)).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp

@@ -113,9 +113,10 @@ class Transformer:
 
         def attend(_, q, k, v, s):
             qg = q.astype(jnp.float32).reshape(b, t, c.num_kv_heads, c.group_size, c.head_dim)
-            sc = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) * c.head_dim ** -0.5
+            hi = jax.lax.Precision.HIGHEST
+            sc = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision=hi) * c.head_dim ** -0.5
             p = jax.nn.softmax(jnp.where(causal, sc, -jnp.inf), axis=-1)
-            o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
+            o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32), precision=hi)
             return o.reshape(b, t, c.num_heads, c.head_dim).astype(q.dtype), s
 
         x, _ = self.layers(params, self.embed(params, tokens), positions, attend, None)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import time
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from models.loading import LoadedModel, load_model
 from pulseinfer_jax.config import EngineConfig
@@ -61,7 +62,8 @@ def _encode(engine: Engine, i: int, prompt: Prompt, chat: bool) -> list[int]:
     try:
         items = list(prompt)
     except TypeError:
-        raise ValueError(f"prompt {i} must be a string or a sequence of int token ids, got {type(prompt).__name__}")
+        raise ValueError(
+            f"prompt {i} must be a string or a sequence of int token ids, got {type(prompt).__name__}") from None
     bad = [t for t in items if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
     if bad:
         raise ValueError(f"prompt {i}: token ids must be ints, got {bad[0]!r} ({type(bad[0]).__name__})")

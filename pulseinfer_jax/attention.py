@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from models.llama import matmul_precision
+
 NEG_INF = -1e30
 
 
@@ -20,7 +22,7 @@ def write_decode_kv(
     k: Float[Array, "B Hkv hd"],
     v: Float[Array, "B Hkv hd"],
     block_tables: Int[Array, "B MB"],
-    positions: Int[Array, "B"],
+    positions: Int[Array, " B"],
 ) -> Array:
     """Write one new token per sequence at `positions` (inactive rows point at the null block)."""
     bs = kv.shape[3]
@@ -36,7 +38,7 @@ def paged_decode_attention(
     kv: Float[Array, "L NB 2 bs Hkv hd"],
     layer: Int[Array, ""],
     block_tables: Int[Array, "B MB"],
-    lengths: Int[Array, "B"],
+    lengths: Int[Array, " B"],
 ) -> Float[Array, "B Hq hd"]:
     """softmax(q K^T / sqrt(hd)) V over the first `lengths[b]` tokens of each sequence's blocks (GQA).
 
@@ -55,12 +57,13 @@ def paged_decode_attention(
     eye = jnp.eye(hkv, dtype=jnp.float32)
     qbd = q.astype(jnp.float32).reshape(b, hkv, g, 1, hd) * eye[None, :, None, :, None]
     qbd = qbd.reshape(b, hq, hkv * hd) * (hd ** -0.5)
-    s = jnp.einsum("bqc,btc->bqt", qbd, k)  # [B, Hq, T]
+    prec = matmul_precision(kv.dtype)  # true f32 for f32 caches (no TF32 on GPU)
+    s = jnp.einsum("bqc,btc->bqt", qbd, k, precision=prec)  # [B, Hq, T]
     valid = (jnp.arange(mb * bs)[None] < lengths[:, None])[:, None]  # [B, 1, T]
     s = jnp.where(valid, s, NEG_INF)
     p = jnp.where(valid, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
     v = jnp.where(valid[:, 0, :, None], v, 0.0)  # a NaN in an unused slot must not leak through 0 * NaN
-    o = jnp.einsum("bqt,btc->bqc", p, v).reshape(b, hkv, g, hkv, hd)
+    o = jnp.einsum("bqt,btc->bqc", p, v, precision=prec).reshape(b, hkv, g, hkv, hd)
     o = jnp.einsum("bhghd->bhgd", o)  # each head's own KV head (the block diagonal)
     o = o / jnp.sum(p, axis=-1).reshape(b, hkv, g)[..., None]
     return o.reshape(b, hq, hd).astype(q.dtype)
@@ -71,7 +74,7 @@ def write_prefill_kv(
     layer: Int[Array, ""],
     k: Float[Array, "C Hkv hd"],
     v: Float[Array, "C Hkv hd"],
-    chunk_blocks: Int[Array, "nb"],
+    chunk_blocks: Int[Array, " nb"],
 ) -> Array:
     """Write a block-aligned chunk of C = nb * bs tokens into blocks `chunk_blocks` (null block = drop)."""
     c, hkv, hd = k.shape
@@ -85,7 +88,7 @@ def chunked_prefill_attention(
     q: Float[Array, "C Hq hd"],
     kv: Float[Array, "L NB 2 bs Hkv hd"],
     layer: Int[Array, ""],
-    block_table: Int[Array, "MB"],
+    block_table: Int[Array, " MB"],
     start: Int[Array, ""],
     *,
     key_chunk: int,
@@ -104,28 +107,29 @@ def chunked_prefill_attention(
     qg = qg.reshape(hkv, g * c, hd)  # [Hkv, G*C, hd]
     q_pos = jnp.tile(start + jnp.arange(c), g)  # [G*C], matches the (g, c) flattening
     n_chunks = (start + c + key_chunk - 1) // key_chunk
+    prec = matmul_precision(kv.dtype)  # true f32 for f32 caches (no TF32 on GPU)
     # pad the table so the last key chunk's dynamic slice stays in bounds
     table = jnp.concatenate([block_table, jnp.zeros((kc_blocks,), block_table.dtype)])
 
     def body(i, carry):
-        acc, m, l = carry
+        acc, m, denom = carry
         ids = jax.lax.dynamic_slice(table, (i * kc_blocks,), (kc_blocks,))
         blocks = kv[layer, ids]  # [kcb, 2, bs, Hkv, hd]
         k = blocks[:, 0].reshape(key_chunk, hkv, hd).transpose(1, 0, 2).astype(jnp.float32)
         v = blocks[:, 1].reshape(key_chunk, hkv, hd).transpose(1, 0, 2).astype(jnp.float32)
         k_pos = i * key_chunk + jnp.arange(key_chunk)
         mask = k_pos[None, :] <= q_pos[:, None]  # [G*C, kc]
-        s = jnp.einsum("hqd,hkd->hqk", qg, k)
+        s = jnp.einsum("hqd,hkd->hqk", qg, k, precision=prec)
         s = jnp.where(mask[None], s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask[None], jnp.exp(s - m_new[..., None]), 0.0)
         v = jnp.where((k_pos <= start + c - 1)[None, :, None], v, 0.0)  # never touch unwritten slots
         scale = jnp.exp(m - m_new)
-        acc = acc * scale[..., None] + jnp.einsum("hqk,hkd->hqd", p, v)
-        return acc, m_new, l * scale + jnp.sum(p, axis=-1)
+        acc = acc * scale[..., None] + jnp.einsum("hqk,hkd->hqd", p, v, precision=prec)
+        return acc, m_new, denom * scale + jnp.sum(p, axis=-1)
 
     init = (jnp.zeros((hkv, g * c, hd), jnp.float32), jnp.full((hkv, g * c), NEG_INF, jnp.float32),
             jnp.zeros((hkv, g * c), jnp.float32))
-    acc, _, l = jax.lax.fori_loop(0, n_chunks, body, init)
-    o = acc / l[..., None]  # [Hkv, G*C, hd]
+    acc, _, denom = jax.lax.fori_loop(0, n_chunks, body, init)
+    o = acc / denom[..., None]  # [Hkv, G*C, hd]
     return o.reshape(hkv, g, c, hd).transpose(2, 0, 1, 3).reshape(c, hq, hd).astype(q.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from models.config import UnsupportedModelError
 from models.weights import CheckpointError
@@ -72,10 +72,10 @@ def _print_stats(results) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pulseinfer_jax.api import generate_long
-    from pulseinfer_jax.engine import Engine
-    from pulseinfer_jax.config import EngineConfig
     from models.loading import load_model
+    from pulseinfer_jax.api import generate_long
+    from pulseinfer_jax.config import EngineConfig
+    from pulseinfer_jax.engine import Engine
 
     prompt = _read_prompt(args)
     if not prompt.strip():

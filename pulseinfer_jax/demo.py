@@ -23,9 +23,17 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, passkey: int) -> str:
     per_filler = len(tokenizer.encode(FILLER, add_special_tokens=False))
     fixed = len(tokenizer.encode(head + needle + question, add_special_tokens=False))
     reps = max(1, (n_tokens - fixed) // per_filler)
-    before = round(reps * depth)
-    return head + FILLER * before + needle + FILLER * (reps - before) + question
 
+    def build(reps: int) -> str:
+        before = round(reps * depth)
+        return head + FILLER * before + needle + FILLER * (reps - before) + question
+
+    for _ in range(3):  # fillers tokenize slightly differently once concatenated: correct the count
+        short = n_tokens - len(tokenizer.encode(build(reps), add_special_tokens=False))
+        if abs(short) < per_filler:
+            break
+        reps = max(1, reps + short // per_filler)
+    return build(reps)
 
 def run_demo(model=None, dtype: str = "float32", tokens: int = 2000, depth: float = 0.5, seed: int = 0,
              block_size: int = 16, stats: bool = False) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -133,7 +133,8 @@ class Engine:
         chunk[:n] = req.prompt[start:start + n]
         table = self._table(req.blocks, bucket(len(req.blocks)))
         self.kv, logits = prefill_step(self.model.transformer, self.model.params, self.kv, jnp.asarray(chunk),
-                                       jnp.int32(start), jnp.int32(n), jnp.asarray(table), key_chunk=min(cfg.key_chunk, size))
+                                       jnp.int32(start), jnp.int32(n), jnp.asarray(table),
+                                       key_chunk=min(cfg.key_chunk, size))
         req.prefilled += n
         bar = self._progress_bar(req)
         if req.prefilled < len(req.prompt):
@@ -195,7 +196,7 @@ class Engine:
 
     def _accept(self, reqs: list[Request], tokens: list[int]) -> Iterator[TokenEvent]:
         now = time.perf_counter()
-        for r, t in zip(reqs, tokens):
+        for r, t in zip(reqs, tokens, strict=True):
             r.output.append(t)
             reason = None
             if t in self.eos_ids and not r.sampling.ignore_eos:

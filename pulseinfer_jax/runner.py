@@ -22,7 +22,6 @@ from pulseinfer_jax.attention import (
     write_prefill_kv,
 )
 
-
 # XLA:CPU compiles without reassociation/contraction by default, which keeps the many small reductions and
 # matrix-vector products of a decode step scalar (measured: SmolLM2 decode 27 ms -> 16 ms per step with
 # these on). NaN/Inf/division/function semantics stay IEEE. GPU compiles ignore the xla_cpu_* options.
@@ -40,8 +39,8 @@ def decode_step(
     model: Transformer,
     params: dict,
     kv: Float[Array, "L NB 2 bs Hkv hd"],
-    tokens: Int[Array, "B"],
-    positions: Int[Array, "B"],
+    tokens: Int[Array, " B"],
+    positions: Int[Array, " B"],
     block_tables: Int[Array, "B MB"],
 ) -> tuple[Array, Float[Array, "B V"]]:
     """Append each sequence's token at `positions` and return next-token logits (rows are independent).
@@ -65,13 +64,13 @@ def prefill_step(
     model: Transformer,
     params: dict,
     kv: Float[Array, "L NB 2 bs Hkv hd"],
-    tokens: Int[Array, "C"],
+    tokens: Int[Array, " C"],
     start: Int[Array, ""],
     n_valid: Int[Array, ""],
-    block_table: Int[Array, "MB"],
+    block_table: Int[Array, " MB"],
     *,
     key_chunk: int,
-) -> tuple[Array, Float[Array, "V"]]:
+) -> tuple[Array, Float[Array, " V"]]:
     """Prefill tokens at positions start..start+n_valid-1 (start block aligned); logits of the last one.
 
     C = tokens.shape[0] must be a multiple of the block size; the tail past n_valid is padding whose

@@ -42,20 +42,20 @@ class SamplingParams:
 
 
 @jax.jit
-def greedy_sample(logits: Float[Array, "B V"]) -> Int[Array, "B"]:
+def greedy_sample(logits: Float[Array, "B V"]) -> Int[Array, " B"]:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 @jax.jit
 def sample(
     logits: Float[Array, "B V"],
-    temperature: Float[Array, "B"],
-    top_k: Int[Array, "B"],
-    top_p: Float[Array, "B"],
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
     seed: Int[Array, ""],
-    request_ids: Int[Array, "B"],
-    steps: Int[Array, "B"],
-) -> Int[Array, "B"]:
+    request_ids: Int[Array, " B"],
+    steps: Int[Array, " B"],
+) -> Int[Array, " B"]:
     """Rows with temperature 0 are greedy; others sample from the top-k/top-p filtered distribution.
 
     Row b draws with key fold_in(fold_in(key(seed), request_ids[b]), steps[b]).

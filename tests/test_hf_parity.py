@@ -73,7 +73,7 @@ def test_greedy_32_tokens(family, block_size, batched):
     else:
         res = [generate_long([p], m, max_new_tokens=32, ignore_eos=True, block_size=block_size,
                              prefill_chunk=16)[0] for p in prompts]
-    for r, w in zip(res, want):
+    for r, w in zip(res, want, strict=True):
         assert r.token_ids == w, name
         assert r.finish_reason == "length"
 
@@ -88,5 +88,5 @@ def test_live_against_transformers(family):
     name, m, gold = family
     prompts = [p for p, _, _ in gold]
     ref = reference_logits(TINY / name, prompts)
-    for (prompt, logits, _), live in zip(gold, ref):
+    for (_, logits, _), live in zip(gold, ref, strict=True):
         assert np.abs(np.asarray(live) - logits).max() <= ATOL

@@ -40,7 +40,7 @@ def test_greedy_matches_transformers_gguf(smollm2):
     gp = GOLD["prompts"]
     res = generate_long([gp["chat"]["prompt_token_ids"], gp["plain"]["prompt_token_ids"]], smollm2,
                         max_new_tokens=GOLD["greedy_new_tokens"])
-    for r, name in zip(res, ["chat", "plain"]):
+    for r, name in zip(res, ["chat", "plain"], strict=True):
         g = gp[name]["greedy"]
         assert r.token_ids == g["new_token_ids"], name
         assert r.text == g["text_skip_special"]
