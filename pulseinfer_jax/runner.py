@@ -24,7 +24,7 @@ from pulseinfer_jax.attention import (
 
 # XLA:CPU compiles without reassociation/contraction by default, which keeps the many small reductions and
 # matrix-vector products of a decode step scalar (measured: SmolLM2 decode 27 ms -> 16 ms per step with
-# these on). NaN/Inf/division/function semantics stay IEEE. GPU compiles ignore the xla_cpu_* options.
+# these on). NaN/Inf/division/function semantics stay IEEE. Only CPU compiles get them (see _compiled).
 CPU_FAST_MATH = {
     "xla_cpu_enable_fast_math": True,
     "xla_cpu_fast_math_honor_nans": True,
@@ -34,8 +34,7 @@ CPU_FAST_MATH = {
 }
 
 
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("kv",), compiler_options=CPU_FAST_MATH)
-def decode_step(
+def _decode_step(
     model: Transformer,
     params: dict,
     kv: Float[Array, "L NB 2 bs Hkv hd"],
@@ -58,9 +57,7 @@ def decode_step(
     return kv, model.logits(params, x[:, 0])
 
 
-@functools.partial(jax.jit, static_argnames=("model", "key_chunk"), donate_argnames=("kv",),
-                   compiler_options=CPU_FAST_MATH)
-def prefill_step(
+def _prefill_step(
     model: Transformer,
     params: dict,
     kv: Float[Array, "L NB 2 bs Hkv hd"],
@@ -92,6 +89,30 @@ def prefill_step(
     x, kv = model.layers(params, x, positions[None], attend, kv)
     last = jax.lax.dynamic_index_in_dim(x[0], n_valid - 1, keepdims=False)
     return kv, model.logits(params, last)
+
+
+@functools.cache
+def _compiled(fn, platform: str):
+    """jit `fn` once per platform: CPU compiles get CPU_FAST_MATH; model/key_chunk are static; kv is donated."""
+    static = [a for a in ("model", "key_chunk") if a in fn.__code__.co_varnames[: fn.__code__.co_argcount
+                                                                              + fn.__code__.co_kwonlyargcount]]
+    opts = CPU_FAST_MATH if platform == "cpu" else None
+    return jax.jit(fn, static_argnames=static, donate_argnames=("kv",), compiler_options=opts)
+
+
+def decode_step(model: Transformer, params: dict, kv: jax.Array, *args: jax.Array) -> tuple[Array, Array]:
+    """See `_decode_step`; compiled for the platform the cache lives on."""
+    return _compiled(_decode_step, _platform(kv))(model, params, kv, *args)
+
+
+def prefill_step(model: Transformer, params: dict, kv: jax.Array, *args: jax.Array,
+                 key_chunk: int) -> tuple[Array, Array]:
+    """See `_prefill_step`; compiled for the platform the cache lives on."""
+    return _compiled(_prefill_step, _platform(kv))(model, params, kv, *args, key_chunk=key_chunk)
+
+
+def _platform(x: jax.Array) -> str:
+    return next(iter(x.devices())).platform
 
 
 def bucket(n: int, minimum: int = 1) -> int:

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One-call GPU check: environment, the test suite compiled for the accelerator (no interpret mode), and
+# the dense decode benchmark. Writes everything into OUT_DIR (ready to copy into bench/results/).
+#   bench/gpu_suite.sh OUT_DIR            on a GPU machine (python3 with jax[cuda] 0.11.2 + flax + transformers)
+#   bench/gpu_suite.sh OUT_DIR --smoke    tiny sizes on CPU, to check the script before GPU time is spent
+# Wheels of packages the GPU image lacks (gguf) travel in .whl/ and are installed into /tmp/site.
+set -uo pipefail
+OUT=${1:?usage: bench/gpu_suite.sh OUT_DIR [--smoke]}
+SMOKE=${2:-}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+t0=$(date +%s)
+{
+    date -u; nvidia-smi 2>/dev/null || echo "no nvidia-smi"
+    "$PY" -c "import jax, flax, transformers; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'transformers', transformers.__version__)"
+} > "$OUT/env.txt" 2>&1
+tail -3 "$OUT/env.txt"
+
+if [ "$SMOKE" = "--smoke" ]; then
+    TESTS=(tests/test_attention.py tests/test_kv_cache.py)
+    BENCH=(--smoke)
+    TEST_TIMEOUT=300
+else
+    # most informative first: kernels-to-be, HF parity, engine; the rest after
+    TESTS=(tests/test_attention.py tests/test_hf_parity.py tests/test_engine.py tests/test_sampling.py
+           tests/test_bad_input.py tests/test_kv_cache.py tests/test_gguf.py tests/test_tokenizer.py tests/test_smollm2.py)
+    BENCH=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8,32,64
+           --max-kv-tokens 300000 --steps 8 --engine-prompt 8192 --engine-batch 4)
+    TEST_TIMEOUT=240
+fi
+
+echo "== tests on $("$PY" -c 'import jax; print(jax.default_backend())')"
+timeout "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider --durations=10 "${TESTS[@]}" > "$OUT/tests.log" 2>&1
+echo "tests exit $?:"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25
+
+echo "== dense decode benchmark"
+timeout 270 "$PY" bench/dense_decode.py "${BENCH[@]}" --out "$OUT" > "$OUT/dense_decode.log" 2>&1
+echo "bench exit $?"
+cat "$OUT/dense_decode.log" | grep -v "^WARNING" | tail -15
+echo "suite took $(( $(date +%s) - t0 )) s"
