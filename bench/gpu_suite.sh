@@ -33,7 +33,7 @@ else
            tests/test_bad_input.py tests/test_kv_cache.py tests/test_gguf.py tests/test_tokenizer.py tests/test_smollm2.py)
     BENCH=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8,32,64
            --max-kv-tokens 300000 --steps 8 --engine-prompt 8192 --engine-batch 4)
-    TEST_TIMEOUT=240
+    TEST_TIMEOUT=200
 fi
 
 echo "== tests on $("$PY" -c 'import jax; print(jax.default_backend())')"
@@ -41,7 +41,7 @@ timeout "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider --durations=10 "$
 echo "tests exit $?:"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25
 
 echo "== dense decode benchmark"
-timeout 270 "$PY" bench/dense_decode.py "${BENCH[@]}" --out "$OUT" > "$OUT/dense_decode.log" 2>&1
+timeout 220 "$PY" bench/dense_decode.py "${BENCH[@]}" --out "$OUT" > "$OUT/dense_decode.log" 2>&1
 echo "bench exit $?"
 cat "$OUT/dense_decode.log" | grep -v "^WARNING" | tail -15
 echo "suite took $(( $(date +%s) - t0 )) s"
