@@ -3,6 +3,9 @@
 # the dense decode benchmark. Writes everything into OUT_DIR (ready to copy into bench/results/).
 #   bench/gpu_suite.sh OUT_DIR            on a GPU machine (python3 with jax[cuda] 0.11.2 + flax + transformers)
 #   bench/gpu_suite.sh OUT_DIR --smoke    tiny sizes on CPU, to check the script before GPU time is spent
+#   bench/gpu_suite.sh OUT_DIR --tests-only   just the test suite (TEST_TIMEOUT seconds, default 200)
+# Tests run in parallel processes (pytest-xdist, if present) without GPU memory preallocation: on the GPU
+# the suite is dominated by XLA compile time, which parallelises over the host's cores.
 # Wheels of packages the GPU image lacks (gguf) travel in .whl/ and are installed into /tmp/site.
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_suite.sh OUT_DIR [--smoke]}
@@ -33,13 +36,17 @@ else
            tests/test_bad_input.py tests/test_kv_cache.py tests/test_gguf.py tests/test_tokenizer.py tests/test_smollm2.py)
     BENCH=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8,32,64
            --max-kv-tokens 300000 --steps 8 --engine-prompt 8192 --engine-batch 4)
-    TEST_TIMEOUT=200
+    TEST_TIMEOUT=${TEST_TIMEOUT:-200}
 fi
+XDIST=()
+if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${TEST_WORKERS:-8}"); fi
 
 echo "== tests on $("$PY" -c 'import jax; print(jax.default_backend())')"
-timeout "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider --durations=10 "${TESTS[@]}" > "$OUT/tests.log" 2>&1
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
+    --durations=10 "${XDIST[@]}" "${TESTS[@]}" > "$OUT/tests.log" 2>&1
 echo "tests exit $?:"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25
 
+[ "$SMOKE" = "--tests-only" ] && exit 0
 echo "== dense decode benchmark"
 timeout 220 "$PY" bench/dense_decode.py "${BENCH[@]}" --out "$OUT" > "$OUT/dense_decode.log" 2>&1
 echo "bench exit $?"
