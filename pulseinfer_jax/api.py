@@ -117,6 +117,7 @@ def _stats(r: Request, t_start: float) -> dict[str, Any]:
         "ttft_s": r.t_first - t_start,
         "tpot_s": decode_s / (n - 1) if n > 1 else 0.0,
         "queue_s": max(0.0, r.t_admit - t_start),
+        "admitted_at_step": r.admit_step,
         "total_s": r.t_done - t_start,
         "mode": "dense",
     }

@@ -44,6 +44,7 @@ class Engine:
         self.allocator: BlockAllocator | None = None
         self.scheduler: Scheduler | None = None
         self.seed = 0
+        self.steps = 0  # engine steps taken in the current run
         self._bars: dict = {}
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids if model.tokenizer else model.cfg.eos_token_ids)
 
@@ -99,6 +100,7 @@ class Engine:
     def run(self, requests: Sequence[Request], seed: int = 0) -> Iterator[TokenEvent]:
         """Run requests to completion with continuous batching, yielding each token as it is made."""
         self.seed = seed
+        self.steps = 0
         self.ensure_pool(requests)
         for r in requests:
             self.scheduler.add(r)
@@ -113,6 +115,8 @@ class Engine:
         now = time.perf_counter()
         for r in sched.admit():
             r.t_admit = now
+            r.admit_step = self.steps
+        self.steps += 1
         pf = sched.next_prefill()
         if pf is not None:
             yield from self._prefill_chunk(pf)

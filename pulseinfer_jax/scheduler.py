@@ -42,6 +42,7 @@ class Request:
     t_first: float = 0.0
     t_done: float = 0.0
     prefill_s: float = 0.0
+    admit_step: int = -1  # engine step at which the request was admitted (queueing, without clocks)
 
     @property
     def need_tokens(self) -> int:
