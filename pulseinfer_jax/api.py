@@ -179,8 +179,23 @@ def generate_long(
     prompts: Sequence[Prompt],
     model: Any = None,
     *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    mode: str = "dense",
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    chat: bool = False,
+    dtype: str = "float32",
+    block_size: int = 16,
+    max_batch: int = 32,
+    prefill_chunk: int = 512,
+    kv_cache_tokens: int | None = None,
+    progress: bool | None = None,
+    engine_config: EngineConfig | None = None,
     on_token: Callable[[StreamEvent], None] | None = None,
-    **kwargs: Any,
 ) -> list[GenerationResult]:
     """Generate a continuation for every prompt; returns one GenerationResult per prompt, in order.
 
@@ -188,12 +203,18 @@ def generate_long(
         template as a user turn) or of token-id lists.
     model: None (embedded SmolLM2-135M-Instruct), a Hugging Face directory, a .gguf file,
         "random:<preset>", a `LoadedModel`, or an `Engine` to reuse (compiled code and KV pool).
-    Keyword options are those of `stream_long` (max_new_tokens, temperature, top_p, top_k, seed, mode,
-        stop, ignore_eos, chat, dtype, block_size, max_batch, prefill_chunk, kv_cache_tokens, progress,
-        engine_config). `on_token` is called with each StreamEvent as it is produced.
+    max_new_tokens / temperature (0 = greedy) / top_p / top_k / seed: sampling; request i draws from
+        fold_in(fold_in(key(seed), i), step), independent of its batch mates.
+    stop: strings that end generation (the text stops before them); ignore_eos: keep going past EOS.
+    dtype: weights/KV dtype when `model` is loaded here; mode: "dense" ("offload"/"auto" come later).
+    block_size / max_batch / prefill_chunk / kv_cache_tokens / progress: engine knobs, or pass a whole
+        `engine_config`. `on_token` is called with each StreamEvent as it is produced (streaming).
     """
+    options = dict(locals())
+    for name in ("prompts", "model", "on_token"):
+        options.pop(name)
     results: dict[int, GenerationResult] = {}
-    for ev in stream_long(prompts, model, **kwargs):
+    for ev in stream_long(prompts, model, **options):
         if on_token is not None:
             on_token(ev)
         if ev.result is not None:

@@ -136,3 +136,9 @@ def test_cli_subprocess_no_traceback():
     p = subprocess.run([sys.executable, "-m", "pulseinfer_jax.cli", "generate", "--model", "/nope", "x"],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1
+    # prompt from stdin, through the real entry point
+    p = subprocess.run([sys.executable, "-m", "pulseinfer_jax.cli", "generate", "--model", str(TINY / "llama2"),
+                        "--max-new-tokens", "3", "--stats"], input="hello there", capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stderr.strip().splitlines()[-1])["generated_tokens"] == 3

@@ -93,3 +93,31 @@ def test_32k_prompt_chunked_prefill_is_consistent():
     b = generate_long([prompt], m, max_new_tokens=3, ignore_eos=True, engine_config=cfg)[0]
     assert a.token_ids == b.token_ids
     assert a.stats["prompt_tokens"] == 32768
+
+
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 0.25), ("float16", 0.05)])
+def test_half_precision_close_to_float32(dtype, tol):
+    """bf16/f16 weights + KV run end to end and stay close to the f32 logits (relative to their spread)."""
+    import jax.numpy as jnp
+
+    from models.loading import load_model as load
+    from pulseinfer_jax.kv_cache import CacheSpec
+    from pulseinfer_jax.runner import decode_step, prefill_step
+
+    outs = {}
+    for dt in ("float32", dtype):
+        m = load(TINY / "qwen3", dtype=dt)
+        c = m.cfg
+        kv = CacheSpec(c.num_layers, 8, c.num_kv_heads, 16, c.head_dim, jnp.dtype(m.dtype)).allocate()
+        table = jnp.asarray([3, 1, 5, 0], jnp.int32)
+        toks = jnp.asarray(np.arange(3, 35) % c.vocab_size, jnp.int32)
+        kv, _ = prefill_step(m.transformer, m.params, kv, toks, jnp.int32(0), jnp.int32(32), table, key_chunk=32)
+        kv, lg = decode_step(m.transformer, m.params, kv, jnp.asarray([7], jnp.int32), jnp.asarray([32], jnp.int32),
+                             table[None])
+        assert kv.dtype == jnp.dtype(m.dtype) and lg.dtype == jnp.float32
+        outs[dt] = np.asarray(lg[0])
+    ref, got = outs["float32"], outs[dtype]
+    assert np.isfinite(got).all()
+    assert np.abs(got - ref).max() <= tol * ref.std()
+    res = generate_long([[5, 6, 7]], TINY / "qwen3", dtype=dtype, max_new_tokens=4, ignore_eos=True)[0]
+    assert len(res.token_ids) == 4
