@@ -1,0 +1,28 @@
+"""Shared helpers of the Pallas kernels: interpret-mode default and explicit Triton compiler params.
+
+Every kernel's public function takes `interpret: bool | None = None`; None means "interpret when the
+default backend is not a GPU", so tests run the same kernels in Pallas interpret mode on CPU while a
+GPU compiles them through the Triton lowering (`pl.pallas_call`). Block tables and index lists are passed
+as ordinary inputs (Triton has no scalar prefetch).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.pallas import triton as plt
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """True -> Pallas interpret mode. None picks interpret mode unless the default backend is a GPU."""
+    if interpret is None:
+        return jax.default_backend() not in ("gpu", "cuda", "rocm")
+    return bool(interpret)
+
+
+def triton_params(num_warps: int = 4, num_stages: int = 2) -> plt.CompilerParams:
+    """Explicit Triton compiler params (the Triton lowering does not guess them well for small tiles)."""
+    return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
