@@ -47,7 +47,7 @@ case "$cmd" in
     test)
         setup
         "$VENV/bin/ruff" check .
-        exec "$VENV/bin/python" -m pytest -q "$@" ;;
+        exec "$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" "$@" ;;
     pulseinfer) setup; exec "$VENV/bin/pulseinfer" "$@" ;;
     python) setup; exec "$VENV/bin/python" "$@" ;;
     setup) setup ;;

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from bench.common import write_result  # noqa: E402
 
 
-def step_times(model, ctx: int, batch: int, steps: int, block_size: int) -> dict:
+def step_times(model, ctx: int, batch: int, steps: int, block_size: int, attention: str = "jnp") -> dict:
     from pulseinfer_jax.kv_cache import CacheSpec, blocks_for
     from pulseinfer_jax.runner import bucket, decode_step
 
@@ -47,7 +47,7 @@ def step_times(model, ctx: int, batch: int, steps: int, block_size: int) -> dict
     for i in range(steps + 1):
         pos = jnp.full((batch,), ctx + i, jnp.int32)
         t0 = time.perf_counter()
-        kv, logits = decode_step(model.transformer, model.params, kv, tokens, pos, tables)
+        kv, logits = decode_step(model.transformer, model.params, kv, tokens, pos, tables, attention=attention)
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         tokens.block_until_ready()
         if i:
@@ -55,7 +55,7 @@ def step_times(model, ctx: int, batch: int, steps: int, block_size: int) -> dict
     med = statistics.median(times)
     kv_bytes = batch * (ctx + 1) * c.kv_bytes_per_token(jnp.dtype(model.dtype).itemsize)
     del kv
-    return {"context": ctx, "batch": batch, "step_s_median": med, "step_s_all": times,
+    return {"attention": attention, "context": ctx, "batch": batch, "step_s_median": med, "step_s_all": times,
             "tokens_per_s": batch / med, "kv_bytes_read_per_step": kv_bytes,
             "kv_gb_per_s": kv_bytes / med / 1e9, "kv_fill": "synthetic random"}
 
@@ -83,6 +83,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--max-kv-tokens", type=int, default=600_000, help="skip grid points above this many KV tokens")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--attention", default="jnp", help="comma list of decode attentions: jnp,pallas")
     ap.add_argument("--engine-prompt", type=int, default=8192)
     ap.add_argument("--engine-batch", type=int, default=4)
     ap.add_argument("--smoke", action="store_true", help="tiny model and sizes (CPU check of the script)")
@@ -99,21 +100,22 @@ def main() -> int:
     jax.block_until_ready(model.params)
     load_s = time.perf_counter() - t0
     grid = []
-    for ctx in map(int, args.contexts.split(",")):
-        for b in map(int, args.batches.split(",")):
-            if ctx * b > args.max_kv_tokens:
-                continue
-            r = step_times(model, ctx, b, args.steps, 16)
-            grid.append(r)
-            print(f"ctx {ctx:6d} batch {b:3d}: step {r['step_s_median'] * 1e3:8.2f} ms, "
-                  f"{r['tokens_per_s']:8.1f} tok/s, KV {r['kv_gb_per_s']:.1f} GB/s", flush=True)
+    for attention in args.attention.split(","):
+        for ctx in map(int, args.contexts.split(",")):
+            for b in map(int, args.batches.split(",")):
+                if ctx * b > args.max_kv_tokens:
+                    continue
+                r = step_times(model, ctx, b, args.steps, 16, attention)
+                grid.append(r)
+                print(f"{attention:6s} ctx {ctx:6d} batch {b:3d}: step {r['step_s_median'] * 1e3:8.2f} ms, "
+                      f"{r['tokens_per_s']:8.1f} tok/s, KV {r['kv_gb_per_s']:.1f} GB/s", flush=True)
     eng = engine_run(model, args.engine_prompt, args.engine_batch, 16)
     print(f"engine: {args.engine_batch} x {args.engine_prompt}-token prompts, wall {eng['wall_s']:.1f} s, "
           f"prefill {statistics.median(eng['prefill_s']):.2f} s/request, "
           f"TPOT {statistics.median(eng['tpot_s']) * 1e3:.1f} ms", flush=True)
     name = "dense_decode_smoke" if args.smoke else f"dense_decode_{jax.devices()[0].platform}"
     path = write_result(name, {"model": args.model, "dtype": args.dtype, "load_s": load_s, "grid": grid,
-                               "engine": eng, "attention": "jnp paged (no Pallas yet)"}, args.out)
+                               "engine": eng}, args.out)
     print(f"wrote {path}")
     return 0
 

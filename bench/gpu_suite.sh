@@ -35,7 +35,7 @@ else
     TESTS=(tests/test_attention.py tests/test_hf_parity.py tests/test_engine.py tests/test_sampling.py
            tests/test_bad_input.py tests/test_kv_cache.py tests/test_gguf.py tests/test_tokenizer.py tests/test_smollm2.py)
     BENCH=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8,32,64
-           --max-kv-tokens 300000 --steps 8 --engine-prompt 8192 --engine-batch 4)
+           --max-kv-tokens 300000 --steps 8 --attention jnp,pallas --engine-prompt 8192 --engine-batch 4)
     TEST_TIMEOUT=${TEST_TIMEOUT:-200}
 fi
 XDIST=()

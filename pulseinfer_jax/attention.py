@@ -69,6 +69,34 @@ def paged_decode_attention(
     return o.reshape(b, hq, hd).astype(q.dtype)
 
 
+def paged_decode_attention_pallas(
+    q: Float[Array, "B Hq hd"],
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    layer: Int[Array, ""],
+    block_tables: Int[Array, "B MB"],
+    lengths: Int[Array, " B"],
+    *,
+    interpret: bool | None = None,
+) -> Float[Array, "B Hq hd"]:
+    """Same contract as `paged_decode_attention`, computed by the Pallas sparse decode kernel.
+
+    Every block of each sequence is listed (dense decode = sparse with everything selected). The
+    kernel reads layer `layer` through block ids offset by layer * NB into the cache viewed as
+    [L * NB, 2, bs, Hkv, hd] (a free reshape), so the layer's pool is never sliced out and copied.
+    """
+    from pallas_kernels.sparse_decode_attention import sparse_decode_attention
+
+    n_layers, nb, _, bs = kv.shape[:4]
+    mb = block_tables.shape[1]
+    starts = jnp.arange(mb, dtype=jnp.int32) * bs
+    lens = jnp.clip(lengths[:, None] - starts[None], 0, bs)  # [B, MB] valid tokens per entry
+    ids = jnp.where(lens > 0, block_tables + layer * nb, -1)
+    pool = kv.reshape(n_layers * nb, *kv.shape[2:])
+    o, _, _ = sparse_decode_attention(q, pool, ids[:, None].astype(jnp.int32), lens[:, None].astype(jnp.int32),
+                                      interpret=interpret)
+    return o
+
+
 def write_prefill_kv(
     kv: Float[Array, "L NB 2 bs Hkv hd"],
     layer: Int[Array, ""],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 MODES = ("dense",)  # "offload" and "auto" arrive with the host-offload issue
+DECODE_ATTENTION = ("jnp", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +19,9 @@ class EngineConfig:
     mode: str = "dense"
     progress: bool | None = None  # progress bar over long prefills; None = only when stderr is a terminal
     progress_min_tokens: int = 2048  # prompts at least this long get a progress bar
+    # decode attention: "jnp" (XLA, the default until the Pallas kernel has been compiled and measured on a
+    # GPU) or "pallas" (pallas_kernels.sparse_decode_attention; interpret mode off-GPU, slow: tests only)
+    decode_attention: str = "jnp"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch", "prefill_chunk", "key_chunk"):
@@ -30,5 +34,7 @@ class EngineConfig:
                              f"multiples of block_size={bs}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < bs:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} must be >= block_size={bs}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={self.decode_attention!r}; use one of {', '.join(DECODE_ATTENTION)}")
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not supported; use one of {', '.join(MODES)}")

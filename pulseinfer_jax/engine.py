@@ -179,7 +179,8 @@ class Engine:
             positions[i] = r.seq_len - 1
             tables[i] = self._table(r.blocks, mb)
         self.kv, logits = decode_step(self.model.transformer, self.model.params, self.kv, jnp.asarray(tokens),
-                                      jnp.asarray(positions), jnp.asarray(tables))
+                                      jnp.asarray(positions), jnp.asarray(tables),
+                                      attention=self.config.decode_attention)
         yield from self._accept(reqs, self._sample(logits, reqs))
 
     # ---- postprocess ---------------------------------------------------------------------------

@@ -18,9 +18,12 @@ from models.transformer import Transformer
 from pulseinfer_jax.attention import (
     chunked_prefill_attention,
     paged_decode_attention,
+    paged_decode_attention_pallas,
     write_decode_kv,
     write_prefill_kv,
 )
+
+DECODE_ATTENTION = {"jnp": paged_decode_attention, "pallas": paged_decode_attention_pallas}
 
 # XLA:CPU compiles without reassociation/contraction by default, which keeps the many small reductions and
 # matrix-vector products of a decode step scalar (measured: SmolLM2 decode 27 ms -> 16 ms per step with
@@ -41,16 +44,20 @@ def _decode_step(
     tokens: Int[Array, " B"],
     positions: Int[Array, " B"],
     block_tables: Int[Array, "B MB"],
+    *,
+    attention: str = "jnp",
 ) -> tuple[Array, Float[Array, "B V"]]:
     """Append each sequence's token at `positions` and return next-token logits (rows are independent).
 
     Inactive (padding) rows carry an all-null block table and write into the null block.
+    `attention` picks the decode attention: "jnp" (XLA) or "pallas" (the sparse decode kernel).
     """
     lengths = positions + 1
+    attend_fn = DECODE_ATTENTION[attention]
 
     def attend(layer, q, k, v, cache):
         cache = write_decode_kv(cache, layer, k[:, 0], v[:, 0], block_tables, positions)
-        return paged_decode_attention(q[:, 0], cache, layer, block_tables, lengths)[:, None], cache
+        return attend_fn(q[:, 0], cache, layer, block_tables, lengths)[:, None], cache
 
     x = model.embed(params, tokens[:, None])
     x, kv = model.layers(params, x, positions[:, None], attend, kv)
@@ -94,15 +101,16 @@ def _prefill_step(
 @functools.cache
 def _compiled(fn, platform: str):
     """jit `fn` once per platform: CPU compiles get CPU_FAST_MATH; model/key_chunk are static; kv is donated."""
-    static = [a for a in ("model", "key_chunk") if a in fn.__code__.co_varnames[: fn.__code__.co_argcount
+    static = [a for a in ("model", "key_chunk", "attention") if a in fn.__code__.co_varnames[: fn.__code__.co_argcount
                                                                               + fn.__code__.co_kwonlyargcount]]
     opts = CPU_FAST_MATH if platform == "cpu" else None
     return jax.jit(fn, static_argnames=static, donate_argnames=("kv",), compiler_options=opts)
 
 
-def decode_step(model: Transformer, params: dict, kv: jax.Array, *args: jax.Array) -> tuple[Array, Array]:
+def decode_step(model: Transformer, params: dict, kv: jax.Array, *args: jax.Array,
+                attention: str = "jnp") -> tuple[Array, Array]:
     """See `_decode_step`; compiled for the platform the cache lives on."""
-    return _compiled(_decode_step, _platform(kv))(model, params, kv, *args)
+    return _compiled(_decode_step, _platform(kv))(model, params, kv, *args, attention=attention)
 
 
 def prefill_step(model: Transformer, params: dict, kv: jax.Array, *args: jax.Array,

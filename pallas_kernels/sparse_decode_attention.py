@@ -1,0 +1,383 @@
+"""Sparse paged decode attention: one query token per sequence over an explicit list of KV blocks.
+
+    sparse_decode_attention(q, pool, block_ids, block_lens) -> (o, m, l)
+
+q [B, Hq, hd] attends (GQA, Hq = G * Hkv) to the tokens of the blocks listed in `block_ids`
+[B, S, K] of one layer's pool [NB, 2, bs, Hkv, hd] (see pulseinfer_jax/kv_cache.py). S == 1 is
+SoloHead (one list per sequence, shared by every KV head); S == Hkv is headwise selection (one list
+per (sequence, KV head)). Entry k covers slots 0 .. block_lens[..., k] - 1 of its block; ids < 0 are
+padding and are never read. The result is the partial attention (o, m, l) over exactly those tokens
+(see merge.py), so attention over a union of disjoint lists equals `merge_attention_partials` of the
+parts, and listing every block of a sequence in order (last one partial) is dense decode attention.
+
+Kernel design (Triton lowering of `pl.pallas_call`)
+---------------------------------------------------
+grid = (B, Hkv, split_k); program (b, h, s) handles sequence b, KV head h, split s, and loads:
+  * q_ref    [Gp, hd]      the G query heads of KV head h, zero-padded by the wrapper to Gp =
+                           max(16, next_pow2(G)) rows (Triton dots need every dim >= 16); the padded
+                           rows compute garbage-free zeros and are sliced off by the wrapper.
+  * k_ref    [NB, bs, hd]  K of every pool block for head h: the BlockSpec squeezes the K|V and head
+  * v_ref    [NB, bs, hd]  axes (block index 0 / 1 and h), so no copy; the pool is passed twice.
+  * ids_ref  [Ks]          split s of list row (b, h) (headwise) or (b, 0) (SoloHead);
+  * lens_ref [Ks]          Ks = steps_per_split * blocks_per_step (the wrapper pads with -1 / 0).
+and writes this split's unnormalised accumulator [Gp, hd] f32 plus running max m and sum l [Gp].
+It walks its Ks entries `blocks_per_step` (P) blocks, i.e. T = P * bs tokens, at a time (static
+trip count). Per step, for every token t of the step it gathers the entry's id and length from
+ids_ref / lens_ref (T int32 loads, P distinct addresses), then K and V tiles [T, hd] with ONE
+masked load each whose pointers come from the loaded ids
+(`k_ref.at[id_t[:, None], slot_t[:, None], feat[None, :]]`; every index an integer array, so the
+same indexer also runs in interpret mode; hd contiguous elements per token), mask = id >= 0 and
+slot < len, other = 0. Masked slots are never fetched (padding entries, the unwritten tail of a
+partial block, stale or NaN data). Then one online-softmax step: s = dot(q, K^T) * scale (f32
+accumulation; IEEE f32 for f32 pools, never TF32), masked to -inf, p = exp(s - m_new),
+acc = acc * alpha + dot(p, V). A fully masked step or split leaves m = -inf and l = 0 without NaN
+(the exponent offset is 0 while m is -inf). The wrapper normalises each split and merges the
+splits with `merge_stacked_partials` (tiny: [split_k, B, Hq, hd] f32).
+
+Defaults: P gives about 64 tokens per step (P >= 16 / bs, P <= next_pow2(K)); split_k aims for
+about 256 programs (B * Hkv * split_k) with at least 2 steps per split, at most 16 splits;
+num_warps 4, or 8 for 64 x 128 tiles; num_stages 2.
+
+Triton constraints, and how they are met:
+  * no scalar prefetch: block tables are ordinary inputs loaded inside the kernel;
+  * every loaded / stored tensor is a power of two in size: Gp, hd, bs and P are powers of two
+    (checked), the pool's NB and Ks are never loaded whole, only indexed; no reshapes in the body;
+  * dot operands >= 16 in every dim: Gp >= 16, hd >= 16, T = P * bs >= 16 (P is raised to fit);
+  * both dot operands share a dtype: q is cast to the pool dtype; p is cast to V's dtype for the
+    second dot (as in jax's paged_attention), accumulation is f32;
+  * compiler params are explicit (`triton_params(num_warps, num_stages)`).
+
+Assumptions: hd and bs are powers of two, hd >= 16; ids < NB (not checked on device: an id >= NB
+reads out of bounds); block_lens in [0, bs]; q is cast to the pool's dtype (o comes back in
+q.dtype). With S == 1 the Hkv programs of one (sequence, split) read different heads of the same
+blocks, each only its own head's [bs, hd] strided tile: every K/V byte is read once, but a block's
+bytes are spread over Hkv programs (one program per block for all heads would be the next step if
+profiles show short-burst reads).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.common import next_pow2, resolve_interpret, triton_params
+from pallas_kernels.merge import merge_stacked_partials
+
+MIN_DOT_DIM = 16  # Triton's tensor-core dots want every operand dim >= 16
+TOKENS_PER_STEP = 64  # default tokens gathered per online-softmax step (P = TOKENS_PER_STEP // bs)
+TARGET_PROGRAMS = 256  # auto split-K aims for about two waves of programs on a 132-SM H100/H200
+MAX_SPLIT_K = 16
+MIN_STEPS_PER_SPLIT = 2
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. kernel body
+# --------------------------------------------------------------------------------------------------
+def _dot_f32(a: Array, b: Array, *, trans_b: bool, precision: jax.lax.Precision | None) -> Array:
+    """2-D matmul with f32 accumulation: a [M, K] @ b [K, N] (or b [N, K] with trans_b).
+
+    Plain `lax.dot_general` (what the deprecated `pl.dot` expanded to), which the Triton lowering maps
+    onto `tt.dot`; HIGHEST precision lowers to IEEE f32 (no TF32).
+    """
+    contract_b = 1 if trans_b else 0
+    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _sparse_decode_kernel(
+    q_ref,  # [Gp, hd]     query group of (b, h), pool dtype, rows >= G are zero
+    k_ref,  # [NB, bs, hd] K of head h for every pool block
+    v_ref,  # [NB, bs, hd] V of head h for every pool block
+    ids_ref,  # [Ks] int32 this split's block ids, < 0 = padding
+    lens_ref,  # [Ks] int32 valid tokens of each entry
+    acc_ref,  # [Gp, hd] f32 out: unnormalised sum_j exp(s_j - m) v_j
+    m_ref,  # [Gp] f32 out: max scaled score (-inf if nothing attended)
+    l_ref,  # [Gp] f32 out: sum_j exp(s_j - m) (0 if nothing attended)
+    *,
+    scale: float,
+    blocks_per_step: int,
+    precision: jax.lax.Precision | None,
+):
+    gp, hd = q_ref.shape
+    bs = k_ref.shape[1]
+    num_steps = ids_ref.shape[0] // blocks_per_step
+    tokens = blocks_per_step * bs
+    q = q_ref[...]  # [Gp, hd]
+    tok = jnp.arange(tokens, dtype=jnp.int32)  # [T] token index within a step
+    tok_entry = tok // bs  # [T] which of the step's P entries the token belongs to
+    tok_slot = tok % bs  # [T] its slot in that block
+    feat = jnp.arange(hd, dtype=jnp.int32)  # [hd]
+
+    def step(j, carry):
+        acc, m_prev, l_prev = carry  # [Gp, hd], [Gp], [Gp]
+        entry = j * blocks_per_step + tok_entry  # [T]
+        ids = ids_ref[entry]  # [T] block id per token (P distinct loads, L1-served repeats)
+        lens = lens_ref[entry]  # [T]
+        valid = (ids >= 0) & (tok_slot < lens)  # [T]; padding and unwritten slots are masked
+        safe_ids = jnp.maximum(ids, 0)  # address arithmetic only: masked lanes are not fetched
+        index = (safe_ids[:, None], tok_slot[:, None], feat[None, :])  # -> [T, hd] pointers
+        mask = jnp.broadcast_to(valid[:, None], (tokens, hd))
+        k = plt.load(k_ref.at[index], mask=mask, other=0.0)  # [T, hd]
+        v = plt.load(v_ref.at[index], mask=mask, other=0.0)  # [T, hd]
+
+        s = _dot_f32(q, k, trans_b=True, precision=precision) * scale  # [Gp, T] f32
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # [Gp]
+        m_off = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # keeps exp() away from -inf - -inf
+        alpha = jnp.exp(m_prev - m_off)  # [Gp]; 0 while nothing was attended
+        p = jnp.exp(s - m_off[:, None])  # [Gp, T]; masked tokens give exactly 0
+        l_next = alpha * l_prev + jnp.sum(p, axis=1)
+        pv = _dot_f32(p.astype(v.dtype), v, trans_b=False, precision=precision)  # [Gp, hd] f32
+        return acc * alpha[:, None] + pv, m_next, l_next
+
+    init = (
+        jnp.zeros((gp, hd), jnp.float32),
+        jnp.full((gp,), -jnp.inf, jnp.float32),
+        jnp.zeros((gp,), jnp.float32),
+    )
+    acc, m, l = jax.lax.fori_loop(0, num_steps, step, init)  # noqa: E741
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. pallas_call wrapper
+# --------------------------------------------------------------------------------------------------
+def _sparse_decode_call(
+    q_grouped: Float[Array, "B Hkv Gp hd"],
+    pool: Float[Array, "NB 2 bs Hkv hd"],
+    block_ids: Int[Array, "B S Kp"],
+    block_lens: Int[Array, "B S Kp"],
+    *,
+    scale: float,
+    split_k: int,
+    blocks_per_step: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+) -> tuple[Float[Array, "P B Hkv Gp hd"], Float[Array, "P B Hkv Gp"], Float[Array, "P B Hkv Gp"]]:
+    """Run the kernel on grid (B, Hkv, split_k); returns per-split (acc, m, l), acc unnormalised."""
+    b, hkv, gp, hd = q_grouped.shape
+    nb, _, bs, _, _ = pool.shape
+    s_rows, kp = block_ids.shape[1], block_ids.shape[2]
+    ks = kp // split_k  # entries per split
+
+    if s_rows == hkv:
+        list_map = lambda i, h, s: (i, h, s)  # noqa: E731  headwise: own list per KV head
+    else:
+        list_map = lambda i, h, s: (i, 0, s)  # noqa: E731  SoloHead: every head reads row 0
+
+    kernel = functools.partial(
+        _sparse_decode_kernel,
+        scale=scale,
+        blocks_per_step=blocks_per_step,
+        precision=jax.lax.Precision.HIGHEST if pool.dtype == jnp.float32 else None,
+    )
+    in_specs = [
+        pl.BlockSpec((None, None, gp, hd), lambda i, h, s: (i, h, 0, 0)),  # q   -> [Gp, hd]
+        pl.BlockSpec((nb, None, bs, None, hd), lambda i, h, s: (0, 0, 0, h, 0)),  # K -> [NB, bs, hd]
+        pl.BlockSpec((nb, None, bs, None, hd), lambda i, h, s: (0, 1, 0, h, 0)),  # V -> [NB, bs, hd]
+        pl.BlockSpec((None, None, ks), list_map),  # block_ids  -> [Ks]
+        pl.BlockSpec((None, None, ks), list_map),  # block_lens -> [Ks]
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, gp, hd), lambda i, h, s: (s, i, h, 0, 0)),  # acc -> [Gp, hd]
+        pl.BlockSpec((None, None, None, gp), lambda i, h, s: (s, i, h, 0)),  # m -> [Gp]
+        pl.BlockSpec((None, None, None, gp), lambda i, h, s: (s, i, h, 0)),  # l -> [Gp]
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((split_k, b, hkv, gp, hd), jnp.float32),
+        jax.ShapeDtypeStruct((split_k, b, hkv, gp), jnp.float32),
+        jax.ShapeDtypeStruct((split_k, b, hkv, gp), jnp.float32),
+    ]
+    return pl.pallas_call(
+        kernel,
+        grid=(b, hkv, split_k),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"sparse_decode_attention_bs{bs}_p{blocks_per_step}",
+    )(q_grouped, pool, pool, block_ids, block_lens)
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. public jitted function
+# --------------------------------------------------------------------------------------------------
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def _check_inputs(q, pool, block_ids, block_lens) -> None:
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, Hq, hd]; got shape {q.shape}")
+    if pool.ndim != 5 or pool.shape[1] != 2:
+        raise ValueError(f"pool must be one layer's [NB, 2, bs, Hkv, hd]; got shape {pool.shape}")
+    b, hq, hd = q.shape
+    _, _, bs, hkv, hd_pool = pool.shape
+    if hd != hd_pool:
+        raise ValueError(f"head_dim of q ({hd}) != head_dim of pool ({hd_pool})")
+    if hq % hkv:
+        raise ValueError(f"{hq=} must be divisible by {hkv=}")
+    if not _is_pow2(hd) or hd < MIN_DOT_DIM:
+        raise ValueError(f"head_dim={hd} must be a power of two >= {MIN_DOT_DIM} (Triton tensor sizes)")
+    if not _is_pow2(bs):
+        raise ValueError(f"block_size={bs} must be a power of two (Triton tensor sizes)")
+    if block_ids.ndim != 3:
+        raise ValueError(f"block_ids must be [B, S, K]; got shape {block_ids.shape}")
+    if block_lens.shape != block_ids.shape:
+        raise ValueError(f"block_lens shape {block_lens.shape} != block_ids shape {block_ids.shape}")
+    if block_ids.shape[0] != b:
+        raise ValueError(f"block_ids batch {block_ids.shape[0]} != q batch {b}")
+    if block_ids.shape[1] not in (1, hkv):
+        raise ValueError(f"block_ids.shape[1]={block_ids.shape[1]} must be 1 (SoloHead) or Hkv={hkv} (headwise)")
+    if block_ids.shape[2] < 1:
+        raise ValueError("block_ids must list at least one entry per row (pad with -1)")
+    for name, x in (("block_ids", block_ids), ("block_lens", block_lens)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array; got {x.dtype}")
+    if not jnp.issubdtype(pool.dtype, jnp.floating):
+        raise ValueError(f"pool must be floating point; got {pool.dtype}")
+
+
+def _pick_blocks_per_step(bs: int, k: int, blocks_per_step: int | None) -> int:
+    min_blocks = max(1, -(-MIN_DOT_DIM // bs))  # T = P * bs >= 16
+    if blocks_per_step is None:
+        return max(min_blocks, min(max(1, TOKENS_PER_STEP // bs), next_pow2(k)))
+    if not _is_pow2(blocks_per_step) or blocks_per_step < min_blocks:
+        raise ValueError(f"{blocks_per_step=} must be a power of two >= {min_blocks} for block_size={bs} "
+                         f"(Triton dots need >= {MIN_DOT_DIM} tokens per step)")
+    return blocks_per_step
+
+
+def _pick_split_k(num_steps: int, programs: int, split_k: int | None) -> int:
+    if split_k is None:
+        want = -(-TARGET_PROGRAMS // programs)  # enough programs to fill the GPU
+        split_k = min(MAX_SPLIT_K, want, num_steps // MIN_STEPS_PER_SPLIT)
+        return max(1, split_k)
+    if split_k < 1:
+        raise ValueError(f"{split_k=} must be >= 1")
+    return split_k
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "split_k", "blocks_per_step", "num_warps", "num_stages", "interpret"),
+)
+def sparse_decode_attention(
+    q: Float[Array, "B Hq hd"],
+    pool: Float[Array, "NB 2 bs Hkv hd"],
+    block_ids: Int[Array, "B S K"],
+    block_lens: Int[Array, "B S K"],
+    *,
+    scale: float | None = None,
+    split_k: int | None = None,
+    blocks_per_step: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "B Hq hd"], Float[Array, "B Hq"], Float[Array, "B Hq"]]:
+    """Partial attention of one query token per sequence over the listed KV blocks.
+
+    Args:
+      q: [B, Hq, hd] queries (RoPE applied), Hq = G * Hkv.
+      pool: [NB, 2, bs, Hkv, hd] one layer's KV blocks (K at [:, 0], V at [:, 1]).
+      block_ids: int [B, S, K] physical block ids; S == 1 (SoloHead) or Hkv (headwise); < 0 = padding.
+      block_lens: int [B, S, K] valid tokens (slots 0..len-1) of each entry, in [0, bs].
+      scale: score scale, default hd ** -0.5.
+      split_k: number of programs the K entries are split over (None: picked from K and B * Hkv).
+      blocks_per_step: blocks gathered per online-softmax step, a power of two with
+        blocks_per_step * bs >= 16 (None: about 64 tokens per step).
+      num_warps, num_stages: Triton compiler params (num_warps None: 4, or 8 when a step's K tile
+        has >= 8192 elements, e.g. 64 tokens x hd 128).
+      interpret: Pallas interpret mode (None: interpret unless the default backend is a GPU).
+
+    Returns:
+      o [B, Hq, hd] (q.dtype, softmax-normalised; 0 where nothing was attended),
+      m [B, Hq] f32 max scaled score (-inf where nothing was attended),
+      l [B, Hq] f32 sum of exp(score - m) (0 where nothing was attended).
+    """
+    _check_inputs(q, pool, block_ids, block_lens)
+    b, hq, hd = q.shape
+    _, _, bs, hkv, _ = pool.shape
+    k = block_ids.shape[2]
+    g = hq // hkv
+    gp = max(MIN_DOT_DIM, next_pow2(g))
+    scale = float(hd ** -0.5 if scale is None else scale)
+
+    bps = _pick_blocks_per_step(bs, k, blocks_per_step)
+    num_steps = -(-k // bps)
+    split_k = _pick_split_k(num_steps, b * hkv, split_k)
+    steps_per_split = -(-num_steps // split_k)
+    kp = split_k * steps_per_split * bps
+    if num_warps is None:
+        num_warps = 8 if bps * bs * hd >= 8192 else 4
+    ids = jnp.pad(block_ids.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)), constant_values=-1)
+    lens = jnp.pad(block_lens.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)))
+
+    q_grouped = q.astype(pool.dtype).reshape(b, hkv, g, hd)
+    q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [B, Hkv, Gp, hd]
+
+    acc, m, l = _sparse_decode_call(  # noqa: E741
+        q_grouped, pool, ids, lens,
+        scale=scale, split_k=split_k, blocks_per_step=bps,
+        num_warps=num_warps, num_stages=num_stages, interpret=resolve_interpret(interpret),
+    )
+    acc, m, l = acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]  # noqa: E741  drop padded query rows
+    o_split = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    o, m, l = merge_stacked_partials(o_split, m, l, out_dtype=q.dtype)  # noqa: E741
+    return o.reshape(b, hq, hd), m.reshape(b, hq), l.reshape(b, hq)
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. reference in plain jnp
+# --------------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("scale",))
+def sparse_decode_attention_reference(
+    q: Float[Array, "B Hq hd"],
+    pool: Float[Array, "NB 2 bs Hkv hd"],
+    block_ids: Int[Array, "B S K"],
+    block_lens: Int[Array, "B S K"],
+    *,
+    scale: float | None = None,
+) -> tuple[Float[Array, "B Hq hd"], Float[Array, "B Hq"], Float[Array, "B Hq"]]:
+    """Same contract as `sparse_decode_attention`, by gathering the listed blocks with jnp (f32 math)."""
+    _check_inputs(q, pool, block_ids, block_lens)
+    b, hq, hd = q.shape
+    _, _, bs, hkv, _ = pool.shape
+    k = block_ids.shape[2]
+    g = hq // hkv
+    scale = float(hd ** -0.5 if scale is None else scale)
+
+    ids = jnp.broadcast_to(block_ids, (b, hkv, k)).astype(jnp.int32)  # SoloHead rows shared by heads
+    lens = jnp.where(ids >= 0, jnp.broadcast_to(block_lens, (b, hkv, k)), 0)
+    valid = jnp.arange(bs)[None, None, None, :] < lens[..., None]  # [B, Hkv, K, bs]
+    safe = jnp.maximum(ids, 0)[..., None]  # [B, Hkv, K, 1]
+    heads = jnp.arange(hkv)[None, :, None, None]
+    slots = jnp.arange(bs)[None, None, None, :]
+    kk = pool[safe, 0, slots, heads].astype(jnp.float32)  # [B, Hkv, K, bs, hd]
+    vv = pool[safe, 1, slots, heads].astype(jnp.float32)
+    kk = jnp.where(valid[..., None], kk, 0.0).reshape(b, hkv, k * bs, hd)
+    vv = jnp.where(valid[..., None], vv, 0.0).reshape(b, hkv, k * bs, hd)
+    valid = valid.reshape(b, hkv, 1, k * bs)
+
+    qg = q.astype(jnp.float32).reshape(b, hkv, g, hd)
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("bhgd,bhtd->bhgt", qg, kk, precision=hi) * scale
+    s = jnp.where(valid, s, -jnp.inf)
+    m = jnp.max(s, axis=-1)  # [B, Hkv, G]
+    m_off = jnp.where(m == -jnp.inf, 0.0, m)
+    p = jnp.where(valid, jnp.exp(s - m_off[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)  # noqa: E741
+    o = jnp.einsum("bhgt,bhtd->bhgd", p, vv, precision=hi) / jnp.where(l > 0, l, 1.0)[..., None]
+    return o.reshape(b, hq, hd).astype(q.dtype), m.reshape(b, hq), l.reshape(b, hq)
+
+
+__all__ = ["sparse_decode_attention", "sparse_decode_attention_reference"]

@@ -1,0 +1,258 @@
+"""Block selection policies for sparse decode: budgets, top-k with sinks + window, SoloHead, calibration.
+
+Everything here is plain jnp and jittable (except the offline `calibrate_retrieval_head`, which returns a
+Python int). Candidates are *logical* block indices 0..K-1 of each sequence, in order; the engine scores
+them with `pallas_kernels.block_scoring.block_scores(q, meta_min, meta_max, candidate_ids(...))` and maps
+the selection back to physical blocks with `logical_to_physical`.
+
+Selection contract (`select_blocks`), per sequence b with n = num_blocks_total[b] blocks:
+  - n <= budget: every block 0..n-1 is selected.
+  - otherwise the first `sink_blocks` and the last `window_blocks` (the partial last block included) are
+    always selected and count toward the budget; the remaining budget - sink - window slots go to the
+    highest-scoring middle blocks; on equal scores the lower logical index wins (NaN counts as -inf).
+  - output int32 [B, S, budget_blocks], each row sorted ascending and padded with -1.
+Modes: "headwise" (S = number of score heads, an independent top-k per KV head: Quest's per-head
+baseline, one small transfer per (block, head)) and "solohead" (S = 1: one shared set for all heads, so a
+layer's recall is whole blocks in one contiguous transfer).
+
+SoloHead aggregation `normalized_sum` = per-head softmax over the sequence's valid blocks, then the sum
+over heads. Why softmax (not z-scores or max-subtraction): a block's Quest score is an upper bound of its
+best logit, so softmax(score * scale) estimates the share of that head's attention mass the block holds,
+and the sum over heads estimates the total mass a shared set covers -- the quantity SoloHead must keep
+(the same coverage objective `calibrate_retrieval_head` measures). Softmax also gives every head the
+same total vote (1): a head with flat scores spreads it thinly and barely moves the ranking, while
+z-scoring would blow its noise up to unit variance and let it vote as loudly as a peaked retrieval head.
+Sinks and window are inside the softmax: a head whose mass sits in the always-kept blocks has little
+left to claim from the middle, which is right. The cost is a temperature: pass `score_scale`, the
+attention scale 1/sqrt(hd) for per-query-head scores, 1/(G sqrt(hd)) for group sums (their mean bound).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int
+
+Mode = Literal["headwise", "solohead"]
+SoloHead = Literal["normalized_sum", "retrieval_head"]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def bucket_budget(tokens: int, block_size: int, *, min_blocks: int = 16) -> int:
+    """Token budget -> number of blocks, rounded up to a power of two (at least `min_blocks`), so the
+    number of distinct selection/attention shapes compiled stays logarithmic in the budget."""
+    if tokens <= 0 or block_size <= 0 or min_blocks <= 0:
+        raise ValueError(f"tokens={tokens}, block_size={block_size} and min_blocks={min_blocks} must be positive")
+    return max(int(min_blocks), _next_pow2(-(-int(tokens) // int(block_size))))
+
+
+def candidate_ids(
+    block_tables: Int[Array, "B MB"], num_blocks_total: Int[Array, " B"], num_candidates: int | None = None
+) -> Int[Array, "B K"]:
+    """Physical ids of each sequence's logical blocks 0..K-1 (K = num_candidates or MB), -1 past its end:
+    the `cand_ids` input of `block_scores` whose scores `select_blocks` expects."""
+    k = block_tables.shape[1] if num_candidates is None else int(num_candidates)
+    tables = block_tables[:, :k]
+    if tables.shape[1] < k:
+        tables = jnp.pad(tables, ((0, 0), (0, k - tables.shape[1])), constant_values=-1)
+    live = jnp.arange(k)[None, :] < num_blocks_total[:, None]
+    return jnp.where(live, tables, -1).astype(jnp.int32)
+
+
+def logical_to_physical(selected: Int[Array, "B S N"], block_tables: Int[Array, "B MB"]) -> Int[Array, "B S N"]:
+    """Map selected logical block indices to physical block ids; -1 stays -1."""
+    safe = jnp.clip(selected, 0, block_tables.shape[1] - 1)
+    phys = jnp.take_along_axis(block_tables[:, None, :], safe, axis=2)
+    return jnp.where(selected >= 0, phys, -1).astype(jnp.int32)
+
+
+def _top_blocks(
+    key: Float[Array, "R K"], n: Int[Array, " R"], budget: int, sink: int, window: int
+) -> Int[Array, "R N"]:
+    """Rows of scores -> the selected logical indices per the module contract, [R, budget]."""
+    r, k = key.shape
+    idx = lax.broadcasted_iota(jnp.int32, (r, k), 1)
+    n = jnp.clip(n, 0, k)[:, None]
+    valid = idx < n
+    forced = valid & ((idx < sink) | (idx >= n - window))
+    # Sort by (category, -score, index): forced first, then middle blocks by descending score, then the
+    # invalid tail. The explicit index key makes the order (ties included) deterministic on every backend.
+    cat = jnp.where(forced, 0, jnp.where(valid, 1, 2)).astype(jnp.int32)
+    score = jnp.nan_to_num(key.astype(jnp.float32), nan=-jnp.inf, posinf=jnp.inf, neginf=-jnp.inf)
+    neg = jnp.where(cat == 1, -score, 0.0) + 0.0  # + 0.0 turns -0.0 into +0.0 (sort uses a total order)
+    _, _, order = lax.sort((cat, neg, idx), dimension=1, num_keys=3)
+    m = min(budget, k)
+    top = order[:, :m]
+    keep = jnp.take_along_axis(cat, top, axis=1) < 2
+    top = jnp.sort(jnp.where(keep, top, k), axis=1)  # ascending, invalid (sentinel k) last
+    top = jnp.where(top == k, -1, top)
+    if m < budget:
+        top = jnp.pad(top, ((0, 0), (0, budget - m)), constant_values=-1)
+    return top.astype(jnp.int32)
+
+
+def _softmax_over_valid(
+    scores: Float[Array, "B H K"], valid: Bool[Array, "B H K"], scale: float | Float[Array, ""]
+) -> Float[Array, "B H K"]:
+    s = jnp.nan_to_num(scores.astype(jnp.float32) * scale, nan=-jnp.inf, posinf=jnp.finfo(jnp.float32).max,
+                       neginf=-jnp.inf)
+    s = jnp.where(valid, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a head with no finite score contributes nothing
+    e = jnp.where(valid, jnp.exp(s - m), 0.0)
+    return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+
+
+def select_blocks(
+    scores: Float[Array, "B H K"],
+    num_blocks_total: Int[Array, " B"],
+    *,
+    budget_blocks: int,
+    sink_blocks: int,
+    window_blocks: int,
+    mode: Mode,
+    solohead: SoloHead = "normalized_sum",
+    retrieval_head: int | Int[Array, ""] = 0,
+    score_scale: float | Float[Array, ""] = 1.0,
+) -> Int[Array, "B S N"]:
+    """Select logical blocks per the module contract; returns int32 [B, S, budget_blocks] (N = budget).
+
+    scores: [B, H, K] block scores of logical blocks 0..K-1 (H = Hkv from `block_scores`, or Hq with
+      per_head=True; entries at or past num_blocks_total are ignored).
+    num_blocks_total: [B] blocks of each sequence (clamped to [0, K]: the candidates must cover them).
+    budget_blocks, sink_blocks, window_blocks: static ints (bucket the budget with `bucket_budget`).
+    mode: "headwise" -> S = H, a top-k per head; "solohead" -> S = 1, one set shared by all heads.
+    solohead: "normalized_sum" (softmax per head over valid blocks, summed; see the module docstring) or
+      "retrieval_head" (the scores of head `retrieval_head`, an int or a traced per-layer scalar, clamped).
+    score_scale: softmax temperature of normalized_sum (1/sqrt(hd) per query head, 1/(G sqrt(hd)) for
+      group sums); unused otherwise.
+    Jittable: the static arguments are plain Python values, scores/num_blocks_total/retrieval_head/
+    score_scale may be traced.
+    """
+    if scores.ndim != 3:
+        raise ValueError(f"scores must be [B, H, K], got shape {scores.shape}")
+    b, h, _ = scores.shape
+    if num_blocks_total.shape != (b,):
+        raise ValueError(f"num_blocks_total must be [B] = [{b}], got shape {num_blocks_total.shape}")
+    if min(budget_blocks, sink_blocks, window_blocks) < 0 or budget_blocks == 0:
+        raise ValueError(f"need budget_blocks > 0 and sink_blocks, window_blocks >= 0; got {budget_blocks=}, "
+                         f"{sink_blocks=}, {window_blocks=}")
+    if sink_blocks + window_blocks > budget_blocks:
+        raise ValueError(f"{sink_blocks=} + {window_blocks=} exceed {budget_blocks=}: the always-kept blocks "
+                         "count toward the budget; raise the budget or shrink sinks/window")
+    if mode not in ("headwise", "solohead"):
+        raise ValueError(f"mode={mode!r} must be 'headwise' or 'solohead'")
+    if solohead not in ("normalized_sum", "retrieval_head"):
+        raise ValueError(f"solohead={solohead!r} must be 'normalized_sum' or 'retrieval_head'")
+    if isinstance(retrieval_head, int | np.integer) and not 0 <= int(retrieval_head) < h:
+        raise ValueError(f"retrieval_head={retrieval_head} must index one of the H={h} score heads")
+    return _select_blocks(scores, num_blocks_total, retrieval_head, score_scale, budget=int(budget_blocks),
+                          sink=int(sink_blocks), window=int(window_blocks), mode=mode, solohead=solohead)
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "sink", "window", "mode", "solohead"))
+def _select_blocks(
+    scores: Float[Array, "B H K"],
+    num_blocks_total: Int[Array, " B"],
+    retrieval_head: Int[Array, ""],
+    score_scale: Float[Array, ""],
+    *,
+    budget: int,
+    sink: int,
+    window: int,
+    mode: str,
+    solohead: str,
+) -> Int[Array, "B S N"]:
+    b, h, k = scores.shape
+    n = num_blocks_total.astype(jnp.int32)
+    if mode == "headwise":
+        sel = _top_blocks(scores.reshape(b * h, k), jnp.repeat(n, h), budget, sink, window)
+        return sel.reshape(b, h, budget)
+    if solohead == "normalized_sum":
+        valid = jnp.arange(k)[None, None, :] < n[:, None, None]
+        key = jnp.sum(_softmax_over_valid(scores, valid, score_scale), axis=1)  # [B, K]
+    else:  # retrieval_head
+        head = jnp.clip(jnp.asarray(retrieval_head, jnp.int32), 0, h - 1)
+        key = lax.dynamic_index_in_dim(scores, head, axis=1, keepdims=False)  # [B, K]
+    return _top_blocks(key, n, budget, sink, window)[:, None, :]
+
+
+def block_attention_mass(
+    q: Float[Array, "P Hq hd"] | Float[Array, "Hq hd"],
+    keys: Float[Array, "T Hkv hd"],
+    block_size: int,
+    *,
+    scale: float | None = None,
+    q_positions: Int[Array, " P"] | None = None,
+) -> Float[Array, "Hq nblocks"]:
+    """True attention mass per block for a calibration pass: softmax(q k^T * scale) over the T prompt keys
+    (GQA: query head i reads KV head i // G), summed inside each block of `block_size` tokens and averaged
+    over the P query positions. Rows sum to 1. `q_positions` (token index of each query) applies the causal
+    mask; without it every query sees all T keys (queries at the end of the prompt). Float32 result."""
+    q = jnp.asarray(q, jnp.float32)
+    keys = jnp.asarray(keys, jnp.float32)
+    if q.ndim == 2:
+        q = q[None]
+    if q.ndim != 3 or keys.ndim != 3 or q.shape[-1] != keys.shape[-1]:
+        raise ValueError(f"q must be [P, Hq, hd] or [Hq, hd] and keys [T, Hkv, hd] with the same hd; got "
+                         f"{q.shape} and {keys.shape}")
+    p, hq, hd = q.shape
+    t, hkv, _ = keys.shape
+    if hq % hkv:
+        raise ValueError(f"num_q_heads={hq} must be divisible by num_kv_heads={hkv}")
+    g = hq // hkv
+    scale = hd ** -0.5 if scale is None else scale
+    logits = jnp.einsum("pkgd,tkd->pkgt", q.reshape(p, hkv, g, hd), keys,
+                        precision=lax.Precision.HIGHEST).reshape(p, hq, t) * scale
+    if q_positions is not None:
+        visible = jnp.arange(t)[None, :] <= jnp.asarray(q_positions)[:, None]  # [P, T]
+        logits = jnp.where(visible[:, None, :], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)  # [P, Hq, T]
+    nblocks = -(-t // block_size)
+    probs = jnp.pad(probs, ((0, 0), (0, 0), (0, nblocks * block_size - t)))
+    return probs.reshape(p, hq, nblocks, block_size).sum(-1).mean(0)
+
+
+def calibrate_retrieval_head(
+    attn_probs: Float[Array, "Hq nblocks"] | Float[Array, "P Hq nblocks"],
+    budget_blocks: int,
+    sink_blocks: int,
+    window_blocks: int,
+    group_size: int,
+) -> int:
+    """The KV head whose own top-k block selection covers the most attention mass of all heads.
+
+    attn_probs: true attention mass per block (e.g. `block_attention_mass`), rows = query heads grouped by
+      `group_size` consecutive rows per KV head (pass group_size=1 for rows that already are KV heads);
+      an optional leading axis of P calibration prompts (same block count) adds their coverages.
+    Each KV head's mass is its group's sum, normalised to 1 (every head counts equally). Candidate head h
+    selects with `select_blocks` on its own mass (same sinks/window/budget as at runtime); its coverage
+    is the sum over all KV heads (itself included: the set serves every head) of the mass inside that
+    set. Returns the argmax (lowest index on ties) as a Python int; run once per layer, offline.
+    """
+    mass = jnp.asarray(attn_probs, jnp.float32)
+    if mass.ndim == 2:
+        mass = mass[None]
+    if mass.ndim != 3:
+        raise ValueError(f"attn_probs must be [Hq, nblocks] or [P, Hq, nblocks], got shape {mass.shape}")
+    p, hq, nb = mass.shape
+    if group_size <= 0 or hq % group_size:
+        raise ValueError(f"attn_probs has {hq} head rows, not a multiple of group_size={group_size}")
+    hkv = hq // group_size
+    mass = jnp.nan_to_num(mass).reshape(p, hkv, group_size, nb).sum(2)  # [P, Hkv, nb]
+    mass = mass / jnp.maximum(mass.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    sel = select_blocks(mass, jnp.full((p,), nb, jnp.int32), budget_blocks=budget_blocks,
+                        sink_blocks=sink_blocks, window_blocks=window_blocks, mode="headwise")  # [P, Hkv, N]
+    member = jnp.zeros((p, hkv, nb + 1), jnp.float32)
+    member = member.at[jnp.arange(p)[:, None, None], jnp.arange(hkv)[None, :, None],
+                       jnp.where(sel >= 0, sel, nb)].set(1.0)[..., :nb]  # [P, Hkv(candidate), nb]
+    coverage = jnp.einsum("pcn,phn->c", member, mass, precision=lax.Precision.HIGHEST)  # [Hkv]
+    return int(jnp.argmax(coverage))

@@ -1,0 +1,265 @@
+"""Sparse decode attention (Pallas, interpret mode on CPU) against a float64 NumPy oracle and the jnp reference.
+
+Every case draws its own random inputs. Pools start as NaN and only the valid slots of the blocks a
+sequence owns are written, so any read of an unused block, a padding entry or the unwritten tail of a
+partial block shows up as a non-finite or wrong output. Shapes stay tiny: interpret mode is slow.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.merge import merge_attention_partials
+from pallas_kernels.sparse_decode_attention import (
+    sparse_decode_attention,
+    sparse_decode_attention_reference,
+)
+from pulseinfer_jax.attention import paged_decode_attention
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+@dataclasses.dataclass
+class Case:
+    q: jax.Array  # [B, Hq, hd]
+    pool: jax.Array  # [NB, 2, bs, Hkv, hd], NaN outside written slots
+    tables: list[np.ndarray]  # per sequence: its physical blocks in logical order
+    lengths: list[int]  # per sequence: tokens
+
+
+def _make_case(rng, lengths, *, hkv, group, hd, bs, dtype, spare_blocks=3) -> Case:
+    """Sequences of `lengths` tokens in shuffled physical blocks of a NaN-filled pool (block 0 unused)."""
+    nblk = [-(-n // bs) for n in lengths]
+    nb = 1 + sum(nblk) + spare_blocks
+    perm = rng.permutation(np.arange(1, nb))
+    pool = np.full((nb, 2, bs, hkv, hd), np.nan, np.float32)
+    tables, used = [], 0
+    for n, c in zip(lengths, nblk, strict=True):
+        table = perm[used:used + c]
+        used += c
+        for j, blk in enumerate(table):
+            fill = min(bs, n - j * bs)
+            pool[blk, :, :fill] = rng.standard_normal((2, fill, hkv, hd))
+        tables.append(table)
+    q = rng.standard_normal((len(lengths), hkv * group, hd)).astype(np.float32)
+    return Case(jnp.asarray(q, dtype), jnp.asarray(pool, dtype), tables, list(lengths))
+
+
+def _block_lens(case: Case, b: int, logical: np.ndarray, bs: int) -> np.ndarray:
+    return np.minimum(bs, case.lengths[b] - logical * bs).astype(np.int32)
+
+
+def _dense_lists(case: Case, bs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every block of each sequence in logical order, -1 padded: [B, 1, K] ids and lens."""
+    k = max(len(t) for t in case.tables)
+    ids = np.full((len(case.tables), 1, k), -1, np.int32)
+    lens = np.zeros_like(ids)
+    for b, table in enumerate(case.tables):
+        ids[b, 0, :len(table)] = table
+        lens[b, 0, :len(table)] = _block_lens(case, b, np.arange(len(table)), bs)
+    return ids, lens
+
+
+def _sparse_lists(rng, case: Case, bs: int, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per (sequence, row) a random non-empty subset of the sequence's blocks in random order, with -1
+    padding entries scattered among them: [B, rows, k] ids and lens (0 for padding)."""
+    ids = np.full((len(case.tables), rows, k), -1, np.int32)
+    lens = np.zeros_like(ids)
+    for b, table in enumerate(case.tables):
+        for r in range(rows):
+            n_sel = rng.integers(1, min(len(table), k) + 1)
+            logical = rng.choice(len(table), n_sel, replace=False)
+            where = np.sort(rng.choice(k, n_sel, replace=False))  # padding lands between entries
+            ids[b, r, where] = table[logical]
+            lens[b, r, where] = _block_lens(case, b, logical, bs)
+    return ids, lens
+
+
+def _oracle(q, pool, ids, lens, scale=None):
+    """float64 NumPy loops over exactly the listed tokens: (o [B, Hq, hd], m [B, Hq], l [B, Hq])."""
+    q = np.asarray(q.astype(jnp.float32), np.float64)
+    pool = np.asarray(pool.astype(jnp.float32), np.float64)
+    b_, hq, hd = q.shape
+    hkv = pool.shape[3]
+    g = hq // hkv
+    scale = hd ** -0.5 if scale is None else scale
+    o = np.zeros((b_, hq, hd))
+    m = np.full((b_, hq), -np.inf)
+    l = np.zeros((b_, hq))  # noqa: E741
+    for b in range(b_):
+        for h in range(hkv):
+            r = h if ids.shape[1] == hkv else 0
+            keys = [pool[i, 0, :n, h] for i, n in zip(ids[b, r], lens[b, r], strict=True) if i >= 0 and n > 0]
+            vals = [pool[i, 1, :n, h] for i, n in zip(ids[b, r], lens[b, r], strict=True) if i >= 0 and n > 0]
+            if not keys:
+                continue
+            k, v = np.concatenate(keys), np.concatenate(vals)
+            s = q[b, h * g:(h + 1) * g] @ k.T * scale  # [G, T]
+            mx = s.max(-1)
+            p = np.exp(s - mx[:, None])
+            m[b, h * g:(h + 1) * g] = mx
+            l[b, h * g:(h + 1) * g] = p.sum(-1)
+            o[b, h * g:(h + 1) * g] = (p @ v) / p.sum(-1)[:, None]
+    return o, m, l
+
+
+def _assert_close(got, want, dtype, tol=None):
+    tol = TOL[dtype] if tol is None else tol
+    o, m, l = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in got)  # noqa: E741
+    assert np.isfinite(o).all(), "output has NaN/inf: a masked or unused slot leaked in"
+    np.testing.assert_allclose(o, want[0], atol=tol, rtol=tol)
+    np.testing.assert_allclose(m, want[1], atol=tol, rtol=tol)
+    np.testing.assert_allclose(l, want[2], atol=tol, rtol=tol)
+
+
+def _run(case, ids, lens, **kw):
+    return sparse_decode_attention(case.q, case.pool, jnp.asarray(ids), jnp.asarray(lens), **kw)
+
+
+# Each block size, group size, head_dim, dtype and list layout appears at least once.
+@pytest.mark.parametrize("dtype,bs,group,hd,headwise", [
+    (jnp.float32, 16, 4, 64, False),
+    (jnp.bfloat16, 16, 2, 128, True),
+    (jnp.float32, 8, 8, 64, True),
+    (jnp.bfloat16, 32, 1, 64, False),
+    (jnp.float32, 32, 2, 128, True),
+    (jnp.bfloat16, 8, 4, 128, False),
+])
+def test_sparse_lists_match_oracle_and_reference(dtype, bs, group, hd, headwise):
+    rng = np.random.default_rng([bs, group, hd, headwise, dtype == jnp.float32])
+    hkv = 2
+    case = _make_case(rng, [1, bs - 1, bs, bs + 1, 4 * bs + 3], hkv=hkv, group=group, hd=hd, bs=bs,
+                      dtype=dtype)
+    ids, lens = _sparse_lists(rng, case, bs, rows=hkv if headwise else 1, k=7)
+    want = _oracle(case.q, case.pool, ids, lens)
+    _assert_close(_run(case, ids, lens), want, dtype)
+    ref = sparse_decode_attention_reference(case.q, case.pool, jnp.asarray(ids), jnp.asarray(lens))
+    _assert_close(ref, want, dtype)
+
+
+def test_all_blocks_listed_is_dense_decode():
+    """Boundary lengths incl. 513 tokens (33 blocks, auto split-K), against NumPy and the engine's jnp path."""
+    rng = np.random.default_rng(513)
+    bs, hkv, group, hd = 16, 2, 2, 64
+    case = _make_case(rng, [1, 15, 16, 17, 513], hkv=hkv, group=group, hd=hd, bs=bs, dtype=jnp.float32)
+    ids, lens = _dense_lists(case, bs)
+    o, m, l = _run(case, ids, lens)  # noqa: E741
+    _assert_close((o, m, l), _oracle(case.q, case.pool, ids, lens), jnp.float32)
+
+    tables = np.where(ids[:, 0] >= 0, ids[:, 0], 0)  # the jnp path pads tables with block 0 (NaN here)
+    dense = paged_decode_attention(case.q, case.pool[None], jnp.int32(0), jnp.asarray(tables),
+                                   jnp.asarray(case.lengths, jnp.int32))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(dense), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("headwise", [False, True])
+def test_split_k_and_step_size_do_not_change_the_result(headwise):
+    rng = np.random.default_rng(7 + headwise)
+    bs, hkv = 8, 2
+    case = _make_case(rng, [9 * bs + 5, 3 * bs], hkv=hkv, group=2, hd=64, bs=bs, dtype=jnp.float32)
+    ids, lens = _sparse_lists(rng, case, bs, rows=hkv if headwise else 1, k=12)
+    want = _oracle(case.q, case.pool, ids, lens)
+    base = _run(case, ids, lens, split_k=1, blocks_per_step=2)
+    _assert_close(base, want, jnp.float32)
+    for kw in ({"split_k": 2, "blocks_per_step": 2}, {"split_k": 4, "blocks_per_step": 2},
+               {"split_k": 2, "blocks_per_step": 4}):
+        got = _run(case, ids, lens, **kw)
+        for x, y in zip(got, base, strict=True):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6, rtol=2e-6, err_msg=str(kw))
+
+
+@pytest.mark.parametrize("dtype,headwise", [(jnp.float32, True), (jnp.bfloat16, False)])
+def test_merge_of_disjoint_parts_equals_attention_over_the_union(dtype, headwise):
+    rng = np.random.default_rng([11, headwise])
+    bs, hkv = 16, 2
+    case = _make_case(rng, [6 * bs + 1, 2 * bs, 17], hkv=hkv, group=4, hd=64, bs=bs, dtype=dtype)
+    ids, lens = _sparse_lists(rng, case, bs, rows=hkv if headwise else 1, k=6)
+    part = rng.random(ids.shape) < 0.5  # disjoint split of the entries (a part may be empty for a row)
+    ids_a, ids_b = np.where(part, ids, -1), np.where(part, -1, ids)
+    lens_a, lens_b = np.where(part, lens, 0), np.where(part, 0, lens)
+    whole = _run(case, ids, lens)
+    merged = merge_attention_partials([_run(case, ids_a, lens_a), _run(case, ids_b, lens_b)])
+    want = _oracle(case.q, case.pool, ids, lens)
+    _assert_close(whole, want, dtype)
+    _assert_close(merged, want, dtype)
+    assert merged[0].dtype == dtype
+
+
+def test_empty_selection_is_an_empty_partial_and_merges_cleanly():
+    rng = np.random.default_rng(3)
+    bs, hkv = 16, 2
+    case = _make_case(rng, [40, 5], hkv=hkv, group=2, hd=64, bs=bs, dtype=jnp.float32)
+    ids = np.full((2, 1, 3), -1, np.int32)
+    lens = np.zeros_like(ids)
+    ids[0, 0, 1] = case.tables[0][0]  # a real block listed with 0 valid tokens is empty too
+    o, m, l = _run(case, ids, lens)  # noqa: E741
+    assert np.all(np.asarray(m) == -np.inf) and np.all(np.asarray(l) == 0)
+    assert np.all(np.asarray(o) == 0)
+
+    full_ids, full_lens = _dense_lists(case, bs)
+    full = _run(case, full_ids, full_lens)
+    for parts in ([(o, m, l), full], [full, (o, m, l)], [(o, m, l), full, (o, m, l)]):
+        merged = merge_attention_partials(parts)
+        for x, y in zip(merged, full, strict=True):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=1e-6)
+    eo, em, el = merge_attention_partials([(o, m, l), (o, m, l)])
+    assert np.all(np.asarray(eo) == 0) and np.all(np.asarray(em) == -np.inf) and np.all(np.asarray(el) == 0)
+
+
+def test_merge_ignores_garbage_in_empty_partials():
+    o = jnp.ones((1, 2, 4))
+    empty = (jnp.full((1, 2, 4), jnp.nan), jnp.full((1, 2), -jnp.inf), jnp.zeros((1, 2)))
+    got = merge_attention_partials([empty, (o, jnp.zeros((1, 2)), jnp.ones((1, 2)))])
+    np.testing.assert_array_equal(np.asarray(got[0]), np.ones((1, 2, 4)))
+    np.testing.assert_array_equal(np.asarray(got[2]), np.ones((1, 2)))
+    with pytest.raises(ValueError, match="at least one"):
+        merge_attention_partials([])
+    with pytest.raises(ValueError, match="partial 1"):
+        merge_attention_partials([(o, jnp.zeros((1, 2)), jnp.ones((1, 2))), (o[:, :1], o[:, :1, 0], o[:, :1, 0])])
+
+
+@pytest.mark.parametrize("q_shape,pool_shape,ids_shape,kw,match", [
+    ((1, 6, 64), (4, 2, 16, 4, 64), (1, 1, 2), {}, "divisible"),
+    ((1, 8, 64), (4, 2, 16, 4, 32), (1, 1, 2), {}, "head_dim"),
+    ((1, 8, 64), (4, 2, 16, 4, 64), (1, 2, 2), {}, "SoloHead"),
+    ((2, 8, 64), (4, 2, 16, 4, 64), (1, 1, 2), {}, "batch"),
+    ((1, 8, 48), (4, 2, 16, 4, 48), (1, 1, 2), {}, "power of two"),
+    ((1, 8, 64), (4, 2, 12, 4, 64), (1, 1, 2), {}, "block_size"),
+    ((1, 8, 64), (4, 2, 8, 4, 64), (1, 1, 2), {"blocks_per_step": 1}, "blocks_per_step"),
+    ((1, 8, 64), (4, 2, 16, 4, 64), (1, 1, 2), {"split_k": 0}, "split_k"),
+    ((1, 8, 64), (4, 16, 4, 64), (1, 1, 2), {}, "pool"),
+])
+def test_bad_inputs_raise_clear_errors(q_shape, pool_shape, ids_shape, kw, match):
+    q = jnp.zeros(q_shape)
+    pool = jnp.zeros(pool_shape)
+    ids = jnp.zeros(ids_shape, jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        sparse_decode_attention(q, pool, ids, ids, **kw)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_to_triton_ir_for_h100(dtype):
+    """Lower (not compile) through the Pallas Triton lowering with a faked H100: catches unsupported ops and
+    non-power-of-two tensors on CPU. Uses private jax modules; skipped if they moved."""
+    try:
+        from jax._src.pallas.triton import gpu_info, pallas_call_registration
+        h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    except (ImportError, AttributeError) as e:
+        pytest.skip(f"private Pallas Triton modules changed: {e}")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h100)
+    try:
+        for b, hkv, group, hd, bs, rows in [(2, 2, 4, 64, 16, 1), (1, 4, 8, 128, 8, 4), (3, 1, 1, 64, 32, 1)]:
+            args = (jax.ShapeDtypeStruct((b, hkv * group, hd), dtype),
+                    jax.ShapeDtypeStruct((9, 2, bs, hkv, hd), dtype),
+                    jax.ShapeDtypeStruct((b, rows, 5), jnp.int32),
+                    jax.ShapeDtypeStruct((b, rows, 5), jnp.int32))
+            text = sparse_decode_attention.trace(*args, split_k=2, interpret=False).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert "__gpu$xla.gpu.triton" in text
+    finally:
+        mp.undo()
