@@ -27,16 +27,17 @@ t0=$(date +%s)
 tail -3 "$OUT/env.txt"
 
 if [ "$SMOKE" = "--smoke" ]; then
-    TESTS=(tests/test_attention.py tests/test_kv_cache.py)
+    TESTS=(tests/test_attention.py tests/test_kv_cache.py tests/test_gather_scatter.py)
     BENCH=(--smoke)
     TEST_TIMEOUT=300
 else
     # most informative first: kernels-to-be, HF parity, engine; the rest after
-    TESTS=(tests/test_attention.py tests/test_hf_parity.py tests/test_engine.py tests/test_sampling.py
+    TESTS=(tests/test_sparse_decode_attention.py tests/test_block_scoring.py tests/test_gather_scatter.py
+           tests/test_sparse_selection.py tests/test_attention.py tests/test_hf_parity.py tests/test_engine.py tests/test_sampling.py
            tests/test_bad_input.py tests/test_kv_cache.py tests/test_gguf.py tests/test_tokenizer.py tests/test_smollm2.py)
-    BENCH=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8,32,64
+    BENCH=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8,32
            --max-kv-tokens 300000 --steps 8 --attention jnp,pallas --engine-prompt 8192 --engine-batch 4)
-    TEST_TIMEOUT=${TEST_TIMEOUT:-200}
+    TEST_TIMEOUT=${TEST_TIMEOUT:-150}
 fi
 XDIST=()
 if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${TEST_WORKERS:-8}"); fi
@@ -47,8 +48,14 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$TEST_TIMEOUT" "$PY" -m pytest -q -
 echo "tests exit $?:"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25
 
 [ "$SMOKE" = "--tests-only" ] && exit 0
+echo "== kernel benchmark"
+KBENCH=()
+[ "$SMOKE" = "--smoke" ] && KBENCH=(--smoke)
+timeout "${KERNEL_TIMEOUT:-150}" "$PY" bench/kernels.py "${KBENCH[@]}" --out "$OUT" > "$OUT/kernels.log" 2>&1
+echo "kernels exit $?"
+grep -v "^WARNING" "$OUT/kernels.log" | tail -25
 echo "== dense decode benchmark"
-timeout 220 "$PY" bench/dense_decode.py "${BENCH[@]}" --out "$OUT" > "$OUT/dense_decode.log" 2>&1
+timeout "${DENSE_TIMEOUT:-150}" "$PY" bench/dense_decode.py "${BENCH[@]}" --out "$OUT" > "$OUT/dense_decode.log" 2>&1
 echo "bench exit $?"
 cat "$OUT/dense_decode.log" | grep -v "^WARNING" | tail -15
 echo "suite took $(( $(date +%s) - t0 )) s"

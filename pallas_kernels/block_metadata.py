@@ -1,0 +1,127 @@
+"""Quest-style per-block key metadata: element-wise min/max of the keys of each KV block.
+
+For one layer's pool `pool: [NB, 2, bs, Hkv, hd]` (see `pulseinfer_jax.kv_cache`), the metadata of
+block `b` and KV head `h` is the pair of vectors
+
+    kmin[b, h, d] = min_t K[b, t, h, d]      kmax[b, h, d] = max_t K[b, t, h, d]
+
+over the block's *valid* tokens t < len(b). `block_scoring.block_scores` turns them into an upper bound
+of every q.k inside the block. The engine keeps per-layer arrays `meta_min/meta_max: [NB, Hkv, hd]`
+float32 next to the (possibly offloaded) cache and refreshes a block's row when the block fills
+(`update_bounds`); the partial last block is always inside the recent window, so it is never scored.
+
+No Pallas kernel here, on purpose: the op is a gather of `n` blocks followed by a masked min/max over
+the token axis. XLA fuses the gather, the mask and the reduction into one pass that reads each listed
+key exactly once (the same traffic a kernel would have), and the op runs once per filled block (once
+every `bs` decode steps, or once per prefill chunk): off the per-step critical path. A kernel would add
+a GPU-compile risk and no speed. `interpret` is accepted for the uniform kernel API and ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def _check_inputs(pool: Array, block_ids: Array, block_lens: Array, full_cache: bool = False) -> None:
+    if full_cache and (pool.ndim != 6 or pool.shape[2] != 2):
+        raise ValueError(f"with layer=..., pool must be the full [L, NB, 2, bs, Hkv, hd] cache, got {pool.shape}")
+    if not full_cache and (pool.ndim != 5 or pool.shape[1] != 2):
+        raise ValueError(f"pool must be one layer's [NB, 2, bs, Hkv, hd] K|V pool, got shape {pool.shape}; "
+                         "pass kv[layer], or the full [L, NB, 2, bs, Hkv, hd] cache together with layer=")
+    if block_ids.ndim != 1 or block_lens.shape != block_ids.shape:
+        raise ValueError(f"block_ids {block_ids.shape} and block_lens {block_lens.shape} must both be [n]")
+    if not jnp.issubdtype(block_ids.dtype, jnp.integer) or not jnp.issubdtype(block_lens.dtype, jnp.integer):
+        raise ValueError(f"block_ids ({block_ids.dtype}) and block_lens ({block_lens.dtype}) must be integer arrays")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def block_key_bounds(
+    pool: Float[Array, "NB 2 bs Hkv hd"] | Float[Array, "L NB 2 bs Hkv hd"],
+    block_ids: Int[Array, " n"],
+    block_lens: Int[Array, " n"],
+    *,
+    layer: Int[Array, ""] | int | None = None,
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "n Hkv hd"], Float[Array, "n Hkv hd"]]:
+    """Element-wise (min, max) of the keys over the first `block_lens[i]` tokens of block `block_ids[i]`.
+
+    pool: one layer's [NB, 2, bs, Hkv, hd] pool, or (with `layer`, a possibly traced index) the full
+      [L, NB, 2, bs, Hkv, hd] cache: then only the listed blocks of that layer are read, no layer copy.
+    block_ids: physical block ids in [0, NB) (out-of-range ids are clamped: keep them in range).
+    block_lens: valid tokens per listed block, in [0, bs] (clamped). Slots at or beyond the length are
+      never read into the result, whatever they hold (NaN included).
+    Returns float32 (kmin, kmax), each [n, Hkv, hd]. A block with length 0 holds no token: it gets zero
+    bounds (any value bounds an empty set, and zeros keep the scores finite, whereas +-inf would give
+    0 * inf = NaN in `block_scores`).
+    """
+    del interpret  # plain XLA: see the module docstring
+    _check_inputs(pool, block_ids, block_lens, full_cache=layer is not None)
+    bs = pool.shape[-3]
+    if layer is None:
+        keys = pool[block_ids, 0]  # [n, bs, Hkv, hd]
+    else:
+        keys = pool[layer, block_ids, 0]
+    keys = keys.astype(jnp.float32)
+    lens = jnp.clip(block_lens, 0, bs)
+    valid = (jnp.arange(bs)[None, :] < lens[:, None])[:, :, None, None]  # [n, bs, 1, 1]
+    kmin = jnp.min(jnp.where(valid, keys, jnp.inf), axis=1)
+    kmax = jnp.max(jnp.where(valid, keys, -jnp.inf), axis=1)
+    empty = (lens == 0)[:, None, None]
+    return jnp.where(empty, 0.0, kmin), jnp.where(empty, 0.0, kmax)
+
+
+def block_key_bounds_reference(
+    pool: Float[Array, "NB 2 bs Hkv hd"],
+    block_ids: Int[Array, " n"],
+    block_lens: Int[Array, " n"],
+) -> tuple[Float[Array, "n Hkv hd"], Float[Array, "n Hkv hd"]]:
+    """Plain jnp reference: one block at a time, slicing the valid tokens explicitly (Python loop over n,
+    so `block_ids`/`block_lens` must be concrete). Same contract as `block_key_bounds`."""
+    _check_inputs(pool, block_ids, block_lens)
+    hkv, hd = pool.shape[3], pool.shape[4]
+    kmins, kmaxs = [], []
+    for b, n in zip(jax.device_get(block_ids).tolist(), jax.device_get(block_lens).tolist(), strict=True):
+        n = min(max(int(n), 0), pool.shape[2])
+        if n == 0:
+            kmins.append(jnp.zeros((hkv, hd), jnp.float32))
+            kmaxs.append(jnp.zeros((hkv, hd), jnp.float32))
+            continue
+        k = pool[b, 0, :n].astype(jnp.float32)  # [n_tokens, Hkv, hd]
+        kmins.append(k.min(axis=0))
+        kmaxs.append(k.max(axis=0))
+    if not kmins:
+        empty = jnp.zeros((0, hkv, hd), jnp.float32)
+        return empty, empty
+    return jnp.stack(kmins), jnp.stack(kmaxs)
+
+
+def init_bounds(num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[Array, Array]:
+    """Zero per-layer metadata arrays (meta_min, meta_max), each [NB, Hkv, hd] float32."""
+    shape = (num_blocks, num_kv_heads, head_dim)
+    return jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
+
+
+def update_bounds(
+    meta_min: Float[Array, "NB Hkv hd"],
+    meta_max: Float[Array, "NB Hkv hd"],
+    block_ids: Int[Array, " n"],
+    kmin: Float[Array, "n Hkv hd"],
+    kmax: Float[Array, "n Hkv hd"],
+) -> tuple[Float[Array, "NB Hkv hd"], Float[Array, "NB Hkv hd"]]:
+    """Write the bounds of blocks `block_ids` into one layer's metadata rows (jittable; donate the metadata
+    in the caller's jit to update in place). Ids < 0 (padding) and ids >= NB are dropped, not wrapped."""
+    if meta_min.shape != meta_max.shape or meta_min.ndim != 3:
+        raise ValueError(f"meta_min {meta_min.shape} and meta_max {meta_max.shape} must both be [NB, Hkv, hd]")
+    if kmin.shape != kmax.shape or kmin.shape != (block_ids.shape[0], *meta_min.shape[1:]):
+        raise ValueError(f"kmin {kmin.shape} / kmax {kmax.shape} must be [n, Hkv, hd] = "
+                         f"[{block_ids.shape[0]}, {meta_min.shape[1]}, {meta_min.shape[2]}] to match block_ids "
+                         "and the metadata")
+    nb = meta_min.shape[0]
+    ids = jnp.where(block_ids < 0, nb, block_ids)  # negative ids would wrap around: send them out of range
+    meta_min = meta_min.at[ids].set(kmin.astype(meta_min.dtype), mode="drop")
+    meta_max = meta_max.at[ids].set(kmax.astype(meta_max.dtype), mode="drop")
+    return meta_min, meta_max

@@ -1,0 +1,200 @@
+"""Quest block scores: an upper bound of q.k over every key of a candidate block, from its min/max metadata.
+
+For a query head q and a block with per-feature key bounds kmin <= k <= kmax (`block_metadata`),
+
+    bound(q, block) = sum_d max(q_d * kmax_d, q_d * kmin_d)  >=  q . k   for every key k in the block.
+
+The score of (sequence b, KV head h, candidate c) sums the bound over the G = Hq / Hkv query heads that
+share KV head h, so it upper-bounds the sum over those heads of each head's max q.k inside the block.
+
+Because kmin <= kmax, max(q_d kmax_d, q_d kmin_d) = q+_d kmax_d + q-_d kmin_d with q+ = max(q, 0),
+q- = min(q, 0) (exactly, term by term). Summed over the group, the score is therefore the two dot products
+
+    score = (sum_g q+_g) . kmax + (sum_g q-_g) . kmin
+
+so a program first folds its G query rows into two [hd] vectors and then does one multiply-add and one row
+reduction over a gathered [TK, hd] tile of each bound: no matmul (so no TF32 and no >= 16 dot-shape rule),
+and the metadata, the only large operand, is read once per (sequence, KV head).
+
+Kernel (Triton lowering through `pl.pallas_call`; ids are an ordinary input, no scalar prefetch):
+    grid = (B, Hkv, Kp // TK)            Kp = K rounded up to the tile TK (a power of two)
+    program (b, h, t):
+      q rows   q[b, h*G:(h+1)*G, :]      [G, hd]  (loaded one row at a time, so G needs no padding)
+      ids      cand_ids[b, t*TK:+TK]     [TK]     (-1 / out of range -> score -inf, row 0 read instead)
+      gathers  meta_min[ids, h, :], meta_max[ids, h, :]   [TK, hd] each (hd contiguous floats per row)
+      work     2*TK*hd multiply-adds + a [TK, hd] -> [TK] reduction
+      writes   out[b, h, (0 | g), t*TK:+TK]
+With `per_head=True` the program writes one [TK] row per query head (G times the arithmetic, same loads):
+scores [B, Hq, K] for policies that normalise per query head.
+
+Padding ids and NaN metadata rows: an id < 0 or >= NB is replaced by 0 for the load and its score is
+then overwritten with -inf by a select, so whatever row 0 (or any unlisted row) holds cannot leak.
+Only rows named by `cand_ids` are ever read.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.common import next_pow2, resolve_interpret, triton_params
+
+# Elements of one gathered [TK, hd] bound tile; two tiles live in registers at once. 8192 f32 with 4 warps
+# is 64 registers per thread per tile, well below the 255 cap: TK = 64 at hd = 128, 128 at hd = 64.
+_TILE_ELEMS = 8192
+
+
+def _block_scores_kernel(
+    q_ref,  # [G, hd]      the query heads of one KV head group, any float dtype
+    ids_ref,  # [TK]       int32 physical block ids of this candidate tile (-1 = padding)
+    min_ref,  # [NB, hd]   meta_min[:, h, :] (the whole pool's rows of KV head h)
+    max_ref,  # [NB, hd]   meta_max[:, h, :]
+    o_ref,  # [R, TK]      R = 1 (group sum) or G (per query head)
+    *,
+    group: int,
+    num_blocks: int,
+    per_head: bool,
+):
+    ids = ids_ref[...]
+    valid = (ids >= 0) & (ids < num_blocks)
+    safe = jnp.where(valid, ids, 0)
+    kmin = min_ref[safe].astype(jnp.float32)  # [TK, hd] gather
+    kmax = max_ref[safe].astype(jnp.float32)
+
+    def bound(qpos, qneg):  # [hd], [hd] -> [TK]
+        s = jnp.sum(kmax * qpos[None, :] + kmin * qneg[None, :], axis=1)
+        return jnp.where(valid, s, -jnp.inf)
+
+    if per_head:
+        for g in range(group):  # static unroll, G <= 16 in practice
+            qg = q_ref[g, :].astype(jnp.float32)
+            o_ref[g, :] = bound(jnp.maximum(qg, 0.0), jnp.minimum(qg, 0.0))
+    else:
+        qg = q_ref[0, :].astype(jnp.float32)
+        qpos, qneg = jnp.maximum(qg, 0.0), jnp.minimum(qg, 0.0)
+        for g in range(1, group):
+            qg = q_ref[g, :].astype(jnp.float32)
+            qpos, qneg = qpos + jnp.maximum(qg, 0.0), qneg + jnp.minimum(qg, 0.0)
+        o_ref[0, :] = bound(qpos, qneg)
+
+
+def _block_scores_pallas(
+    q: Float[Array, "B Hq hd"],
+    meta_min: Float[Array, "NB Hkv hd"],
+    meta_max: Float[Array, "NB Hkv hd"],
+    cand_ids: Int[Array, "B Kp"],
+    *,
+    tile_k: int,
+    per_head: bool,
+    num_warps: int,
+    interpret: bool,
+) -> Float[Array, "B Hkv R Kp"]:
+    b, hq, hd = q.shape
+    nb, hkv, _ = meta_min.shape
+    g = hq // hkv
+    kp = cand_ids.shape[1]
+    rows = g if per_head else 1
+    q4 = q.reshape(b, hkv, g, hd)
+    kernel = functools.partial(_block_scores_kernel, group=g, num_blocks=nb, per_head=per_head)
+    meta_spec = pl.BlockSpec((nb, None, hd), lambda i, h, t: (0, h, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(b, hkv, kp // tile_k),
+        in_specs=[
+            pl.BlockSpec((None, None, g, hd), lambda i, h, t: (i, h, 0, 0)),  # q4 [B, Hkv, G, hd]
+            pl.BlockSpec((None, tile_k), lambda i, h, t: (i, t)),  # cand_ids [B, Kp]
+            meta_spec,  # meta_min [NB, Hkv, hd]
+            meta_spec,  # meta_max [NB, Hkv, hd]
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, tile_k), lambda i, h, t: (i, h, 0, t)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, rows, kp), jnp.float32),
+        interpret=interpret,
+        compiler_params=triton_params(num_warps=num_warps, num_stages=1),
+        name=f"block_scores_{tile_k=}_{per_head=}",
+    )(q4, cand_ids, meta_min, meta_max)
+
+
+def _check_inputs(q: Array, meta_min: Array, meta_max: Array, cand_ids: Array) -> None:
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, Hq, hd] (one decode token per sequence), got shape {q.shape}")
+    if meta_min.ndim != 3 or meta_min.shape != meta_max.shape:
+        raise ValueError(f"meta_min {meta_min.shape} and meta_max {meta_max.shape} must both be [NB, Hkv, hd]")
+    b, hq, hd = q.shape
+    nb, hkv, hd_m = meta_min.shape
+    if hd_m != hd:
+        raise ValueError(f"head_dim of q ({hd}) must equal the metadata's ({hd_m})")
+    if hq % hkv:
+        raise ValueError(f"num_q_heads={hq} must be divisible by num_kv_heads={hkv} (metadata axis 1)")
+    if cand_ids.ndim != 2 or cand_ids.shape[0] != b:
+        raise ValueError(f"cand_ids must be [B, K] with B={b} (q's batch), got shape {cand_ids.shape}")
+    if not jnp.issubdtype(cand_ids.dtype, jnp.integer):
+        raise ValueError(f"cand_ids must be an integer array of block ids (-1 = padding), got {cand_ids.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("per_head", "tile_k", "num_warps", "interpret"))
+def block_scores(
+    q: Float[Array, "B Hq hd"],
+    meta_min: Float[Array, "NB Hkv hd"],
+    meta_max: Float[Array, "NB Hkv hd"],
+    cand_ids: Int[Array, "B K"],
+    *,
+    per_head: bool = False,
+    tile_k: int | None = None,
+    num_warps: int = 4,
+    interpret: bool | None = None,
+) -> Float[Array, "B S K"]:
+    """Quest scores of the candidate blocks `cand_ids` (physical ids, -1 = padding -> -inf).
+
+    Returns float32 [B, Hkv, K] (group sums; the default) or [B, Hq, K] with `per_head=True` (one bound
+    per query head; summing each group's G rows gives the default up to rounding). Requires
+    meta_min <= meta_max element-wise on the listed rows (true by construction). Scores are raw q.k
+    bounds (no 1/sqrt(hd)). `tile_k` (a power of two, default 8192 // hd capped at 128) is the number of
+    candidates per program; the head dim must be a power of two on GPU (Triton loads need power-of-two
+    sizes).
+    """
+    _check_inputs(q, meta_min, meta_max, cand_ids)
+    interpret = resolve_interpret(interpret)
+    b, hq, hd = q.shape
+    k = cand_ids.shape[1]
+    if not interpret and hd & (hd - 1):
+        raise ValueError(f"head_dim={hd} must be a power of two for the Triton lowering; allocate the metadata "
+                         "(and pad q) with next_pow2(head_dim) features: zero features add nothing to a score")
+    if tile_k is None:
+        tile_k = max(16, min(128, _TILE_ELEMS // next_pow2(hd)))
+    if tile_k <= 0 or tile_k & (tile_k - 1):
+        raise ValueError(f"tile_k={tile_k} must be a positive power of two (Triton tile sizes)")
+    tile_k = min(tile_k, next_pow2(max(k, 1)))
+    kp = -(-max(k, 1) // tile_k) * tile_k
+    ids = jnp.pad(cand_ids.astype(jnp.int32), ((0, 0), (0, kp - k)), constant_values=-1)
+    out = _block_scores_pallas(q, meta_min, meta_max, ids, tile_k=tile_k, per_head=per_head,
+                               num_warps=num_warps, interpret=interpret)  # [B, Hkv, R, Kp]
+    return out.reshape(b, -1, kp)[:, :, :k]
+
+
+def block_scores_reference(
+    q: Float[Array, "B Hq hd"],
+    meta_min: Float[Array, "NB Hkv hd"],
+    meta_max: Float[Array, "NB Hkv hd"],
+    cand_ids: Int[Array, "B K"],
+    *,
+    per_head: bool = False,
+) -> Float[Array, "B S K"]:
+    """Plain jnp: the literal formula sum_g sum_d max(q_d * kmax_d, q_d * kmin_d) on gathered rows."""
+    _check_inputs(q, meta_min, meta_max, cand_ids)
+    b, hq, hd = q.shape
+    nb, hkv, _ = meta_min.shape
+    g = hq // hkv
+    valid = (cand_ids >= 0) & (cand_ids < nb)  # [B, K]
+    safe = jnp.where(valid, cand_ids, 0)
+    kmin = meta_min[safe].astype(jnp.float32)  # [B, K, Hkv, hd]
+    kmax = meta_max[safe].astype(jnp.float32)
+    q5 = q.astype(jnp.float32).reshape(b, 1, hkv, g, hd)  # [B, 1, Hkv, G, hd]
+    prod = jnp.maximum(q5 * kmax[:, :, :, None], q5 * kmin[:, :, :, None])  # [B, K, Hkv, G, hd]
+    s = jnp.sum(prod, axis=-1)  # [B, K, Hkv, G]
+    s = s.reshape(b, -1, hq) if per_head else jnp.sum(s, axis=-1)  # [B, K, S]
+    s = jnp.where(valid[:, :, None], s, -jnp.inf)
+    return jnp.transpose(s, (0, 2, 1))

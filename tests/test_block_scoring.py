@@ -1,0 +1,193 @@
+"""Quest block metadata and scoring (Pallas interpret mode on CPU) against jnp/numpy references.
+
+Pools are NaN everywhere a test did not write, metadata rows of unlisted blocks are NaN, and padding slots
+of partial blocks are NaN: any stray read shows up as a NaN in the result.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.block_metadata import (
+    block_key_bounds,
+    block_key_bounds_reference,
+    init_bounds,
+    update_bounds,
+)
+from pallas_kernels.block_scoring import block_scores, block_scores_reference
+
+
+def _pool(rng, nb, bs, hkv, hd, lens):
+    """[NB, 2, bs, Hkv, hd] float32 pool: block i holds lens[i] random keys (scaled per feature so the bounds
+    differ per feature), NaN elsewhere. Returns (pool, keys) with keys[i] = [lens[i], Hkv, hd]."""
+    pool = np.full((nb, 2, bs, hkv, hd), np.nan, np.float32)
+    scale = rng.uniform(0.2, 3.0, size=(hkv, hd)).astype(np.float32)
+    keys = []
+    for i, n in enumerate(lens):
+        k = (rng.standard_normal((n, hkv, hd)) * scale + rng.standard_normal((hkv, hd))).astype(np.float32)
+        pool[i, 0, :n] = k
+        pool[i, 1, :n] = rng.standard_normal((n, hkv, hd))
+        keys.append(k)
+    return pool, keys
+
+
+@pytest.mark.parametrize("bs,hd,dtype", [(8, 64, jnp.float32), (16, 128, jnp.bfloat16), (32, 64, jnp.float32)])
+def test_block_key_bounds_valid_tokens_only(bs, hd, dtype):
+    rng = np.random.default_rng(1000 * bs + hd)
+    hkv, nb = 2, 9
+    lens = [bs, 1, bs - 1, bs // 2, 0, bs, 3, bs, 2]
+    pool, _ = _pool(rng, nb, bs, hkv, hd, lens)
+    pool = jnp.asarray(pool, dtype)  # NaN in every slot at or past a block's length
+    ids = np.array(rng.permutation(nb), np.int32)
+    blens = np.array([lens[i] for i in ids], np.int32)
+    kmin, kmax = block_key_bounds(pool, jnp.asarray(ids), jnp.asarray(blens))
+    assert kmin.shape == kmax.shape == (nb, hkv, hd) and kmin.dtype == jnp.float32
+    keys = np.asarray(pool.astype(jnp.float32))[:, 0]
+    for j, (b, n) in enumerate(zip(ids, blens, strict=True)):
+        want_min = keys[b, :n].min(0) if n else np.zeros((hkv, hd), np.float32)
+        want_max = keys[b, :n].max(0) if n else np.zeros((hkv, hd), np.float32)
+        np.testing.assert_array_equal(np.asarray(kmin[j]), want_min)  # min/max are exact
+        np.testing.assert_array_equal(np.asarray(kmax[j]), want_max)
+    full = jnp.stack([jnp.full_like(pool, jnp.nan), pool])  # [L=2, NB, 2, bs, Hkv, hd]: read layer 1 in place
+    fmin, fmax = block_key_bounds(full, jnp.asarray(ids), jnp.asarray(blens), layer=jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(fmin), np.asarray(kmin))
+    np.testing.assert_array_equal(np.asarray(fmax), np.asarray(kmax))
+    rmin, rmax = block_key_bounds_reference(pool, jnp.asarray(ids), jnp.asarray(blens))
+    np.testing.assert_array_equal(np.asarray(kmin), np.asarray(rmin))
+    np.testing.assert_array_equal(np.asarray(kmax), np.asarray(rmax))
+
+
+def test_update_bounds_writes_listed_rows_and_drops_padding():
+    rng = np.random.default_rng(7)
+    nb, hkv, hd = 6, 2, 64
+    meta_min = jnp.full((nb, hkv, hd), jnp.nan)
+    meta_max = jnp.full((nb, hkv, hd), jnp.nan)
+    ids = jnp.asarray([4, -1, 1], jnp.int32)
+    lo = jnp.asarray(rng.standard_normal((3, hkv, hd)), jnp.float32)
+    hi = lo + 1.0
+    new_min, new_max = update_bounds(meta_min, meta_max, ids, lo, hi)
+    np.testing.assert_array_equal(np.asarray(new_min[4]), np.asarray(lo[0]))
+    np.testing.assert_array_equal(np.asarray(new_max[1]), np.asarray(hi[2]))
+    for row in (0, 2, 3, 5):  # untouched: -1 must not wrap around to the last row
+        assert np.isnan(np.asarray(new_min[row])).all() and np.isnan(np.asarray(new_max[row])).all()
+    zmin, zmax = init_bounds(nb, hkv, hd)
+    assert zmin.shape == (nb, hkv, hd) and not np.asarray(zmax).any()
+    with pytest.raises(ValueError, match="must be \\[n, Hkv, hd\\]"):
+        update_bounds(meta_min, meta_max, ids, lo[:2], hi[:2])
+
+
+def _scoring_case(seed, bs, group, hd, k, hkv=2, batch=2):
+    """Random pool + metadata (NaN rows for blocks nobody lists) + shuffled, -1 padded candidate lists."""
+    rng = np.random.default_rng(seed)
+    nb = 2 * k + 3
+    lens = [int(n) for n in rng.integers(1, bs + 1, size=nb)]
+    pool, keys = _pool(rng, nb, bs, hkv, hd, lens)
+    listed = rng.permutation(np.arange(1, nb))[: batch * k - 3]  # block 0 and a few others never listed
+    cand = np.full((batch, k), -1, np.int32)
+    flat = cand.reshape(-1)
+    slots = rng.permutation(batch * k)[: len(listed)]  # -1 padding lands at random places
+    flat[slots] = listed
+    kmin, kmax = block_key_bounds(jnp.asarray(pool), jnp.asarray(listed, jnp.int32),
+                                  jnp.asarray([lens[i] for i in listed], jnp.int32))
+    meta_min, meta_max = update_bounds(jnp.full((nb, hkv, hd), jnp.nan), jnp.full((nb, hkv, hd), jnp.nan),
+                                       jnp.asarray(listed, jnp.int32), kmin, kmax)
+    q = (rng.standard_normal((batch, hkv * group, hd)) * 0.5).astype(np.float32)
+    return q, meta_min, meta_max, cand, keys
+
+
+@pytest.mark.parametrize(
+    "bs,group,hd,k,tile_k",
+    [(8, 1, 64, 5, None), (16, 2, 128, 20, 8), (32, 4, 64, 12, None), (16, 8, 128, 9, 4), (8, 3, 64, 17, 16)],
+)
+def test_block_scores_matches_reference_and_bounds_true_scores(bs, group, hd, k, tile_k):
+    q, meta_min, meta_max, cand, keys = _scoring_case(bs * 97 + group * 13 + hd + k, bs, group, hd, k)
+    hkv = meta_min.shape[1]
+    out = block_scores(jnp.asarray(q), meta_min, meta_max, jnp.asarray(cand), tile_k=tile_k)
+    ref = block_scores_reference(jnp.asarray(q), meta_min, meta_max, jnp.asarray(cand))
+    assert out.shape == (2, hkv, k) and out.dtype == jnp.float32
+    out, ref = np.asarray(out), np.asarray(ref)
+    pad = cand < 0
+    assert np.isneginf(out[:, :, :][np.broadcast_to(pad[:, None], out.shape)]).all()
+    assert np.isfinite(out[np.broadcast_to(~pad[:, None], out.shape)]).all()  # no NaN row leaked
+    atol = 1e-4 * np.abs(ref[np.isfinite(ref)]).max()
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=atol)
+
+    per_head = np.asarray(block_scores(jnp.asarray(q), meta_min, meta_max, jnp.asarray(cand), per_head=True,
+                                       tile_k=tile_k))
+    ref_ph = np.asarray(block_scores_reference(jnp.asarray(q), meta_min, meta_max, jnp.asarray(cand),
+                                               per_head=True))
+    assert per_head.shape == (2, hkv * group, k)
+    np.testing.assert_allclose(per_head, ref_ph, rtol=1e-5, atol=atol)
+    group_sum = per_head.reshape(2, hkv, group, k).sum(2)
+    np.testing.assert_allclose(group_sum, out, rtol=1e-5, atol=atol)
+
+    # Quest property: each head's bound >= its best true q.k in the block; the group score >= their sum.
+    for b in range(2):
+        for c in range(k):
+            blk = cand[b, c]
+            if blk < 0:
+                continue
+            qk = np.einsum("hgd,thd->hgt", q[b].reshape(hkv, group, hd).astype(np.float64), keys[blk])
+            best = qk.max(-1)  # [Hkv, G]
+            slack = 1e-4 * (1.0 + np.abs(best))
+            assert (per_head[b].reshape(hkv, group, k)[:, :, c] >= best - slack).all()
+            assert (out[b, :, c] >= best.sum(-1) - slack.sum(-1)).all()
+
+
+def test_block_scores_bf16_query_and_tight_bound():
+    """bf16 queries are read as f32; a one-token block's bound is exactly its q.k (min = max = k)."""
+    rng = np.random.default_rng(3)
+    hkv, group, hd, nb = 2, 2, 64, 5
+    k1 = rng.standard_normal((nb, hkv, hd)).astype(np.float32)
+    meta = jnp.asarray(k1)
+    q = jnp.asarray(rng.standard_normal((1, hkv * group, hd)), jnp.bfloat16)
+    cand = jnp.asarray([[3, 0, -1, 4]], jnp.int32)
+    out = np.asarray(block_scores(q, meta, meta, cand))
+    qf = np.asarray(q.astype(jnp.float32)).reshape(hkv, group, hd)
+    want = np.einsum("hgd,chd->hc", qf, k1[[3, 0, 0, 4]])
+    want[:, 2] = -np.inf
+    np.testing.assert_allclose(out[0], want, rtol=1e-5, atol=1e-4)
+
+
+def test_block_scores_rejects_bad_inputs():
+    q = jnp.zeros((1, 6, 64))
+    meta = jnp.zeros((4, 4, 64))
+    ids = jnp.zeros((1, 3), jnp.int32)
+    with pytest.raises(ValueError, match="divisible by num_kv_heads"):
+        block_scores(q, meta, meta, ids)
+    with pytest.raises(ValueError, match="head_dim of q"):
+        block_scores(jnp.zeros((1, 4, 32)), meta, meta, ids)
+    with pytest.raises(ValueError, match="integer array"):
+        block_scores(jnp.zeros((1, 4, 64)), meta, meta, ids.astype(jnp.float32))
+    with pytest.raises(ValueError, match="power of two"):
+        block_scores(jnp.zeros((1, 4, 64)), meta, meta, ids, tile_k=24)
+    with pytest.raises(ValueError, match="\\[B, K\\]"):
+        block_scores(jnp.zeros((2, 4, 64)), meta, meta, ids)
+
+
+def test_block_scores_lowers_to_triton_ir():
+    """The Triton lowering (not PTX compilation) runs on CPU with a pretend H200: catches unsupported ops
+    and non-power-of-two loads without a GPU. Skipped when jax's private hooks moved."""
+    try:
+        from jax._src.pallas.triton import gpu_info
+        from jax._src.pallas.triton import pallas_call_registration as reg
+        fake = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    except (ImportError, AttributeError) as e:  # pragma: no cover - depends on the jax version
+        pytest.skip(f"jax private Triton hooks unavailable: {e}")
+    orig = reg.gpu_info_lib.get_gpu_info
+    reg.gpu_info_lib.get_gpu_info = lambda: fake
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for group, hd, k, per_head in [(3, 64, 300, True), (8, 128, 37, False)]:
+                q = jax.ShapeDtypeStruct((2, 2 * group, hd), jnp.bfloat16)
+                meta = jax.ShapeDtypeStruct((24, 2, hd), jnp.float32)
+                ids = jax.ShapeDtypeStruct((2, k), jnp.int32)
+                fn = jax.jit(lambda q, a, b, i, ph=per_head: block_scores(q, a, b, i, per_head=ph, interpret=False))
+                text = fn.trace(q, meta, meta, ids).lower(lowering_platforms=("cuda",)).as_text()
+                assert "__gpu$xla.gpu.triton" in text
+    finally:
+        reg.gpu_info_lib.get_gpu_info = orig
