@@ -3,7 +3,7 @@
 # the dense decode benchmark. Writes everything into OUT_DIR (ready to copy into bench/results/).
 #   bench/gpu_suite.sh OUT_DIR            on a GPU machine (python3 with jax[cuda] 0.11.2 + flax + transformers)
 #   bench/gpu_suite.sh OUT_DIR --smoke    tiny sizes on CPU, to check the script before GPU time is spent
-#   bench/gpu_suite.sh OUT_DIR --tests-only   just the test suite (TEST_TIMEOUT seconds, default 200)
+#   bench/gpu_suite.sh OUT_DIR --tests-only   just the test suite (TEST_TIMEOUT seconds, default 150)
 # Tests run in parallel processes (pytest-xdist, if present) without GPU memory preallocation: on the GPU
 # the suite is dominated by XLA compile time, which parallelises over the host's cores.
 # Wheels of packages the GPU image lacks (gguf) travel in .whl/ and are installed into /tmp/site.
