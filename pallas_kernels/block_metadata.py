@@ -14,12 +14,10 @@ No Pallas kernel here, on purpose: the op is a gather of `n` blocks followed by 
 the token axis. XLA fuses the gather, the mask and the reduction into one pass that reads each listed
 key exactly once (the same traffic a kernel would have), and the op runs once per filled block (once
 every `bs` decode steps, or once per prefill chunk): off the per-step critical path. A kernel would add
-a GPU-compile risk and no speed. `interpret` is accepted for the uniform kernel API and ignored.
+a GPU-compile risk and no speed.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,14 +36,13 @@ def _check_inputs(pool: Array, block_ids: Array, block_lens: Array, full_cache: 
         raise ValueError(f"block_ids ({block_ids.dtype}) and block_lens ({block_lens.dtype}) must be integer arrays")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@jax.jit
 def block_key_bounds(
     pool: Float[Array, "NB 2 bs Hkv hd"] | Float[Array, "L NB 2 bs Hkv hd"],
     block_ids: Int[Array, " n"],
     block_lens: Int[Array, " n"],
     *,
     layer: Int[Array, ""] | int | None = None,
-    interpret: bool | None = None,
 ) -> tuple[Float[Array, "n Hkv hd"], Float[Array, "n Hkv hd"]]:
     """Element-wise (min, max) of the keys over the first `block_lens[i]` tokens of block `block_ids[i]`.
 
@@ -58,7 +55,6 @@ def block_key_bounds(
     bounds (any value bounds an empty set, and zeros keep the scores finite, whereas +-inf would give
     0 * inf = NaN in `block_scores`).
     """
-    del interpret  # plain XLA: see the module docstring
     _check_inputs(pool, block_ids, block_lens, full_cache=layer is not None)
     bs = pool.shape[-3]
     if layer is None:
