@@ -74,6 +74,15 @@ def logical_to_physical(selected: Int[Array, "B S N"], block_tables: Int[Array, 
     return jnp.where(selected >= 0, phys, -1).astype(jnp.int32)
 
 
+def selected_block_lens(
+    selected: Int[Array, "B S N"], lengths: Int[Array, " B"], block_size: int
+) -> Int[Array, "B S N"]:
+    """Valid tokens of each selected logical block (block_size, fewer for the partial last one, 0 for -1):
+    the `block_lens` input of `sparse_decode_attention` that goes with `logical_to_physical(selected, ...)`."""
+    n = jnp.clip(lengths[:, None, None] - selected * block_size, 0, block_size)
+    return jnp.where(selected >= 0, n, 0).astype(jnp.int32)
+
+
 def _top_blocks(
     key: Float[Array, "R K"], n: Int[Array, " R"], budget: int, sink: int, window: int
 ) -> Int[Array, "R N"]:
