@@ -64,6 +64,13 @@ def _check_index(name: str, idx: Array, n: int | None = None) -> None:
         raise ValueError(f"{name} has {idx.shape[0]} entries but {n} were expected")
 
 
+def _check_staging(staging: Array, shape: tuple[int, ...], cache: Array) -> None:
+    if staging.shape != shape:
+        raise ValueError(f"staging shape {staging.shape} must be {shape} ({shape[0]} slots, cache {cache.shape})")
+    if staging.dtype != cache.dtype:
+        raise ValueError(f"staging dtype {staging.dtype} != cache dtype {cache.dtype}")
+
+
 def _check_tile(max_tile: int) -> None:
     if max_tile < 1 or max_tile & (max_tile - 1):
         raise ValueError(f"max_tile={max_tile} must be a positive power of two")
@@ -183,11 +190,7 @@ def scatter_blocks(
     _check_tile(max_tile)
     ns, _, bs, hkv, hd = cache.shape
     n = slots.shape[0]
-    if staging.shape != (n, 2, bs, hkv, hd):
-        raise ValueError(
-            f"staging shape {staging.shape} must be {(n, 2, bs, hkv, hd)} ({n} slots, cache {cache.shape})")
-    if staging.dtype != cache.dtype:
-        raise ValueError(f"staging dtype {staging.dtype} != cache dtype {cache.dtype}")
+    _check_staging(staging, (n, 2, bs, hkv, hd), cache)
     if n == 0:
         return cache
     f = 2 * bs * hkv * hd
@@ -257,10 +260,7 @@ def scatter_block_heads(
     _check_tile(max_tile)
     ns, _, bs, hkv, hd = cache.shape
     n = slots.shape[0]
-    if staging.shape != (n, 2, bs, hd):
-        raise ValueError(f"staging shape {staging.shape} must be {(n, 2, bs, hd)} ({n} slots, cache {cache.shape})")
-    if staging.dtype != cache.dtype:
-        raise ValueError(f"staging dtype {staging.dtype} != cache dtype {cache.dtype}")
+    _check_staging(staging, (n, 2, bs, hd), cache)
     if n == 0:
         return cache
     rows, cols = _heads_tiles(2 * bs, hd, max_tile)
