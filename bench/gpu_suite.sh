@@ -43,7 +43,7 @@ XDIST=()
 if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${TEST_WORKERS:-8}"); fi
 
 echo "== tests on $("$PY" -c 'import jax; print(jax.default_backend())')"
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 15 "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
     --durations=10 "${XDIST[@]}" "${TESTS[@]}" > "$OUT/tests.log" 2>&1
 echo "tests exit $?:"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25
 
