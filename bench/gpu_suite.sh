@@ -6,7 +6,8 @@
 #   bench/gpu_suite.sh OUT_DIR --tests-only   just the test suite (TEST_TIMEOUT seconds, default 150)
 # Tests run in parallel processes (pytest-xdist, if present) without GPU memory preallocation: on the GPU
 # the suite is dominated by XLA compile time, which parallelises over the host's cores.
-# Wheels of packages the GPU image lacks (gguf) travel in .whl/ and are installed into /tmp/site.
+# Wheels of packages the GPU image lacks (gguf) travel in .whl/ (bench/fetch_gpu_wheels.sh) and are
+# installed into /tmp/site.
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_suite.sh OUT_DIR [--smoke]}
 SMOKE=${2:-}
