@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-call GPU check: environment, the test suite compiled for the accelerator (no interpret mode; kernel
-# tests first), bench/kernels.py, and the dense decode benchmark (jnp and Pallas decode attention). Writes everything into OUT_DIR (ready to copy into bench/results/).
+# tests first), bench/kernels.py, and the dense decode benchmark (jnp and Pallas decode attention).
+# Writes everything into OUT_DIR (ready to copy into bench/results/).
 #   bench/gpu_suite.sh OUT_DIR            on a GPU machine (python3 with jax[cuda] 0.11.2 + flax + transformers)
 #   bench/gpu_suite.sh OUT_DIR --smoke    tiny sizes on CPU, to check the script before GPU time is spent
 #   bench/gpu_suite.sh OUT_DIR --tests-only   just the test suite (TEST_TIMEOUT seconds, default 150)
