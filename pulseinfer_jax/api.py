@@ -106,7 +106,7 @@ class _TextTracker:
         return delta
 
 
-def _stats(r: Request, t_start: float) -> dict[str, Any]:
+def _stats(r: Request, t_start: float, engine: Engine) -> dict[str, Any]:
     n = len(r.output)
     decode_s = max(0.0, r.t_done - r.t_first)
     return {
@@ -120,6 +120,7 @@ def _stats(r: Request, t_start: float) -> dict[str, Any]:
         "admitted_at_step": r.admit_step,
         "total_s": r.t_done - t_start,
         "mode": "dense",
+        "decode_attention": engine.decode_attention,
     }
 
 
@@ -171,7 +172,7 @@ def stream_long(
             reason = "stop"
         result = None
         if reason is not None:
-            result = GenerationResult(tr.text, list(req.output), reason, _stats(req, t_start))
+            result = GenerationResult(tr.text, list(req.output), reason, _stats(req, t_start, engine))
         yield StreamEvent(ev.index, ev.token_id, delta, reason, result)
 
 

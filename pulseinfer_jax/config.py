@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 MODES = ("dense",)  # "offload" and "auto" arrive with the host-offload issue
-DECODE_ATTENTION = ("jnp", "pallas")
+DECODE_ATTENTION = ("auto", "jnp", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,9 +19,10 @@ class EngineConfig:
     mode: str = "dense"
     progress: bool | None = None  # progress bar over long prefills; None = only when stderr is a terminal
     progress_min_tokens: int = 2048  # prompts at least this long get a progress bar
-    # decode attention: "jnp" (XLA, the default until the Pallas kernel has been compiled and measured on a
-    # GPU) or "pallas" (pallas_kernels.sparse_decode_attention; interpret mode off-GPU, slow: tests only)
-    decode_attention: str = "jnp"
+    # decode attention: "pallas" (pallas_kernels.sparse_decode_attention, every block listed), "jnp" (XLA), or
+    # "auto": Pallas on a GPU, falling back to jnp with a warning if the kernel fails to compile there; jnp
+    # elsewhere (off-GPU the kernel runs in Pallas interpret mode: correct but slow, for tests)
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch", "prefill_chunk", "key_chunk"):
@@ -38,3 +39,10 @@ class EngineConfig:
             raise ValueError(f"decode_attention={self.decode_attention!r}; use one of {', '.join(DECODE_ATTENTION)}")
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not supported; use one of {', '.join(MODES)}")
+
+
+def resolve_decode_attention(choice: str, platform: str) -> str:
+    """The decode attention an engine on `platform` uses for the configured `choice`."""
+    if choice != "auto":
+        return choice
+    return "pallas" if platform in ("gpu", "cuda", "rocm") else "jnp"

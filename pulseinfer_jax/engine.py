@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.loading import LoadedModel
-from pulseinfer_jax.config import EngineConfig
+from pulseinfer_jax.config import EngineConfig, resolve_decode_attention
 from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for
 from pulseinfer_jax.runner import bucket, decode_step, prefill_step
 from pulseinfer_jax.sampling import SamplingParams, greedy_sample, sample
@@ -45,6 +46,8 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.seed = 0
         self.steps = 0  # engine steps taken in the current run
+        self.decode_attention = resolve_decode_attention(config.decode_attention, self.device.platform)
+        self._attention_proven = self.decode_attention == "jnp"  # pallas: not yet compiled in this engine
         self._bars: dict = {}
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids if model.tokenizer else model.cfg.eos_token_ids)
 
@@ -178,10 +181,26 @@ class Engine:
             tokens[i] = r.output[-1]
             positions[i] = r.seq_len - 1
             tables[i] = self._table(r.blocks, mb)
-        self.kv, logits = decode_step(self.model.transformer, self.model.params, self.kv, jnp.asarray(tokens),
-                                      jnp.asarray(positions), jnp.asarray(tables),
-                                      attention=self.config.decode_attention)
+        args = (jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(tables))
+        self.kv, logits = self._decode_step(*args)
         yield from self._accept(reqs, self._sample(logits, reqs))
+
+    def _decode_step(self, *args: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """decode_step with the configured attention; under "auto", a Pallas kernel that fails to compile on
+        this device falls back to the jnp attention once, with a warning (the cache is untouched: compile
+        errors are raised before the donated cache is consumed; if it was, the error is re-raised)."""
+        model = self.model
+        try:
+            out = decode_step(model.transformer, model.params, self.kv, *args, attention=self.decode_attention)
+        except Exception as e:  # noqa: BLE001 - any lowering/compile error of the kernel
+            if self._attention_proven or self.config.decode_attention != "auto" or self.kv.is_deleted():
+                raise
+            warnings.warn(f"Pallas decode attention failed on {self.device.platform} ({type(e).__name__}: "
+                          f"{str(e)[:300]}); falling back to the jnp attention", RuntimeWarning, stacklevel=2)
+            self.decode_attention = "jnp"
+            out = decode_step(model.transformer, model.params, self.kv, *args, attention="jnp")
+        self._attention_proven = True
+        return out
 
     # ---- postprocess ---------------------------------------------------------------------------
     def _sample(self, logits: jax.Array, reqs: list[Request]) -> list[int]:

@@ -153,3 +153,39 @@ def test_pallas_decode_step_logits_match_jnp(tiny):
     _, ref = decode_step(tiny.transformer, tiny.params, kv, *args, attention="jnp")
     _, got = decode_step(tiny.transformer, tiny.params, kv2, *args, attention="pallas")
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=0)
+
+
+def test_decode_attention_auto_resolution():
+    from pulseinfer_jax.config import resolve_decode_attention
+
+    assert resolve_decode_attention("auto", "gpu") == "pallas"
+    assert resolve_decode_attention("auto", "cpu") == "jnp"
+    assert resolve_decode_attention("jnp", "gpu") == "jnp"
+    assert resolve_decode_attention("pallas", "cpu") == "pallas"
+    with pytest.raises(ValueError, match="decode_attention"):
+        EngineConfig(decode_attention="triton")
+
+
+def test_auto_attention_falls_back_when_the_kernel_does_not_compile(tiny, monkeypatch):
+    """Under "auto" on a GPU, a kernel the device's compiler rejects falls back to jnp once, with a warning and
+    the same tokens; an explicit "pallas" request surfaces the error instead."""
+    import pulseinfer_jax.engine as engine_mod
+
+    real = engine_mod.decode_step
+
+    def rejecting(*args, attention="jnp", **kw):
+        if attention == "pallas":
+            raise NotImplementedError("Triton lowering rejected the kernel")
+        return real(*args, attention=attention, **kw)
+
+    prompts = _prompts(2, tiny.cfg.vocab_size, seed=4)
+    want = [r.token_ids for r in generate_long(prompts, tiny, max_new_tokens=4, ignore_eos=True)]
+    monkeypatch.setattr(engine_mod, "decode_step", rejecting)
+    monkeypatch.setattr(engine_mod, "resolve_decode_attention", lambda choice, platform: "pallas")
+    with pytest.warns(RuntimeWarning, match="falling back"):
+        res = generate_long(prompts, tiny, max_new_tokens=4, ignore_eos=True)
+    assert [r.token_ids for r in res] == want
+    assert res[0].stats["decode_attention"] == "jnp"
+    with pytest.raises(NotImplementedError, match="rejected"):
+        generate_long(prompts, tiny, max_new_tokens=4, ignore_eos=True,
+                      engine_config=EngineConfig(decode_attention="pallas"))
