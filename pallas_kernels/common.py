@@ -11,11 +11,13 @@ from __future__ import annotations
 import jax
 from jax.experimental.pallas import triton as plt
 
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # platform names under which pallas_call lowers for a GPU
+
 
 def resolve_interpret(interpret: bool | None) -> bool:
     """True -> Pallas interpret mode. None picks interpret mode unless the default backend is a GPU."""
     if interpret is None:
-        return jax.default_backend() not in ("gpu", "cuda", "rocm")
+        return jax.default_backend() not in GPU_PLATFORMS
     return bool(interpret)
 
 

@@ -85,15 +85,15 @@ def paged_decode_attention_pallas(
     [L * NB, 2, bs, Hkv, hd] (a free reshape), so the layer's pool is never sliced out and copied.
     """
     from pallas_kernels.sparse_decode_attention import sparse_decode_attention
+    from pulseinfer_jax.sparse import selected_block_lens
 
     n_layers, nb, _, bs = kv.shape[:4]
-    mb = block_tables.shape[1]
-    starts = jnp.arange(mb, dtype=jnp.int32) * bs
-    lens = jnp.clip(lengths[:, None] - starts[None], 0, bs)  # [B, MB] valid tokens per entry
-    ids = jnp.where(lens > 0, block_tables + layer * nb, -1)
+    b, mb = block_tables.shape
+    every_block = jnp.broadcast_to(jnp.arange(mb, dtype=jnp.int32), (b, 1, mb))  # [B, 1, MB] logical
+    lens = selected_block_lens(every_block, lengths, bs)  # [B, 1, MB] valid tokens per entry
+    ids = jnp.where(lens > 0, block_tables[:, None] + layer * nb, -1).astype(jnp.int32)
     pool = kv.reshape(n_layers * nb, *kv.shape[2:])
-    o, _, _ = sparse_decode_attention(q, pool, ids[:, None].astype(jnp.int32), lens[:, None].astype(jnp.int32),
-                                      interpret=interpret)
+    o, _, _ = sparse_decode_attention(q, pool, ids, lens, interpret=interpret)
     return o
 
 

@@ -45,4 +45,6 @@ def resolve_decode_attention(choice: str, platform: str) -> str:
     """The decode attention an engine on `platform` uses for the configured `choice`."""
     if choice != "auto":
         return choice
-    return "pallas" if platform in ("gpu", "cuda", "rocm") else "jnp"
+    from pallas_kernels.common import GPU_PLATFORMS
+
+    return "pallas" if platform in GPU_PLATFORMS else "jnp"
