@@ -1,1 +1,1 @@
-"""Host offload: the only package that knows memory kinds (pinned host KV pool, GPU slot cache, I/O engine)."""
+"""Host offload: the only package that knows memory kinds (pinned host pool, transfers, GPU slot cache)."""

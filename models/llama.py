@@ -80,6 +80,14 @@ class DecoderLayer(nn.Module):
         attend: AttendFn,
         state: Any,
     ) -> tuple[Float[Array, "b t d"], Any]:
+        q, k, v = self.project_qkv(x, cos, sin)
+        o, state = attend(q, k, v, state)
+        return self.finish(x, o), state
+
+    def project_qkv(
+        self, x: Float[Array, "b t d"], cos: Float[Array, "b t half"], sin: Float[Array, "b t half"]
+    ) -> tuple[Float[Array, "b t Hq hd"], Float[Array, "b t Hkv hd"], Float[Array, "b t Hkv hd"]]:
+        """The layer up to attention: norm, q/k/v projections, (q/k norm), RoPE."""
         c = self.cfg
         b, t, _ = x.shape
         h = self.attn_norm(x)
@@ -87,12 +95,15 @@ class DecoderLayer(nn.Module):
         k = self.wk(h).reshape(b, t, c.num_kv_heads, c.head_dim)
         v = self.wv(h).reshape(b, t, c.num_kv_heads, c.head_dim)
         q, k = self.qk_norm(q, k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o, state = attend(q, k, v, state)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, x: Float[Array, "b t d"], o: Float[Array, "b t Hq hd"]) -> Float[Array, "b t d"]:
+        """The layer after attention: output projection + residual, then the MLP block + residual."""
+        c = self.cfg
+        b, t, _ = x.shape
         x = x + self.wo(o.reshape(b, t, c.q_dim).astype(x.dtype))
         h = self.mlp_norm(x)
-        x = x + self.w_down(nn.silu(self.w_gate(h)) * self.w_up(h))
-        return x, state
+        return x + self.w_down(nn.silu(self.w_gate(h)) * self.w_up(h))
 
 
 class Embedder(nn.Module):

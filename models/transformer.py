@@ -83,6 +83,14 @@ class Transformer:
         """One decoder layer with params already sliced to that layer."""
         return self.layer_module.apply({"params": layer_params}, x, cos, sin, attend, state)
 
+    def layer_qkv(self, layer_params: dict, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """One layer up to attention (q [b,t,Hq,hd], k/v [b,t,Hkv,hd]); for drivers that run attention outside."""
+        return self.layer_module.apply({"params": layer_params}, x, cos, sin, method=DecoderLayer.project_qkv)
+
+    def layer_finish(self, layer_params: dict, x: Array, o: Array) -> Array:
+        """One layer after attention: x + wo(o), then the MLP block."""
+        return self.layer_module.apply({"params": layer_params}, x, o, method=DecoderLayer.finish)
+
     def layers(
         self,
         params: dict,

@@ -119,9 +119,29 @@ def _stats(r: Request, t_start: float, engine: Engine) -> dict[str, Any]:
         "queue_s": max(0.0, r.t_admit - t_start),
         "admitted_at_step": r.admit_step,
         "total_s": r.t_done - t_start,
-        "mode": "dense",
+        "mode": r.placement or "dense",
         "decode_attention": engine.decode_attention,
+        "offloaded": r.sparse is not None and engine.config.offload_placement == "host",
+        **_io_stats(r, engine),
     }
+
+
+def _io_stats(r: Request, engine: Engine) -> dict[str, Any]:
+    """Recall counters of a sparse request (zeros for a dense one), summed over its decode steps."""
+    c = r.sparse.counters if r.sparse is not None else None
+    out = {
+        "recall_bytes": c.recall_bytes if c else 0,
+        "recall_transfers": c.recall_transfers if c else 0,
+        "recalled_blocks": c.recalled_blocks if c else 0,
+        "reused_blocks": c.reused_blocks if c else 0,
+        "recall_wait_s": c.recall_wait_s if c else 0.0,
+        "written_back_blocks": c.written_back_blocks if c else 0,
+    }
+    if c is not None:
+        cfg = engine.config
+        out.update(selection=cfg.selection, io=cfg.io, recall=cfg.recall, budget_tokens=cfg.budget_tokens,
+                   decode_attention=engine.sparse_attention)
+    return out
 
 
 def stream_long(
@@ -134,6 +154,10 @@ def stream_long(
     top_k: int = 0,
     seed: int = 0,
     mode: str = "dense",
+    budget_tokens: int = 2048,
+    selection: str = "solohead",
+    io: str = "coalesced",
+    gpu_kv_budget: int | None = None,
     stop: Sequence[str] = (),
     ignore_eos: bool = False,
     chat: bool = False,
@@ -156,7 +180,8 @@ def stream_long(
         raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
     config = engine_config or EngineConfig(block_size=block_size, max_batch=max_batch, prefill_chunk=prefill_chunk,
                                            key_chunk=prefill_chunk, kv_cache_tokens=kv_cache_tokens, mode=mode,
-                                           progress=progress)
+                                           progress=progress, budget_tokens=budget_tokens, selection=selection, io=io,
+                                           gpu_kv_budget=gpu_kv_budget)
     engine = _engine_for(model, dtype, config)
     t_start = time.perf_counter()
     reqs = [engine.make_request(i, _encode(engine, i, p, chat), sampling) for i, p in enumerate(prompts)]
@@ -186,6 +211,10 @@ def generate_long(
     top_k: int = 0,
     seed: int = 0,
     mode: str = "dense",
+    budget_tokens: int = 2048,
+    selection: str = "solohead",
+    io: str = "coalesced",
+    gpu_kv_budget: int | None = None,
     stop: Sequence[str] = (),
     ignore_eos: bool = False,
     chat: bool = False,
@@ -207,9 +236,19 @@ def generate_long(
     max_new_tokens / temperature (0 = greedy) / top_p / top_k / seed: sampling; request i draws from
         fold_in(fold_in(key(seed), i), step), independent of its batch mates.
     stop: strings that end generation (the text stops before them); ignore_eos: keep going past EOS.
-    dtype: weights/KV dtype when `model` is loaded here; mode: "dense" ("offload"/"auto" come later).
+    dtype: weights/KV dtype when `model` is loaded here.
+    mode: "dense" (all KV on the GPU), "offload" (KV in pinned host memory, sparse decode recalling the
+        selected blocks each step) or "auto" (IOAA picks dense or offload per request from GPU memory and
+        PCIe bandwidth). budget_tokens: tokens attended per sparse layer and step; selection: "solohead"
+        (one block set per layer for all heads) or "headwise"; io: "coalesced" (one gathered copy per layer
+        and step) or "fragmented" (one copy per (block, head), the per-head offloading baseline);
+        gpu_kv_budget: cap on GPU KV bytes (emulates a smaller GPU).
     block_size / max_batch / prefill_chunk / kv_cache_tokens / progress: engine knobs, or pass a whole
-        `engine_config`. `on_token` is called with each StreamEvent as it is produced (streaming).
+        `engine_config` (every knob, e.g. recall="sync", micro_batches, dense_layers, window_tokens).
+        `on_token` is called with each StreamEvent as it is produced (streaming).
+    Each result's `.stats` has timings, the placement ("mode", "offloaded") and, for sparse requests, the
+    recall counters summed over decode steps: recall_bytes, recall_transfers (host-to-device copies that
+    carried its blocks), recalled_blocks, reused_blocks (slot-cache hits), recall_wait_s.
     """
     options = dict(locals())
     for name in ("prompts", "model", "on_token"):

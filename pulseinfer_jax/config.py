@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-MODES = ("dense",)  # "offload" and "auto" arrive with the host-offload issue
+MODES = ("dense", "offload", "auto")
 DECODE_ATTENTION = ("auto", "jnp", "pallas")
+CHOICES = {
+    "selection": ("solohead", "headwise"),
+    "solohead": ("normalized_sum", "retrieval_head"),
+    "io": ("coalesced", "fragmented"),
+    "recall": ("interruptible", "sync"),
+    "offload_placement": ("host", "device"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,9 +21,30 @@ class EngineConfig:
     max_batch: int = 32  # requests decoding together
     prefill_chunk: int = 512  # tokens per prefill step (multiple of block_size)
     key_chunk: int = 512  # keys per online-softmax step in prefill attention (multiple of block_size)
-    kv_cache_tokens: int | None = None  # KV pool size; None = what the requests need, capped by kv_cache_bytes
-    kv_cache_bytes: int | None = None  # cap for the automatic size; None = 4 GiB on CPU, 85% of free on GPU
+    kv_cache_tokens: int | None = None  # GPU KV pool size; None = what the requests need, capped by gpu_kv_budget
+    # cap on GPU KV memory (pool + offload metadata), bytes; None = 4 GiB on CPU, 85% of free on GPU. A small
+    # value emulates a smaller GPU.
+    gpu_kv_budget: int | None = None
+    # "dense": all KV on the GPU; "offload": sparse decode with the KV in pinned host memory; "auto": IOAA
+    # decides per request (pulseinfer_jax/ioaa.py)
     mode: str = "dense"
+    # ---- sparse decode / offloading (modes offload and auto) ----
+    budget_tokens: int = 2048  # tokens attended per sparse layer and step (sinks + window + selected blocks)
+    selection: str = "solohead"  # one block set per layer for all KV heads, or "headwise" (one per head)
+    solohead: str = "normalized_sum"  # SoloHead aggregate, or "retrieval_head" (needs retrieval_heads)
+    retrieval_heads: tuple[int, ...] | None = None  # KV head per sparse layer (sparse.calibrate_retrieval_head)
+    io: str = "coalesced"  # one gathered copy per layer and step, or "fragmented" (one per (block, head))
+    recall: str = "interruptible"  # attend resident blocks while recall is in flight, or "sync" (wait first)
+    micro_batches: int = 2  # offloaded batch split; the driver runs whichever has its data ready
+    sink_blocks: int = 1  # first blocks always attended
+    window_tokens: int = 64  # recent tokens always attended and kept on the GPU (a multiple of block_size)
+    dense_layers: int = 2  # first layers attend densely (their KV stays on the GPU, packed)
+    slot_cache_blocks: int | None = None  # recalled-block cache per (request, sparse layer); None = 2x the budget
+    host_kv_tokens: int | None = None  # pinned host pool size in tokens; None = what the requests need
+    h2d_bytes_per_s: float | None = None  # host-to-device bandwidth for IOAA; None = measured on GPU, 16e9 else
+    ioaa_slack: float = 0.8  # fraction of a decode step recall may take (IOAA)
+    ioaa_step_time_s: float = 0.02  # decode step time IOAA assumes before it has measured one
+    offload_placement: str = "host"  # "device" keeps the KV of sparse requests on the GPU (no I/O; ablation)
     progress: bool | None = None  # progress bar over long prefills; None = only when stderr is a terminal
     progress_min_tokens: int = 2048  # prompts at least this long get a progress bar
     # decode attention: "pallas" (pallas_kernels.sparse_decode_attention, every block listed), "jnp" (XLA), or
@@ -39,6 +67,52 @@ class EngineConfig:
             raise ValueError(f"decode_attention={self.decode_attention!r}; use one of {', '.join(DECODE_ATTENTION)}")
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not supported; use one of {', '.join(MODES)}")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}; use one of {', '.join(allowed)}")
+        for name in ("budget_tokens", "micro_batches", "window_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+        for name in ("sink_blocks", "dense_layers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name}={v!r} must be a non-negative integer")
+        if self.mode != "dense":  # sparse knobs matter (and are checked) only when sparse decode can run
+            if self.window_tokens % bs:
+                raise ValueError(f"window_tokens={self.window_tokens} must be a multiple of block_size={bs} "
+                                 "(the window is whole blocks)")
+            if self.budget_tokens < (self.sink_blocks + self.window_blocks + 1) * bs:
+                raise ValueError(f"budget_tokens={self.budget_tokens} is below sink + window + one selected block "
+                                 f"({self.sink_blocks} + {self.window_blocks} + 1 blocks of {bs} = "
+                                 f"{(self.sink_blocks + self.window_blocks + 1) * bs} tokens); raise budget_tokens or "
+                                 "shrink sink_blocks / window_tokens")
+            if self.slot_cache_blocks is not None and self.slot_cache_blocks < self.budget_blocks - self.sink_blocks - \
+                    self.window_blocks:
+                raise ValueError(f"slot_cache_blocks={self.slot_cache_blocks} must hold at least one step's selection "
+                                 f"({self.budget_blocks - self.sink_blocks - self.window_blocks} blocks)")
+            if self.solohead == "retrieval_head" and self.retrieval_heads is None:
+                raise ValueError("solohead='retrieval_head' needs retrieval_heads (one KV head per sparse layer; see "
+                                 "sparse.calibrate_retrieval_head)")
+        if self.host_kv_tokens is not None and self.host_kv_tokens < bs:
+            raise ValueError(f"host_kv_tokens={self.host_kv_tokens} must be >= block_size={bs}")
+        if self.h2d_bytes_per_s is not None and not self.h2d_bytes_per_s > 0:
+            raise ValueError(f"h2d_bytes_per_s={self.h2d_bytes_per_s!r} must be > 0")
+        if not 0 < self.ioaa_slack <= 1:
+            raise ValueError(f"ioaa_slack={self.ioaa_slack!r} must be in (0, 1]")
+
+    @property
+    def window_blocks(self) -> int:
+        return self.window_tokens // self.block_size
+
+    @property
+    def budget_blocks(self) -> int:
+        return -(-self.budget_tokens // self.block_size)
+
+    @property
+    def slot_blocks(self) -> int:
+        middle = self.budget_blocks - self.sink_blocks - self.window_blocks
+        return self.slot_cache_blocks if self.slot_cache_blocks is not None else 2 * middle
 
 
 def resolve_decode_attention(choice: str, platform: str) -> str:

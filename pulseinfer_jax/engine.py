@@ -2,6 +2,8 @@
 
 Each step runs at most one prefill chunk (of the oldest admitted request) and one decode step over
 every running request, so long prompts prefill while the batch keeps decoding (chunked prefill).
+Dense requests decode in one jitted call over all layers (`runner.decode_step`); offloaded (sparse)
+requests decode layer by layer through `pipeline.SparseDecoder`, in the same step.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import numpy as np
 
 from models.loading import LoadedModel
 from pulseinfer_jax.config import EngineConfig, resolve_decode_attention
+from pulseinfer_jax.ioaa import IOAAConfig
 from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for
 from pulseinfer_jax.runner import bucket, decode_step, prefill_step
 from pulseinfer_jax.sampling import SamplingParams, greedy_sample, sample
-from pulseinfer_jax.scheduler import Request, Scheduler, Status
+from pulseinfer_jax.scheduler import FixedStepTime, Request, Scheduler, Status
+
+CPU_NOMINAL_H2D = 16e9  # IOAA's bandwidth off-GPU, where "host to device" is a memcpy (meaningless for timing)
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
 
@@ -49,6 +54,10 @@ class Engine:
         self.decode_attention = resolve_decode_attention(config.decode_attention, self.device.platform)
         self._attention_proven = self.decode_attention == "jnp"  # pallas: not yet compiled in this engine
         self._bars: dict = {}
+        self.host_pool = None  # host_offload.HostKVPool (modes offload / auto)
+        self.sparse = None  # pipeline.SparseDecoder
+        self.sparse_attention: str | None = None  # attention of the sparse pipeline, resolved on first use
+        self.h2d_bytes_per_s: float | None = config.h2d_bytes_per_s
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids if model.tokenizer else model.cfg.eos_token_ids)
 
     # ---- KV pool -------------------------------------------------------------------------------
@@ -58,8 +67,8 @@ class Engine:
                          jnp.dtype(self.model.dtype))
 
     def _kv_byte_cap(self) -> int:
-        if self.config.kv_cache_bytes is not None:
-            return self.config.kv_cache_bytes
+        if self.config.gpu_kv_budget is not None:
+            return self.config.gpu_kv_budget
         if self.device.platform == "cpu":
             return CPU_DEFAULT_KV_BYTES
         stats = self.device.memory_stats() or {}
@@ -67,21 +76,82 @@ class Engine:
         return int(0.85 * free) if free > 0 else CPU_DEFAULT_KV_BYTES
 
     def ensure_pool(self, requests: Sequence[Request]) -> None:
-        """Size the KV pool for `requests` (or to kv_cache_tokens) and (re)allocate it if it changed."""
-        bs = self.config.block_size
+        """Size the KV pool for `requests` (or to kv_cache_tokens) and (re)allocate it if it changed; in the
+        offload modes also the host pool, the key metadata and the sparse decoder."""
+        cfg = self.config
+        bs = cfg.block_size
         per_block = self._spec(1).bytes_per_block
-        if self.config.kv_cache_tokens is not None:
-            num_blocks = blocks_for(self.config.kv_cache_tokens, bs) + 1
+        cap_bytes = self._kv_byte_cap()
+        plan = None
+        if cfg.mode != "dense":
+            from pulseinfer_jax import offload
+
+            c = self.model.cfg
+            plan = offload.sparse_plan(cfg, c.num_layers, c.num_kv_heads)
+            rows = offload.host_rows_for(cfg, requests)
+            cap_bytes -= offload.metadata_bytes(plan, rows, c.head_dim)
+            if cap_bytes < 2 * per_block:
+                raise ValueError(f"gpu_kv_budget={cfg.gpu_kv_budget} does not even hold the key metadata of a "
+                                 f"{rows}-block host pool; raise gpu_kv_budget or lower host_kv_tokens")
+        if cfg.kv_cache_tokens is not None:
+            num_blocks = blocks_for(cfg.kv_cache_tokens, bs) + 1
         else:
-            want = sum(blocks_for(r.need_tokens, bs) for r in requests) + 1
-            cap = self._kv_byte_cap() // per_block
-            num_blocks = max(2, min(want, cap))
+            if plan is None:
+                want = sum(blocks_for(r.need_tokens, bs) for r in requests) + 1
+            else:
+                want = offload.gpu_blocks_wanted(cfg, plan, requests) + 1
+            num_blocks = max(2, min(want, cap_bytes // per_block))
         if self.spec is None or self.spec.num_blocks != num_blocks:
             self.kv = None  # free the old pool before allocating the new one
             self.spec = self._spec(num_blocks)
             self.kv = self.spec.allocate(self.device)
         self.allocator = BlockAllocator(num_blocks)
-        self.scheduler = Scheduler(self.allocator, bs, self.config.max_batch)
+        if plan is None:
+            self.scheduler = Scheduler(self.allocator, bs, cfg.max_batch)
+            return
+        self._ensure_offload(plan, rows, num_blocks)
+        placer = offload.OffloadPlacer(plan, self.allocator, self.host_pool, bs)
+        ioaa = IOAAConfig(h2d_bytes_per_s=self._h2d_bandwidth(), slack=cfg.ioaa_slack)
+        self.scheduler = Scheduler(self.allocator, bs, cfg.max_batch, mode=cfg.mode, placer=placer, ioaa=ioaa,
+                                   cost=FixedStepTime(cfg.ioaa_step_time_s))
+
+    def _ensure_offload(self, plan, rows: int, num_blocks: int) -> None:
+        from host_offload.host_pool import HostKVPool
+        from pulseinfer_jax.offload import probe_pallas
+        from pulseinfer_jax.pipeline import PipelineConfig, SparseDecoder
+
+        cfg, c = self.config, self.model.cfg
+        if self.host_pool is None or self.host_pool.num_rows != rows or self.host_pool.first_layer != plan.dense_layers:
+            self.sparse = None
+            self.host_pool = None
+            self.host_pool = HostKVPool(num_rows=rows, first_layer=plan.dense_layers, num_layers=c.num_layers,
+                                        block_size=cfg.block_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                        dtype=self.model.dtype, device=self.device)
+        else:
+            self.host_pool.allocator = BlockAllocator(rows)
+        if self.sparse_attention is None:
+            self.sparse_attention = self.decode_attention
+            if self.sparse_attention == "pallas" and cfg.decode_attention == "auto":
+                err = probe_pallas(self.device)
+                if err is not None:
+                    warnings.warn(f"Pallas sparse kernels failed on {self.device.platform} ({err}); the sparse "
+                                  "pipeline uses the jnp attention", RuntimeWarning, stacklevel=3)
+                    self.sparse_attention = "jnp"
+        pcfg = PipelineConfig(io=cfg.io, recall=cfg.recall, micro_batches=cfg.micro_batches,
+                              attention=self.sparse_attention, solohead=cfg.solohead,
+                              retrieval_heads=cfg.retrieval_heads)
+        if self.sparse is None or self.sparse.plan != plan or self.sparse.nb != num_blocks:
+            self.sparse = SparseDecoder(self.model.transformer, self.model.params, plan, pcfg, self.host_pool,
+                                        num_blocks, self.device)
+
+    def _h2d_bandwidth(self) -> float:
+        if self.h2d_bytes_per_s is None:
+            from host_offload.memory import measure_h2d_bandwidth
+            from pallas_kernels.common import GPU_PLATFORMS
+
+            gpu = self.device.platform in GPU_PLATFORMS
+            self.h2d_bytes_per_s = measure_h2d_bandwidth(self.device) if gpu else CPU_NOMINAL_H2D
+        return self.h2d_bytes_per_s
 
     # ---- request intake ------------------------------------------------------------------------
     def make_request(self, index: int, prompt: list[int], sampling: SamplingParams) -> Request:
@@ -112,6 +182,10 @@ class Engine:
         self.allocator.check_integrity()
         if self.allocator.num_free != self.allocator.capacity:
             raise RuntimeError("KV blocks leaked after all requests finished")
+        if self.host_pool is not None:
+            self.host_pool.check_integrity()
+            if self.host_pool.allocator.num_free != self.host_pool.allocator.capacity:
+                raise RuntimeError("host KV rows leaked after all requests finished")
 
     def step(self) -> Iterator[TokenEvent]:
         sched = self.scheduler
@@ -138,7 +212,8 @@ class Engine:
         n = min(size, remaining)
         chunk = np.zeros(size, np.int32)
         chunk[:n] = req.prompt[start:start + n]
-        table = self._table(req.blocks, bucket(len(req.blocks)))
+        blocks = req.sparse.prefill_table() if req.sparse is not None else req.blocks
+        table = self._table(blocks, bucket(len(blocks)))
         self.kv, logits = prefill_step(self.model.transformer, self.model.params, self.kv, jnp.asarray(chunk),
                                        jnp.int32(start), jnp.int32(n), jnp.asarray(table),
                                        key_chunk=min(cfg.key_chunk, size))
@@ -155,6 +230,9 @@ class Engine:
             bar.close()
             del self._bars[req.index]
         token = self._sample(logits[None], [req])[0]
+        if req.sparse is not None:  # spill the prompt: host rows, metadata, dense-layer packs; free the rest
+            self.kv, free = self.sparse.spill_prompt(self.kv, req.sparse, len(req.prompt))
+            self.scheduler.release_blocks(req, free)
         req.prefill_s += time.perf_counter() - t0
         req.t_first = time.perf_counter()
         self.scheduler.prefill_done(req)
@@ -172,6 +250,25 @@ class Engine:
         return bar
 
     def _decode(self, reqs: list[Request]) -> Iterator[TokenEvent]:
+        t0 = time.perf_counter()
+        dense = [r for r in reqs if r.sparse is None]
+        sparse = [r for r in reqs if r.sparse is not None]
+        out: list[tuple[list[Request], list[int]]] = []
+        if dense:
+            out.append((dense, self._decode_dense(dense)))
+        if sparse:
+            self.kv, logits = self.sparse.decode(self.kv, [r.sparse for r in sparse], [r.output[-1] for r in sparse],
+                                                 [r.seq_len for r in sparse])
+            out.append((sparse, self._sample(jnp.asarray(logits), sparse)))
+        if sparse:
+            est = self.scheduler.estimator
+            est.observe_step_time(time.perf_counter() - t0)
+            for r in sparse:
+                est.observe(r.index, float(r.sparse.counters.last_step_recall_bytes))
+        for group, tokens in out:
+            yield from self._accept(group, tokens)
+
+    def _decode_dense(self, reqs: list[Request]) -> list[int]:
         b = bucket(len(reqs))
         mb = bucket(max(len(r.blocks) for r in reqs))
         tokens = np.zeros(b, np.int32)
@@ -183,7 +280,7 @@ class Engine:
             tables[i] = self._table(r.blocks, mb)
         args = (jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(tables))
         self.kv, logits = self._decode_step(*args)
-        yield from self._accept(reqs, self._sample(logits, reqs))
+        return self._sample(logits, reqs)
 
     def _decode_step(self, *args: jax.Array) -> tuple[jax.Array, jax.Array]:
         """decode_step with the configured attention; under "auto", a Pallas kernel that fails to compile on

@@ -1,10 +1,16 @@
 """Continuous batching over the paged KV pool (pure Python, testable without a model).
 
-Admission reserves every block a request can ever need (prompt + max_new_tokens) up front, FIFO, while
-the batch has room. A running request therefore never runs out of KV blocks and never has to be
+Admission reserves every GPU block a request can ever need up front, FIFO, while the batch has room: for a
+dense request its whole KV (prompt + max_new_tokens), for an offloaded one its peak GPU footprint (see
+host_offload/placement.py). A running request therefore never runs out of KV blocks and never has to be
 preempted: no KV is lost or recomputed. A finished request frees its blocks at once and the head of the
-queue joins the batch at the next step. A request larger than the whole pool is rejected when added,
-so the queue can never wait forever.
+queue joins the batch at the next step. A request that could never fit is rejected when added, so the
+queue can never wait forever.
+
+Which placement a request gets is IOAA's decision (`pulseinfer_jax.ioaa.admit_batch`), re-evaluated every
+step: mode "dense" / "offload" force it, "auto" prefers dense while memory allows and offloads only while
+the predicted recall hides behind the decode step. The engine supplies a `Placer` that knows footprints
+and sets up / tears down the offloaded state; without one every request is dense.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+from typing import Any, Protocol
 
+from pulseinfer_jax.ioaa import Candidate, CostModel, IOAAConfig, RecallEstimator, admit_batch
 from pulseinfer_jax.kv_cache import BlockAllocator, blocks_for
 from pulseinfer_jax.sampling import SamplingParams
 
@@ -43,6 +51,8 @@ class Request:
     t_done: float = 0.0
     prefill_s: float = 0.0
     admit_step: int = -1  # engine step at which the request was admitted (queueing, without clocks)
+    placement: str = ""  # "dense" | "offload" once admitted
+    sparse: Any = None  # host_offload.placement.SparseKV of a sparse request
 
     @property
     def need_tokens(self) -> int:
@@ -54,11 +64,48 @@ class Request:
         return len(self.prompt) + len(self.output)
 
 
+class Placer(Protocol):
+    """What the scheduler needs to know about offloading (supplied by the engine)."""
+
+    def candidate(self, req: Request) -> Candidate:
+        """Footprints of `req`: dense blocks, peak offloaded blocks (more than the pool when it cannot be
+        offloaded now, e.g. the host pool is full), per-step selection bytes."""
+        ...
+
+    def fits_ever(self, req: Request, mode: str) -> str | None:
+        """None if `req` can run in an empty engine under `mode`, else why not (a message)."""
+        ...
+
+    def setup(self, req: Request) -> None:
+        """Admitted offloaded: req.blocks holds its GPU blocks; allocate host rows, build req.sparse."""
+        ...
+
+    def release(self, req: Request) -> None:
+        """Finished offloaded request: free its host rows (GPU blocks are freed by the scheduler)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedStepTime:
+    seconds: float
+
+    def step_time_s(self, batch: int) -> float:
+        return self.seconds
+
+
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_batch: int):
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_batch: int, *, mode: str = "dense",
+                 placer: Placer | None = None, ioaa: IOAAConfig | None = None, cost: CostModel | None = None):
+        if mode != "dense" and placer is None:
+            raise ValueError(f"mode={mode!r} needs a placer (the engine's offload setup)")
         self.allocator = allocator
         self.block_size = block_size
         self.max_batch = max_batch
+        self.mode = mode
+        self.placer = placer
+        self.ioaa = ioaa or IOAAConfig(h2d_bytes_per_s=16e9)
+        self.cost = cost or FixedStepTime(0.02)
+        self.estimator = RecallEstimator(self.ioaa)
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
@@ -67,28 +114,52 @@ class Scheduler:
         return blocks_for(req.need_tokens, self.block_size)
 
     def add(self, req: Request) -> None:
-        need = self.blocks_needed(req)
-        if need > self.allocator.capacity:
-            raise ValueError(
-                f"request {req.index} needs {req.need_tokens} tokens of KV ({need} blocks of {self.block_size}) "
-                f"but the KV cache holds {self.allocator.capacity} blocks; raise kv_cache_tokens/kv_cache_bytes "
-                f"or lower max_new_tokens"
-            )
+        if self.placer is not None:
+            why = self.placer.fits_ever(req, self.mode)
+            if why is not None:
+                raise ValueError(f"request {req.index}: {why}")
+        else:
+            need = self.blocks_needed(req)
+            if need > self.allocator.capacity:
+                raise ValueError(
+                    f"request {req.index} needs {req.need_tokens} tokens of KV ({need} blocks of {self.block_size}) "
+                    f"but the KV cache holds {self.allocator.capacity} blocks; raise kv_cache_tokens/gpu_kv_budget "
+                    f"or lower max_new_tokens"
+                )
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
+    def _candidate(self, req: Request) -> Candidate:
+        if self.placer is not None:
+            return self.placer.candidate(req)
+        return Candidate(req.index, self.blocks_needed(req), self.allocator.capacity + 1, 0.0)
+
     def admit(self) -> list[Request]:
-        """Move waiting requests (FIFO) into prefill while the batch and the pool have room."""
+        """Move waiting requests (FIFO) into prefill while the batch and the pool have room (IOAA decides the
+        placement of each)."""
+        if not self.waiting:
+            return []
+        cands = {r.index: self._candidate(r) for r in self.waiting}
+        decisions = admit_batch(list(cands.values()), mode=self.mode, free_blocks=self.allocator.num_free,
+                                running=len(self.prefilling) + len(self.running),
+                                offloaded_recall_bytes=self.estimator.total(),
+                                observed_step_time_s=self.estimator.step_time_s, cost=self.cost, config=self.ioaa,
+                                max_batch=self.max_batch)
         admitted = []
-        while self.waiting and len(self.prefilling) + len(self.running) < self.max_batch:
-            req = self.waiting[0]
-            need = self.blocks_needed(req)
-            if not self.allocator.can_allocate(need):
+        for key, decision in decisions:
+            if decision == "wait":
                 break
-            self.waiting.popleft()
+            req = self.waiting.popleft()
+            assert req.index == key, "admission must follow the queue order"
+            cand = cands[key]
+            need = cand.dense_blocks if decision == "dense" else cand.offload_blocks
             req.blocks = self.allocator.allocate(need, owner=req.index)
+            req.placement = decision
+            if decision == "offload":
+                self.placer.setup(req)
+                self.estimator.add(req.index, cand.budget_bytes)
             req.status = Status.PREFILLING
             self.prefilling.append(req)
             admitted.append(req)
@@ -102,6 +173,12 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running.append(req)
 
+    def release_blocks(self, req: Request, blocks: list[int]) -> None:
+        """Give back some of a running request's GPU blocks (an offloaded prompt's transient blocks)."""
+        self.allocator.free(blocks, owner=req.index)
+        gone = set(blocks)
+        req.blocks = [b for b in req.blocks if b not in gone]
+
     def finish(self, req: Request, reason: str) -> None:
         if req.status is Status.RUNNING:
             self.running.remove(req)
@@ -109,5 +186,8 @@ class Scheduler:
             self.prefilling.remove(req)
         self.allocator.free(req.blocks, owner=req.index)
         req.blocks = []
+        if req.placement == "offload":
+            self.placer.release(req)
+            self.estimator.remove(req.index)
         req.status = Status.FINISHED
         req.finish_reason = reason

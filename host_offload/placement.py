@@ -1,0 +1,207 @@
+"""Where each KV block of a sparse request lives, and what the GPU keeps for it (bookkeeping, no device code).
+
+A *sparse* request decodes with block selection. Its placement is either
+  - "host" (offloaded, PulseInfer's mode): every logical block has a row in the pinned host pool holding its
+    sparse layers; the GPU keeps only
+      * resident blocks: the sink block(s) and the recent window (the last `window` logical blocks, the partial
+        one included) plus one spare for the block that starts next; new tokens are written here;
+      * the slot cache: `slot_blocks` GPU blocks whose layer-l slices hold the blocks layer l recalled
+        (SoloHead: slot i = a whole block; headwise: column h of slot i = head h of a block, one LRU lane
+        per head); a `SlotCache` per (sparse layer, lane) says which;
+      * dense-layer packs: the first `dense_layers` layers attend densely, so every logical block's KV of those
+        layers stays on the GPU, packed `L // dense_layers` blocks to one GPU block: logical block j, dense
+        layer d -> z = j * dense_layers + d -> GPU block packs[z // L], layer slice z % L (flat unit
+        (z % L) * NB + packs[z // L]). That costs dense_layers / L of a dense request's KV and no PCIe;
+      * the key metadata (min/max per block, head, feature) of every sparse layer, in rows indexed by the
+        block's host row (kept by the engine, not here).
+    When a block leaves the window it is written back to its host row (asynchronously), its metadata is
+    computed, and its GPU block becomes the spare.
+    Prefill runs dense through a transient run of GPU blocks (the whole prompt, all layers, one request at a
+    time); when it completes the prompt is spilled: sparse layers to the host rows, dense layers into the
+    packs, metadata computed, and all transient blocks but the resident ones are freed.
+  - "device" (sparse attention without offloading; an ablation and the test oracle for the I/O path): every
+    block stays on the GPU like a dense request, selection and attention are the same, nothing is recalled.
+    Host rows are still allocated: they index the metadata rows.
+
+Dense requests (no selection) do not use this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from host_offload.slot_cache import SlotCache
+from pulseinfer_jax.kv_cache import blocks_for
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsePlan:
+    """Static shape of sparse requests in one engine."""
+
+    num_layers: int
+    dense_layers: int
+    block_size: int
+    num_kv_heads: int
+    sink_blocks: int
+    window_blocks: int
+    budget_blocks: int
+    slot_blocks: int  # slot cache capacity per (sparse layer, lane), in blocks
+    selection: str  # "solohead" | "headwise"
+    placement: str  # "host" | "device"
+
+    def __post_init__(self) -> None:
+        if self.placement not in ("host", "device"):
+            raise ValueError(f"placement={self.placement!r} must be 'host' or 'device'")
+        if self.selection not in ("solohead", "headwise"):
+            raise ValueError(f"selection={self.selection!r} must be 'solohead' or 'headwise'")
+        if not 0 <= self.dense_layers < self.num_layers:
+            raise ValueError(f"dense_layers={self.dense_layers} must be in [0, num_layers={self.num_layers}): at "
+                             "least one layer must be sparse")
+        if self.window_blocks < 1:
+            raise ValueError("the recent window must hold at least the block being written (window >= block_size)")
+        if self.middle_blocks < 1:
+            raise ValueError(f"budget of {self.budget_blocks} blocks leaves nothing to select after "
+                             f"{self.sink_blocks} sink + {self.window_blocks} window blocks; raise budget_tokens "
+                             "or shrink sink_blocks/window_tokens")
+        if self.slot_blocks < self.middle_blocks:
+            raise ValueError(f"slot_cache_blocks={self.slot_blocks} is below the {self.middle_blocks} middle blocks a "
+                             "step may select; raise it (or leave it unset)")
+
+    @property
+    def lanes(self) -> int:
+        return 1 if self.selection == "solohead" else self.num_kv_heads
+
+    @property
+    def middle_blocks(self) -> int:
+        return self.budget_blocks - self.sink_blocks - self.window_blocks
+
+    @property
+    def sparse_layers(self) -> int:
+        return self.num_layers - self.dense_layers
+
+    @property
+    def resident_blocks(self) -> int:
+        return self.sink_blocks + self.window_blocks + 1
+
+    def slots_for(self, n_blocks: int) -> int:
+        """Slot cache size of a request of `n_blocks` blocks: it never selects more middle blocks than it has."""
+        return max(1, min(self.slot_blocks, n_blocks - self.sink_blocks - self.window_blocks))
+
+    def pack_blocks(self, n_blocks: int) -> int:
+        return -(-n_blocks * self.dense_layers // self.num_layers)
+
+    def gpu_blocks(self, prompt_tokens: int, total_tokens: int) -> tuple[int, int]:
+        """(peak, after prefill) GPU blocks of a request with this prompt and prompt + max new tokens."""
+        n = blocks_for(total_tokens, self.block_size)
+        if self.placement == "device":
+            return n, n
+        slots = self.slots_for(n)
+        steady = self.resident_blocks + slots + self.pack_blocks(n)
+        transient = max(blocks_for(prompt_tokens, self.block_size), self.resident_blocks)
+        return transient + slots + self.pack_blocks(n), steady
+
+
+@dataclasses.dataclass
+class SparseCounters:
+    """I/O of one request, summed over its decode steps (all sparse layers)."""
+
+    recall_bytes: int = 0
+    recall_transfers: int = 0  # host-to-device copies that carried some of this request's blocks
+    recalled_blocks: int = 0  # selection entries recalled (SoloHead: layer-blocks; headwise: (layer-block, head))
+    reused_blocks: int = 0  # selected middle entries found in the slot cache
+    recall_wait_s: float = 0.0
+    written_back_blocks: int = 0
+    steps: int = 0
+    last_step_recall_bytes: int = 0
+
+
+class SparseKV:
+    """Block roles of one sparse request; see the module docstring. Owns no memory: the engine allocates the
+    GPU blocks and host rows and hands them in; `free_after_prefill` says which GPU blocks to give back."""
+
+    def __init__(self, plan: SparsePlan, owner: int, prompt_tokens: int, total_tokens: int,
+                 gpu_blocks: list[int], host_rows: list[int]):
+        peak, _ = plan.gpu_blocks(prompt_tokens, total_tokens)
+        n_max = blocks_for(total_tokens, plan.block_size)
+        if len(gpu_blocks) != peak or len(host_rows) != n_max:
+            raise ValueError(f"request {owner}: got {len(gpu_blocks)} GPU blocks / {len(host_rows)} host rows, "
+                             f"needs {peak} / {n_max}")
+        self.plan = plan
+        self.owner = owner
+        self.host_rows = list(host_rows)  # logical block -> host row (and metadata row)
+        self.counters = SparseCounters()
+        self.num_blocks = 0  # logical blocks holding tokens (set by prefill_done / advance)
+        self.gpu_of: dict[int, int] = {}  # resident logical block -> GPU block
+        self.spare: list[int] = []
+        if plan.placement == "device":
+            self.table = list(gpu_blocks)
+            self.slot_blocks: list[int] = []
+            self.packs: list[int] = []
+            self.caches: list[list[SlotCache]] = []
+            return
+        transient = max(blocks_for(prompt_tokens, plan.block_size), plan.resident_blocks)
+        slots = plan.slots_for(n_max)
+        self.table = list(gpu_blocks[:transient])  # the prompt's blocks during prefill
+        self.slot_blocks = list(gpu_blocks[transient:transient + slots])
+        self.packs = list(gpu_blocks[transient + slots:])
+        self.caches = [[SlotCache(slots) for _ in range(plan.lanes)] for _ in range(plan.sparse_layers)]
+
+    # ---- prefill -------------------------------------------------------------------------------
+    def prefill_table(self) -> list[int]:
+        return self.table
+
+    def prefill_done(self, prompt_tokens: int) -> tuple[list[int], list[int], list[int]]:
+        """After the prompt's KV is in `prefill_table()`: returns (logical blocks to write to their host rows,
+        logical blocks whose metadata to compute (the full ones outside sinks and window), GPU blocks to free).
+        The caller reads the transient blocks for both before freeing them."""
+        p = self.plan
+        n = blocks_for(prompt_tokens, p.block_size)
+        self.num_blocks = n
+        middle = list(range(p.sink_blocks, n - p.window_blocks))
+        if p.placement == "device":
+            self.gpu_of = dict(enumerate(self.table))
+            return [], middle, []
+        keep = [j for j in range(n) if j < p.sink_blocks or j >= n - p.window_blocks]
+        self.gpu_of = {j: self.table[j] for j in keep}
+        kept = set(self.gpu_of.values())
+        rest = [b for b in self.table if b not in kept]
+        self.spare = rest[: p.resident_blocks - len(keep)]
+        return list(range(n)), middle, rest[p.resident_blocks - len(keep):]
+
+    # ---- decode --------------------------------------------------------------------------------
+    def advance(self, length: int) -> list[tuple[int, int]]:
+        """The sequence now holds `length` tokens (the newest about to be written). Makes its block resident
+        and returns the blocks that just left the window as (logical block, GPU block): the caller writes them
+        back and computes their metadata before this step's selection."""
+        p = self.plan
+        n = blocks_for(length, p.block_size)
+        exits = []
+        while self.num_blocks < n:
+            j_new = self.num_blocks
+            self.num_blocks += 1
+            if p.placement == "host":
+                self.gpu_of[j_new] = self.spare.pop()
+            j_out = self.num_blocks - 1 - p.window_blocks
+            if j_out >= p.sink_blocks:
+                if p.placement == "host":
+                    blk = self.gpu_of.pop(j_out)
+                    self.spare.append(blk)  # reused at the next block start, after this step's write-back
+                else:
+                    blk = self.gpu_of[j_out]
+                exits.append((j_out, blk))
+        return exits
+
+    def is_resident(self, j: int) -> bool:
+        return j in self.gpu_of
+
+    def dense_unit(self, j: int, d: int, num_gpu_blocks: int) -> int:
+        """Flat unit (layer * NB + block) of logical block j in dense layer d."""
+        if self.plan.placement == "device":
+            return d * num_gpu_blocks + self.table[j]
+        z = j * self.plan.dense_layers + d
+        return (z % self.plan.num_layers) * num_gpu_blocks + self.packs[z // self.plan.num_layers]
+
+    def owned_gpu_blocks(self) -> list[int]:
+        if self.plan.placement == "device":
+            return list(self.table)
+        return sorted(set(self.gpu_of.values()) | set(self.spare) | set(self.slot_blocks) | set(self.packs))

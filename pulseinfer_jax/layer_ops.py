@@ -1,0 +1,207 @@
+"""Jitted per-layer device steps of the sparse decode pipeline (see pipeline.py for the schedule).
+
+Every function addresses the GPU cache `kv: [L, NB, 2, bs, Hkv, hd]` through its flat view
+`[L * NB, 2, bs, Hkv, hd]` (a free reshape): a *unit* `u = layer * NB + block` is one block of one layer.
+That lets one call read blocks of any layer mix (dense-layer packs, see host_offload/placement.py) without
+slicing a layer out of the cache. Functions that write the cache donate it (in-place updates).
+
+The model is a static argument (a frozen, hashable `Transformer`); `layer` is traced, so each function
+compiles once for all layers (per bucketed shape). `attention` picks the attention implementation:
+"pallas" (the sparse decode kernel; Pallas interpret mode off-GPU) or "jnp" (its plain-jnp reference).
+Scoring follows the same switch (`block_scores` kernel or its reference).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from models.rope import rope_tables
+from models.transformer import Transformer
+from pallas_kernels.block_metadata import block_key_bounds, update_bounds
+from pallas_kernels.block_scoring import block_scores, block_scores_reference
+from pallas_kernels.merge import merge_attention_partials
+from pallas_kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
+from pulseinfer_jax.sparse import select_blocks
+
+Partial = tuple[Array, Array, Array]  # (o [B, Hq, hd], m [B, Hq] f32, l [B, Hq] f32), see pallas_kernels/merge.py
+
+
+def _flat(kv: Array) -> Array:
+    return kv.reshape(kv.shape[0] * kv.shape[1], *kv.shape[2:])
+
+
+def _layer_params(params: dict, layer: Int[Array, ""]) -> dict:
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), params["layers"])
+
+
+def _attend(attention: str, q: Array, kv: Array, ids: Array, lens: Array) -> Partial:
+    fn = sparse_decode_attention if attention == "pallas" else sparse_decode_attention_reference
+    return fn(q, _flat(kv), ids, lens)
+
+
+def _qkv_and_write(model: Transformer, params: dict, kv: Array, layer: Array, x: Array, positions: Array,
+                   write_unit: Array) -> tuple[Array, Array]:
+    """Project layer `layer`, write each row's new K/V at flat unit `write_unit[b]`, slot positions % bs."""
+    cos, sin = rope_tables(model.cfg, positions[:, None])
+    q, k, v = model.layer_qkv(_layer_params(params, layer), x, cos, sin)  # [B, 1, H, hd]
+    shape = kv.shape
+    bs = shape[3]
+    off = positions % bs
+    flat = _flat(kv)
+    flat = flat.at[write_unit, 0, off].set(k[:, 0].astype(kv.dtype))
+    flat = flat.at[write_unit, 1, off].set(v[:, 0].astype(kv.dtype))
+    return flat.reshape(shape), q[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def embed(model: Transformer, params: dict, tokens: Int[Array, " B"]) -> Float[Array, "B 1 D"]:
+    return model.embed(params, tokens[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def logits(model: Transformer, params: dict, x: Float[Array, "B 1 D"]) -> Float[Array, "B V"]:
+    return model.logits(params, x[:, 0])
+
+
+@functools.partial(jax.jit, static_argnames=("model", "attention"), donate_argnames=("kv",))
+def dense_layer(
+    model: Transformer,
+    params: dict,
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    layer: Int[Array, ""],
+    x: Float[Array, "B 1 D"],
+    positions: Int[Array, " B"],
+    write_unit: Int[Array, " B"],
+    ids: Int[Array, "B 1 K"],
+    lens: Int[Array, "B 1 K"],
+    *,
+    attention: str,
+) -> tuple[Array, Float[Array, "B 1 D"]]:
+    """A whole dense layer: write the new token, attend over every listed unit (all of the sequence), MLP."""
+    kv, q = _qkv_and_write(model, params, kv, layer, x, positions, write_unit)
+    o, _, _ = _attend(attention, q, kv, ids, lens)
+    return kv, model.layer_finish(_layer_params(params, layer), x, o[:, None])
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("model", "budget", "sink", "window", "mode", "solohead", "attention"),
+    donate_argnames=("kv",),
+)
+def sparse_pre(
+    model: Transformer,
+    params: dict,
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    meta_min: Float[Array, "R Hkv hd"],
+    meta_max: Float[Array, "R Hkv hd"],
+    layer: Int[Array, ""],
+    meta_offset: Int[Array, ""],
+    x: Float[Array, "B 1 D"],
+    positions: Int[Array, " B"],
+    write_unit: Int[Array, " B"],
+    cand_rows: Int[Array, "B K"],
+    num_blocks: Int[Array, " B"],
+    retrieval_head: Int[Array, ""],
+    *,
+    budget: int,
+    sink: int,
+    window: int,
+    mode: str,
+    solohead: str,
+    attention: str,
+) -> tuple[Array, Float[Array, "B Hq hd"], Int[Array, "B S N"]]:
+    """A sparse layer up to attention: write the new token into its window block, score every candidate
+    block from its key bounds (metadata rows `meta_offset + cand_rows`, -1 = none) and select.
+
+    Returns (kv, q, selected logical blocks [B, S, budget] sorted, -1 padded; see sparse.select_blocks)."""
+    kv, q = _qkv_and_write(model, params, kv, layer, x, positions, write_unit)
+    cand = jnp.where(cand_rows >= 0, cand_rows + meta_offset, -1)
+    score_fn = block_scores if attention == "pallas" else block_scores_reference
+    scores = score_fn(q, meta_min, meta_max, cand)  # [B, Hkv, K] group sums
+    c = model.cfg
+    sel = select_blocks(scores, num_blocks, budget_blocks=budget, sink_blocks=sink, window_blocks=window, mode=mode,
+                        solohead=solohead, retrieval_head=retrieval_head,
+                        score_scale=1.0 / (c.group_size * c.head_dim ** 0.5))
+    return kv, q, sel
+
+
+@functools.partial(jax.jit, static_argnames=("attention",))
+def attend(
+    q: Float[Array, "B Hq hd"],
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    ids: Int[Array, "B S K"],
+    lens: Int[Array, "B S K"],
+    *,
+    attention: str,
+) -> Partial:
+    """Partial attention (o, m, l) over the listed flat units (-1 = padding)."""
+    return _attend(attention, q, kv, ids, lens)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "attention"))
+def attend_merge_finish(
+    model: Transformer,
+    params: dict,
+    layer: Int[Array, ""],
+    x: Float[Array, "B 1 D"],
+    q: Float[Array, "B Hq hd"],
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    ids: Int[Array, "B S K"],
+    lens: Int[Array, "B S K"],
+    early: Partial | None,
+    *,
+    attention: str,
+) -> Float[Array, "B 1 D"]:
+    """Attention over the listed (late) units, merged with the `early` partial through the softmax
+    residuals, then the rest of the layer."""
+    part = _attend(attention, q, kv, ids, lens)
+    o = part[0] if early is None else merge_attention_partials([early, part])[0]
+    return model.layer_finish(_layer_params(params, layer), x, o[:, None])
+
+
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def scatter_blocks(
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    layer: Int[Array, ""],
+    staging: Float[Array, "n 2 bs Hkv hd"],
+    dst_blocks: Int[Array, " n"],
+) -> Array:
+    """kv[layer, dst_blocks[i]] = staging[i] (padding entries target the null block 0)."""
+    return kv.at[layer, dst_blocks].set(staging)
+
+
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def scatter_units(
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    layer: Int[Array, ""],
+    staging: Float[Array, "n 2 bs hd"],
+    dst_blocks: Int[Array, " n"],
+    heads: Int[Array, " n"],
+) -> Array:
+    """kv[layer, dst_blocks[i], :, :, heads[i]] = staging[i] (padding entries target the null block 0)."""
+    return kv.at[layer, dst_blocks, :, :, heads].set(staging)
+
+
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def copy_units(kv: Float[Array, "L NB 2 bs Hkv hd"], src: Int[Array, " n"], dst: Int[Array, " n"]) -> Array:
+    """Flat unit copy kv[dst[i]] = kv[src[i]] (padding: src = dst = 0, the null block of layer 0)."""
+    flat = _flat(kv)
+    return flat.at[dst].set(flat[src]).reshape(kv.shape)
+
+
+@functools.partial(jax.jit, donate_argnames=("meta_min", "meta_max"))
+def refresh_meta(
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    meta_min: Float[Array, "R Hkv hd"],
+    meta_max: Float[Array, "R Hkv hd"],
+    units: Int[Array, " n"],
+    lens: Int[Array, " n"],
+    rows: Int[Array, " n"],
+) -> tuple[Array, Array]:
+    """Key bounds of flat units `units` (first `lens` tokens) into metadata rows `rows` (-1 = skip)."""
+    kmin, kmax = block_key_bounds(_flat(kv), units, lens)
+    return update_bounds(meta_min, meta_max, rows, kmin, kmax)

@@ -1,0 +1,118 @@
+"""The engine's offload side: the sparse plan from the config, host pool sizing, and the scheduler's `Placer`.
+
+GPU memory (one pool, one allocator, `gpu_kv_budget` bytes in all) holds the dense requests' KV and the
+resident part of offloaded ones (see host_offload/placement.py); the per-block key metadata of every sparse
+layer (float32 min and max, [sparse layers * host rows, Hkv, hd] each) is also on the GPU and is charged to
+the same budget. The pinned host pool holds one row per logical block of every sparse request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from host_offload.host_pool import HostKVPool
+from host_offload.placement import SparseKV, SparsePlan
+from pulseinfer_jax.config import EngineConfig
+from pulseinfer_jax.ioaa import Candidate
+from pulseinfer_jax.kv_cache import BlockAllocator, blocks_for
+from pulseinfer_jax.scheduler import Request
+
+
+def sparse_plan(config: EngineConfig, num_layers: int, num_kv_heads: int) -> SparsePlan:
+    if config.dense_layers >= num_layers:
+        raise ValueError(f"dense_layers={config.dense_layers} leaves no sparse layer in a {num_layers}-layer model; "
+                         f"use mode='dense' or dense_layers < {num_layers}")
+    return SparsePlan(num_layers=num_layers, dense_layers=config.dense_layers, block_size=config.block_size,
+                      num_kv_heads=num_kv_heads, sink_blocks=config.sink_blocks, window_blocks=config.window_blocks,
+                      budget_blocks=config.budget_blocks, slot_blocks=config.slot_blocks,
+                      selection=config.selection, placement=config.offload_placement)
+
+
+def host_rows_for(config: EngineConfig, requests: Sequence[Request]) -> int:
+    """Host pool rows (incl. the null row): host_kv_tokens, or what every request would need offloaded."""
+    bs = config.block_size
+    if config.host_kv_tokens is not None:
+        return blocks_for(config.host_kv_tokens, bs) + 1
+    return sum(blocks_for(r.need_tokens, bs) for r in requests) + 1
+
+
+def metadata_bytes(plan: SparsePlan, host_rows: int, head_dim: int) -> int:
+    return 2 * plan.sparse_layers * host_rows * plan.num_kv_heads * head_dim * 4
+
+
+def gpu_blocks_wanted(config: EngineConfig, plan: SparsePlan, requests: Sequence[Request]) -> int:
+    """Blocks that run every request at once in the configured mode (the pool is this, capped by the budget)."""
+    total = 0
+    for r in requests:
+        dense = blocks_for(r.need_tokens, config.block_size)
+        peak, _ = plan.gpu_blocks(len(r.prompt), r.need_tokens)
+        total += peak if config.mode == "offload" else dense
+    return total
+
+
+class OffloadPlacer:
+    """`scheduler.Placer` over one GPU allocator and one host pool."""
+
+    def __init__(self, plan: SparsePlan, allocator: BlockAllocator, pool: HostKVPool, block_size: int):
+        self.plan = plan
+        self.allocator = allocator
+        self.pool = pool
+        self.block_size = block_size
+        # bytes of one step's full selection: middle blocks x one layer-block x sparse layers
+        self.selection_bytes = plan.middle_blocks * pool.layer_block_bytes * plan.sparse_layers
+
+    def _sizes(self, req: Request) -> tuple[int, int, int]:
+        dense = blocks_for(req.need_tokens, self.block_size)
+        peak, _ = self.plan.gpu_blocks(len(req.prompt), req.need_tokens)
+        return dense, peak, dense  # rows = one per logical block
+
+    def candidate(self, req: Request) -> Candidate:
+        dense, peak, rows = self._sizes(req)
+        if not self.pool.allocator.can_allocate(rows):
+            peak = self.allocator.capacity + 1  # the host pool is full right now: offloading must wait
+        return Candidate(req.index, dense, peak, float(self.selection_bytes))
+
+    def fits_ever(self, req: Request, mode: str) -> str | None:
+        dense, peak, rows = self._sizes(req)
+        gpu_cap, host_cap = self.allocator.capacity, self.pool.allocator.capacity
+        dense_ok = dense <= gpu_cap
+        offload_ok = peak <= gpu_cap and rows <= host_cap
+        if mode == "dense" and not dense_ok:
+            return (f"needs {req.need_tokens} tokens of KV ({dense} blocks) but the GPU KV pool holds {gpu_cap} "
+                    f"blocks; raise gpu_kv_budget/kv_cache_tokens, lower max_new_tokens or use mode='offload'")
+        if mode == "offload" and not offload_ok:
+            return (f"offloaded it needs {peak} GPU blocks (of {gpu_cap}) and {rows} host rows (of {host_cap}); "
+                    "raise gpu_kv_budget/kv_cache_tokens or host_kv_tokens, or lower max_new_tokens")
+        if mode == "auto" and not (dense_ok or offload_ok):
+            return (f"fits neither dense ({dense} of {gpu_cap} GPU blocks) nor offloaded ({peak} GPU blocks, {rows} "
+                    f"of {host_cap} host rows); raise gpu_kv_budget or host_kv_tokens, or lower max_new_tokens")
+        return None
+
+    def setup(self, req: Request) -> None:
+        rows = self.pool.allocate(blocks_for(req.need_tokens, self.block_size), owner=req.index)
+        req.sparse = SparseKV(self.plan, req.index, len(req.prompt), req.need_tokens, req.blocks, rows)
+
+    def release(self, req: Request) -> None:
+        self.pool.free(req.sparse.host_rows, owner=req.index)
+
+
+def probe_pallas(device: jax.Device) -> str | None:
+    """Compile and run the sparse decode kernels once on tiny shapes; None if fine, else the error text."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.block_scoring import block_scores
+    from pallas_kernels.sparse_decode_attention import sparse_decode_attention
+
+    try:
+        with jax.default_device(device):
+            q = jnp.ones((1, 4, 64), jnp.bfloat16)
+            pool = jnp.ones((4, 2, 16, 2, 64), jnp.bfloat16)
+            ids = jnp.array([[[1, 2]]], jnp.int32)
+            jax.block_until_ready(sparse_decode_attention(q, pool, ids, jnp.full_like(ids, 16)))
+            meta = jnp.ones((4, 2, 64), jnp.float32)
+            jax.block_until_ready(block_scores(q, meta, meta, ids[:, 0]))
+    except Exception as e:  # noqa: BLE001 - any lowering/compile error
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    return None

@@ -1,0 +1,342 @@
+"""Layer-wise decode of sparse requests, driven from Python with asynchronous dispatch and interruptible recall.
+
+One decode step of the sparse requests (`SparseDecoder.decode`):
+
+  0. bookkeeping (host): each request's newest block becomes resident; a block that left the recent window
+     is written back to its host row (async device->host copy) and gets its key metadata (`refresh_meta`):
+     both are dispatched before any selection of this step, so the step can select and recall it.
+  1. the batch is split into `micro_batches` micro-batches; each runs the layer loop below as a coroutine
+     that stops where it needs something not yet there;
+  2. dense layer l < dense_layers: one jitted call (write the token, attend over every block, MLP);
+  3. sparse layer l:
+       a. `sparse_pre`: q/k/v, write the token into its window block, score all blocks from their key bounds,
+          select (SoloHead: one set per layer; headwise: one per KV head)          -> STOP until sel is on host
+       b. host: split the selection into resident blocks (sinks, window), slot-cache hits and misses (LRU),
+          and ISSUE THE RECALL of the misses at once: coalesced = one host gather into one pinned staging
+          buffer + one host-to-device copy for the whole micro-batch; fragmented = one copy per (block, head);
+       c. interruptible: dispatch attention over the resident + hit blocks (partial o, m, l) while the copy
+          is in flight                                                        -> STOP until the copy landed
+          then scatter the recalled blocks into their slots, attend over them, merge the two partials
+          through the softmax residuals, finish the layer (o-proj, MLP);
+          synchronous (baseline): STOP until the copy landed, scatter, one attention over everything.
+  4. logits.
+
+The driver resumes whichever micro-batch's awaited array `is_ready()`; only when none is does it block, on the
+oldest. Blocking on a recall is counted as recall wait (`recall_wait_s`) only after the GPU has finished the
+work queued ahead of it (the awaited micro-batch's early attention): that interval is time the GPU sits
+idle on PCIe. A recall stop is resumed only once its copy landed, so the scatter that donates the shared
+cache never makes another micro-batch's queued work wait on this one's copy. Every mechanism is switchable
+for ablation: `recall="sync"`, `micro_batches=1`, `io="fragmented"`, `selection="headwise"`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Generator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from host_offload.host_pool import HostKVPool
+from host_offload.placement import SparseKV, SparsePlan
+from models.transformer import Transformer
+from pulseinfer_jax import layer_ops
+from pulseinfer_jax.kv_cache import blocks_for
+
+Stop = tuple[str, jax.Array, jax.Array | None]  # (kind, awaited array, GPU work queued ahead of it)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    io: str = "coalesced"  # "coalesced" | "fragmented"
+    recall: str = "interruptible"  # "interruptible" | "sync"
+    micro_batches: int = 2
+    attention: str = "jnp"  # "jnp" | "pallas"
+    solohead: str = "normalized_sum"  # "normalized_sum" | "retrieval_head"
+    retrieval_heads: tuple[int, ...] | None = None  # per sparse layer, for solohead="retrieval_head"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+def _pad_rows(rows: list[list[list[int]]], width: int, batch: int, lanes: int, fill: int) -> np.ndarray:
+    out = np.full((batch, lanes, width), fill, np.int32)
+    for b, per_lane in enumerate(rows):
+        for s, vals in enumerate(per_lane):
+            out[b, s, : len(vals)] = vals
+    return out
+
+
+class SparseDecoder:
+    """Decode steps and prompt spills of sparse requests over the shared GPU cache (see module docstring)."""
+
+    def __init__(self, model: Transformer, params: dict, plan: SparsePlan, config: PipelineConfig,
+                 pool: HostKVPool, num_gpu_blocks: int, device: jax.Device):
+        c = model.cfg
+        if config.solohead == "retrieval_head" and (config.retrieval_heads is None
+                                                    or len(config.retrieval_heads) != plan.sparse_layers):
+            raise ValueError(f"solohead='retrieval_head' needs retrieval_heads: one KV head per sparse layer "
+                             f"({plan.sparse_layers}); calibrate them with sparse.calibrate_retrieval_head")
+        self.model, self.params, self.plan, self.config = model, params, plan, config
+        self.pool = pool
+        self.nb = num_gpu_blocks
+        rows = plan.sparse_layers * pool.num_rows
+        with jax.default_device(device):
+            self.meta_min = jnp.zeros((rows, c.num_kv_heads, c.head_dim), jnp.float32)
+            self.meta_max = jnp.zeros((rows, c.num_kv_heads, c.head_dim), jnp.float32)
+        self.kv: jax.Array | None = None
+        self.last_wait_s = 0.0
+
+    @property
+    def metadata_bytes(self) -> int:
+        return 2 * self.meta_min.size * 4
+
+    # ---- prompt spill --------------------------------------------------------------------------
+    def spill_prompt(self, kv: jax.Array, s: SparseKV, prompt_tokens: int) -> tuple[jax.Array, list[int]]:
+        """After prefill: host rows, metadata and dense-layer packs of the prompt; returns (kv, GPU blocks to free)."""
+        table = list(s.table)
+        spill, meta_blocks, free = s.prefill_done(prompt_tokens)
+        if spill:
+            self.pool.write_back(kv, [table[j] for j in spill], [s.host_rows[j] for j in spill])
+        self._refresh_meta(kv, [(table[j], s.host_rows[j]) for j in meta_blocks])
+        if s.plan.placement == "host" and s.plan.dense_layers:
+            n = blocks_for(prompt_tokens, s.plan.block_size)
+            pairs = [(d * self.nb + table[j], s.dense_unit(j, d, self.nb)) for j in range(n)
+                     for d in range(s.plan.dense_layers)]
+            src, dst = (np.zeros(_pow2(len(pairs)), np.int32) for _ in range(2))
+            src[: len(pairs)], dst[: len(pairs)] = zip(*pairs, strict=True)
+            kv = layer_ops.copy_units(kv, jnp.asarray(src), jnp.asarray(dst))
+        return kv, free
+
+    def _refresh_meta(self, kv: jax.Array, blocks: list[tuple[int, int]]) -> None:
+        """Key bounds of full GPU blocks into their metadata rows, every sparse layer: [(gpu block, host row)]."""
+        if not blocks:
+            return
+        p = self.plan
+        units = [(p.dense_layers + sl) * self.nb + g for sl in range(p.sparse_layers) for g, _ in blocks]
+        rows = [sl * self.pool.num_rows + r for sl in range(p.sparse_layers) for _, r in blocks]
+        n = _pow2(len(units))
+        u = np.zeros(n, np.int32)
+        r = np.full(n, -1, np.int32)
+        lens = np.zeros(n, np.int32)
+        u[: len(units)], r[: len(rows)], lens[: len(units)] = units, rows, p.block_size
+        self.meta_min, self.meta_max = layer_ops.refresh_meta(kv, self.meta_min, self.meta_max, jnp.asarray(u),
+                                                              jnp.asarray(lens), jnp.asarray(r))
+
+    # ---- decode --------------------------------------------------------------------------------
+    def decode(self, kv: jax.Array, sparse: list[SparseKV], tokens: list[int], lengths: list[int]
+               ) -> tuple[jax.Array, np.ndarray]:
+        """One decode step: the token tokens[i] sits at position lengths[i] - 1 of request sparse[i].
+        Returns (kv, logits [len(sparse), V] numpy)."""
+        write_back, meta = [], []
+        for s, length in zip(sparse, lengths, strict=True):
+            for j, blk in s.advance(length):
+                if s.plan.placement == "host":
+                    write_back.append((blk, s.host_rows[j]))
+                    s.counters.written_back_blocks += 1
+                meta.append((blk, s.host_rows[j]))
+        if write_back:
+            self.pool.write_back(kv, [b for b, _ in write_back], [r for _, r in write_back])
+        self._refresh_meta(kv, meta)
+        for s in sparse:
+            s.counters.steps += 1
+            s.counters.last_step_recall_bytes = 0
+
+        k = max(1, min(self.config.micro_batches, len(sparse)))
+        bounds = np.linspace(0, len(sparse), k + 1).astype(int)
+        groups = [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
+        self.kv = kv
+        outs: dict[int, jax.Array] = {}
+        coros = {i: self._micro_batch([sparse[j] for j in g], [tokens[j] for j in g], [lengths[j] for j in g],
+                                      outs, i) for i, g in enumerate(groups)}
+        self._drive(coros, {i: [sparse[j] for j in g] for i, g in enumerate(groups)})
+        kv, self.kv = self.kv, None
+        logits = np.concatenate([np.asarray(outs[i])[: len(g)] for i, g in enumerate(groups)])
+        return kv, logits
+
+    def _drive(self, coros: dict[int, Generator[Stop, None, None]], members: dict[int, list[SparseKV]]) -> None:
+        pending: dict[int, Stop] = {}
+        for i, co in coros.items():
+            stop = next(co, None)
+            if stop is not None:
+                pending[i] = stop
+        while pending:
+            ready = [i for i, (_, arr, _) in pending.items() if arr.is_ready()]
+            i = ready[0] if ready else min(pending)
+            kind, arr, ahead = pending[i]
+            if not ready and kind == "recall":
+                if ahead is not None:
+                    jax.block_until_ready(ahead)  # the GPU's queued work for this micro-batch is done...
+                t0 = time.perf_counter()
+                jax.block_until_ready(arr)  # ...so from here on it idles on PCIe
+                waited = time.perf_counter() - t0
+                for s in members[i]:
+                    s.counters.recall_wait_s += waited
+            stop = next(coros[i], None)
+            if stop is None:
+                del pending[i]
+            else:
+                pending[i] = stop
+
+    def _micro_batch(self, sparse: list[SparseKV], tokens: list[int], lengths: list[int],
+                     outs: dict[int, jax.Array], key: int) -> Generator[Stop, None, None]:
+        p, cfg, nb = self.plan, self.config, self.nb
+        model, params = self.model, self.params
+        bs = p.block_size
+        b_real = len(sparse)
+        bp = _pow2(b_real)
+        n_blocks = [blocks_for(length, bs) for length in lengths]
+        kc = _pow2(max(n_blocks))
+        positions = np.zeros(bp, np.int32)
+        positions[:b_real] = np.asarray(lengths) - 1
+        tok = np.zeros(bp, np.int32)
+        tok[:b_real] = tokens
+        cand = np.full((bp, kc), -1, np.int32)
+        nblk = np.zeros(bp, np.int32)
+        newest = np.zeros(bp, np.int32)  # GPU block of each row's newest logical block (0 = null for padding)
+        for b, s in enumerate(sparse):
+            cand[b, : n_blocks[b]] = s.host_rows[: n_blocks[b]]
+            nblk[b] = n_blocks[b]
+            newest[b] = s.gpu_of[n_blocks[b] - 1]
+        positions_d, cand_d, nblk_d = jnp.asarray(positions), jnp.asarray(cand), jnp.asarray(nblk)
+
+        dense_ids, dense_lens, dense_write = [], [], []
+        for d in range(p.dense_layers):
+            ids = np.full((bp, 1, kc), -1, np.int32)
+            lens = np.zeros((bp, 1, kc), np.int32)
+            write = np.zeros(bp, np.int32)
+            for b, s in enumerate(sparse):
+                n = n_blocks[b]
+                ids[b, 0, :n] = [s.dense_unit(j, d, nb) for j in range(n)]
+                lens[b, 0, :n] = np.clip(lengths[b] - np.arange(n) * bs, 0, bs)
+                write[b] = s.dense_unit(n - 1, d, nb)
+            dense_ids.append(jnp.asarray(ids))
+            dense_lens.append(jnp.asarray(lens))
+            dense_write.append(jnp.asarray(write))
+
+        x = layer_ops.embed(model, params, jnp.asarray(tok))
+        for layer in range(model.cfg.num_layers):
+            li = jnp.int32(layer)
+            if layer < p.dense_layers:
+                self.kv, x = layer_ops.dense_layer(model, params, self.kv, li, x, positions_d, dense_write[layer],
+                                                   dense_ids[layer], dense_lens[layer], attention=cfg.attention)
+                continue
+            sl = layer - p.dense_layers
+            write = np.where(np.arange(bp) < b_real, layer * nb + newest, 0).astype(np.int32)
+            rh = cfg.retrieval_heads[sl] if cfg.retrieval_heads is not None else 0
+            self.kv, q, sel = layer_ops.sparse_pre(
+                model, params, self.kv, self.meta_min, self.meta_max, li, jnp.int32(sl * self.pool.num_rows), x,
+                positions_d, jnp.asarray(write), cand_d, nblk_d, jnp.int32(rh), budget=p.budget_blocks,
+                sink=p.sink_blocks, window=p.window_blocks, mode=p.selection, solohead=cfg.solohead,
+                attention=cfg.attention)
+            yield "select", sel, None
+            res, late, recall = self._plan_layer(np.asarray(sel), sparse, lengths, layer, sl)
+            staging = self._issue_recall(sl, recall, sparse)
+            if staging is not None and cfg.recall == "sync":
+                yield "recall", staging[0], q
+            if staging is None or cfg.recall == "sync":
+                if staging is not None:
+                    self.kv = self._scatter(layer, staging)
+                both = [[r + t for r, t in zip(rr, tt, strict=True)] for rr, tt in zip(res, late, strict=True)]
+                ids, lens = self._ids(both, bp)
+                x = layer_ops.attend_merge_finish(model, params, li, x, q, self.kv, ids, lens, None,
+                                                  attention=cfg.attention)
+                continue
+            ids, lens = self._ids(res, bp)
+            early = layer_ops.attend(q, self.kv, ids, lens, attention=cfg.attention)
+            yield "recall", staging[0], early[0]
+            self.kv = self._scatter(layer, staging)
+            ids, lens = self._ids(late, bp)
+            x = layer_ops.attend_merge_finish(model, params, li, x, q, self.kv, ids, lens, early,
+                                              attention=cfg.attention)
+        outs[key] = layer_ops.logits(model, params, x)
+
+    def _ids(self, entries: list[list[list[tuple[int, int]]]], bp: int) -> tuple[jax.Array, jax.Array]:
+        """[(unit, len)] per row and lane -> padded ids / lens [bp, S, W] (W a power of two)."""
+        width = _pow2(max(len(v) for per in entries for v in per))
+        ids = _pad_rows([[[u for u, _ in v] for v in per] for per in entries], width, bp, self.plan_lanes, -1)
+        lens = _pad_rows([[[n for _, n in v] for v in per] for per in entries], width, bp, self.plan_lanes, 0)
+        return jnp.asarray(ids), jnp.asarray(lens)
+
+    @property
+    def plan_lanes(self) -> int:
+        return self.plan.lanes
+
+    def _plan_layer(self, sel: np.ndarray, sparse: list[SparseKV], lengths: list[int], layer: int, sl: int):
+        """Selection [bp, S, N] -> per row and lane: resident entries, late (recalled) entries as (unit, len),
+        and the recall list [(row index b, host row, lane, slot block)]."""
+        p, nb, bs = self.plan, self.nb, self.plan.block_size
+        res: list[list[list[tuple[int, int]]]] = []
+        late: list[list[list[tuple[int, int]]]] = []
+        recall: list[tuple[int, int, int, int]] = []
+        for b, s in enumerate(sparse):
+            res_b, late_b = [], []
+            for lane in range(p.lanes):
+                chosen = [int(j) for j in sel[b, lane] if j >= 0]
+                r = [(layer * nb + s.gpu_of[j], min(bs, lengths[b] - j * bs)) for j in chosen if s.is_resident(j)]
+                middle = [j for j in chosen if not s.is_resident(j)]
+                late_l = []
+                if middle:
+                    hits, misses = s.caches[sl][lane].plan(middle)
+                    s.counters.reused_blocks += len(hits)
+                    r += [(layer * nb + s.slot_blocks[slot], bs) for _, slot in hits]
+                    for j, slot in misses:
+                        recall.append((b, s.host_rows[j], lane, s.slot_blocks[slot]))
+                        late_l.append((layer * nb + s.slot_blocks[slot], bs))
+                res_b.append(r)
+                late_b.append(late_l)
+            res.append(res_b)
+            late.append(late_b)
+        return res, late, recall
+
+    def _issue_recall(self, sl: int, recall: list[tuple[int, int, int, int]], sparse: list[SparseKV]):
+        """Start the host-to-device copies of `recall`; returns (device staging, dst blocks, heads or None) or
+        None when nothing is missing. Counts bytes / transfers / blocks per request."""
+        if not recall:
+            return None
+        pool, p = self.pool, self.plan
+        solo = p.selection == "solohead"
+        for b, _, _, _ in recall:
+            sparse[b].counters.recalled_blocks += 1
+        if self.config.io == "coalesced":
+            rows = [r for _, r, _, _ in recall]
+            dst = [d for _, _, _, d in recall]
+            for b in {b for b, _, _, _ in recall}:
+                sparse[b].counters.recall_transfers += 1
+            if solo:
+                staging, heads = pool.gather_blocks(sl, rows), None
+                unit = pool.layer_block_bytes
+            else:
+                heads = [h for _, _, h, _ in recall]
+                staging, unit = pool.gather_units(sl, rows, heads), pool.unit_bytes
+            for b, _, _, _ in recall:
+                sparse[b].counters.recall_bytes += unit
+                sparse[b].counters.last_step_recall_bytes += unit
+        else:  # fragmented: one copy per (block, head)
+            hkv = self.model.cfg.num_kv_heads
+            units = [(b, r, h, d) for b, r, lane, d in recall for h in (range(hkv) if solo else (lane,))]
+            rows = [r for _, r, _, _ in units]
+            heads = [h for _, _, h, _ in units]
+            dst = [d for _, _, _, d in units]
+            staging = pool.fragment_units(sl, rows, heads)
+            for b, _, _, _ in units:
+                sparse[b].counters.recall_transfers += 1
+                sparse[b].counters.recall_bytes += pool.unit_bytes
+                sparse[b].counters.last_step_recall_bytes += pool.unit_bytes
+        n = staging.shape[0]
+        dst_p = np.zeros(n, np.int32)
+        dst_p[: len(dst)] = dst
+        heads_p = None
+        if heads is not None:
+            heads_p = np.zeros(n, np.int32)
+            heads_p[: len(heads)] = heads
+        return staging, dst_p, heads_p
+
+    def _scatter(self, layer: int, staging) -> jax.Array:
+        data, dst, heads = staging
+        if heads is None:
+            return layer_ops.scatter_blocks(self.kv, jnp.int32(layer), data, jnp.asarray(dst))
+        return layer_ops.scatter_units(self.kv, jnp.int32(layer), data, jnp.asarray(dst), jnp.asarray(heads))
