@@ -61,6 +61,11 @@ class HostKVPool:
         self.host = host_sharding(device)
         self.dev = device_sharding(device)
         self.allocator = BlockAllocator(num_rows)
+        # transfers issued (real entries only, padding excluded): the I/O accounting every path shares
+        self.h2d_copies = 0
+        self.h2d_bytes = 0
+        self.d2h_copies = 0
+        self.d2h_bytes = 0
         self.pool: Array = jax.jit(lambda: jnp.zeros(self.shape, self.dtype), out_shardings=self.host)()
         self._write = jax.jit(self._write_back_impl, donate_argnums=0, out_shardings=self.host)
         self._gather_blocks = jax.jit(self._gather_blocks_impl, out_shardings=self.host)
@@ -107,12 +112,16 @@ class HostKVPool:
         if len(gpu_blocks) != len(rows) or NULL_ROW in rows:
             raise ValueError(f"write_back needs one non-null row per block, got {gpu_blocks=} {rows=}")
         blocks, dst = _pad_pow2(gpu_blocks, rows)
+        self.d2h_copies += 1
+        self.d2h_bytes += len(rows) * self.shape[0] * self.layer_block_bytes
         self.pool = self._write(self.pool, kv, jnp.asarray(blocks), jax.device_put(dst, self.host),
                                 jnp.int32(len(rows)))
 
     def gather_blocks(self, layer: int, rows: list[int]) -> Float[Array, "n 2 bs Hkv hd"]:
         """Whole blocks of pool layer `layer`, padded to a power of two: one host gather + one H2D copy."""
         (r,) = _pad_pow2(rows)
+        self.h2d_copies += 1
+        self.h2d_bytes += len(rows) * self.layer_block_bytes
         staging = self._gather_blocks(self.pool, jax.device_put(np.int32(layer), self.host),
                                       jax.device_put(r, self.host))
         return jax.device_put(staging, self.dev)
@@ -120,6 +129,8 @@ class HostKVPool:
     def gather_units(self, layer: int, rows: list[int], heads: list[int]) -> Float[Array, "n 2 bs hd"]:
         """(block, head) units of pool layer `layer`, padded: one host gather + one H2D copy."""
         r, h = _pad_pow2(rows, heads)
+        self.h2d_copies += 1
+        self.h2d_bytes += len(rows) * self.unit_bytes
         staging = self._gather_units(self.pool, jax.device_put(np.int32(layer), self.host),
                                      jax.device_put(r, self.host), jax.device_put(h, self.host))
         return jax.device_put(staging, self.dev)
@@ -127,6 +138,8 @@ class HostKVPool:
     def fragment_units(self, layer: int, rows: list[int], heads: list[int]) -> Float[Array, "n 2 bs hd"]:
         """(block, head) units of pool layer `layer`, padded: one host-to-device copy per real unit."""
         r, h = _pad_pow2(rows, heads)
+        self.h2d_copies += len(rows)
+        self.h2d_bytes += len(rows) * self.unit_bytes
         return self._fragment(self.pool, jnp.int32(layer), jnp.asarray(r), jnp.asarray(h), jnp.int32(len(rows)))
 
     def read(self, layer: int, row: int) -> np.ndarray:

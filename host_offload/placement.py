@@ -16,9 +16,12 @@ A *sparse* request decodes with block selection. Its placement is either
         block's host row (kept by the engine, not here).
     When a block leaves the window it is written back to its host row (asynchronously), its metadata is
     computed, and its GPU block becomes the spare.
-    Prefill runs dense through a transient run of GPU blocks (the whole prompt, all layers, one request at a
-    time); when it completes the prompt is spilled: sparse layers to the host rows, dense layers into the
-    packs, metadata computed, and all transient blocks but the resident ones are freed.
+    Prefill runs dense through the engine's *prefill scratch*: a run of GPU blocks outside the allocator,
+    sized to the longest prompt, used by one prefill at a time (the engine prefills requests one after
+    another). When the prompt is complete it is spilled: sparse layers to the host rows, dense layers into
+    the packs, resident blocks copied into the request's own blocks, metadata computed; the scratch is then
+    free for the next prompt. So admission reserves only the steady footprint (resident + slots + packs),
+    which is what lets IOAA offload a request when its dense KV no longer fits.
   - "device" (sparse attention without offloading; an ablation and the test oracle for the I/O path): every
     block stays on the GPU like a dense request, selection and attention are the same, nothing is recalled.
     Host rows are still allocated: they index the metadata rows.
@@ -90,15 +93,12 @@ class SparsePlan:
     def pack_blocks(self, n_blocks: int) -> int:
         return -(-n_blocks * self.dense_layers // self.num_layers)
 
-    def gpu_blocks(self, prompt_tokens: int, total_tokens: int) -> tuple[int, int]:
-        """(peak, after prefill) GPU blocks of a request with this prompt and prompt + max new tokens."""
+    def gpu_blocks(self, total_tokens: int) -> int:
+        """GPU blocks a request of prompt + max new tokens = `total_tokens` owns (the prefill scratch aside)."""
         n = blocks_for(total_tokens, self.block_size)
         if self.placement == "device":
-            return n, n
-        slots = self.slots_for(n)
-        steady = self.resident_blocks + slots + self.pack_blocks(n)
-        transient = max(blocks_for(prompt_tokens, self.block_size), self.resident_blocks)
-        return transient + slots + self.pack_blocks(n), steady
+            return n
+        return self.resident_blocks + self.slots_for(n) + self.pack_blocks(n)
 
 
 @dataclasses.dataclass
@@ -119,13 +119,11 @@ class SparseKV:
     """Block roles of one sparse request; see the module docstring. Owns no memory: the engine allocates the
     GPU blocks and host rows and hands them in; `free_after_prefill` says which GPU blocks to give back."""
 
-    def __init__(self, plan: SparsePlan, owner: int, prompt_tokens: int, total_tokens: int,
-                 gpu_blocks: list[int], host_rows: list[int]):
-        peak, _ = plan.gpu_blocks(prompt_tokens, total_tokens)
+    def __init__(self, plan: SparsePlan, owner: int, total_tokens: int, gpu_blocks: list[int], host_rows: list[int]):
         n_max = blocks_for(total_tokens, plan.block_size)
-        if len(gpu_blocks) != peak or len(host_rows) != n_max:
+        if len(gpu_blocks) != plan.gpu_blocks(total_tokens) or len(host_rows) != n_max:
             raise ValueError(f"request {owner}: got {len(gpu_blocks)} GPU blocks / {len(host_rows)} host rows, "
-                             f"needs {peak} / {n_max}")
+                             f"needs {plan.gpu_blocks(total_tokens)} / {n_max}")
         self.plan = plan
         self.owner = owner
         self.host_rows = list(host_rows)  # logical block -> host row (and metadata row)
@@ -133,27 +131,35 @@ class SparseKV:
         self.num_blocks = 0  # logical blocks holding tokens (set by prefill_done / advance)
         self.gpu_of: dict[int, int] = {}  # resident logical block -> GPU block
         self.spare: list[int] = []
+        self.table: list[int] = []  # the prompt's GPU blocks during prefill
         if plan.placement == "device":
             self.table = list(gpu_blocks)
             self.slot_blocks: list[int] = []
             self.packs: list[int] = []
             self.caches: list[list[SlotCache]] = []
             return
-        transient = max(blocks_for(prompt_tokens, plan.block_size), plan.resident_blocks)
-        slots = plan.slots_for(n_max)
-        self.table = list(gpu_blocks[:transient])  # the prompt's blocks during prefill
-        self.slot_blocks = list(gpu_blocks[transient:transient + slots])
-        self.packs = list(gpu_blocks[transient + slots:])
+        r, slots = plan.resident_blocks, plan.slots_for(n_max)
+        self.spare = list(gpu_blocks[:r])  # resident blocks, assigned at prefill_done
+        self.slot_blocks = list(gpu_blocks[r:r + slots])
+        self.packs = list(gpu_blocks[r + slots:])
         self.caches = [[SlotCache(slots) for _ in range(plan.lanes)] for _ in range(plan.sparse_layers)]
 
     # ---- prefill -------------------------------------------------------------------------------
-    def prefill_table(self) -> list[int]:
+    def prefill_table(self, scratch: list[int], prompt_tokens: int) -> list[int]:
+        """GPU blocks the prompt is prefilled into: the engine's scratch (host placement) or its own blocks."""
+        if self.plan.placement == "host":
+            need = blocks_for(prompt_tokens, self.plan.block_size)
+            if need > len(scratch):
+                raise ValueError(f"request {self.owner}: a {prompt_tokens}-token prompt needs {need} prefill scratch "
+                                 f"blocks, the engine has {len(scratch)}")
+            self.table = list(scratch[:need])
         return self.table
 
-    def prefill_done(self, prompt_tokens: int) -> tuple[list[int], list[int], list[int]]:
+    def prefill_done(self, prompt_tokens: int) -> tuple[list[int], list[int], list[tuple[int, int]]]:
         """After the prompt's KV is in `prefill_table()`: returns (logical blocks to write to their host rows,
-        logical blocks whose metadata to compute (the full ones outside sinks and window), GPU blocks to free).
-        The caller reads the transient blocks for both before freeing them."""
+        logical blocks whose metadata to compute (the full ones outside sinks and window), (prefill block,
+        own block) copies that move the resident blocks out of the scratch). The caller reads the prefill
+        blocks for all three before the scratch is reused."""
         p = self.plan
         n = blocks_for(prompt_tokens, p.block_size)
         self.num_blocks = n
@@ -162,11 +168,8 @@ class SparseKV:
             self.gpu_of = dict(enumerate(self.table))
             return [], middle, []
         keep = [j for j in range(n) if j < p.sink_blocks or j >= n - p.window_blocks]
-        self.gpu_of = {j: self.table[j] for j in keep}
-        kept = set(self.gpu_of.values())
-        rest = [b for b in self.table if b not in kept]
-        self.spare = rest[: p.resident_blocks - len(keep)]
-        return list(range(n)), middle, rest[p.resident_blocks - len(keep):]
+        self.gpu_of = {j: self.spare.pop() for j in keep}
+        return list(range(n)), middle, [(self.table[j], self.gpu_of[j]) for j in keep]
 
     # ---- decode --------------------------------------------------------------------------------
     def advance(self, length: int) -> list[tuple[int, int]]:

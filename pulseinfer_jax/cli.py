@@ -27,7 +27,25 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
-    p.add_argument("--stats", action="store_true", help="print per-request stats as JSON to stderr")
+    p.add_argument("--stats", action="store_true",
+                   help="print per-request stats as JSON to stderr (timings, placement, recall counters)")
+    o = p.add_argument_group("KV offloading")
+    o.add_argument("--mode", default="dense", help="dense | offload | auto (IOAA decides per request); default dense")
+    o.add_argument("--budget-tokens", type=int, default=2048, help="tokens attended per sparse layer (default 2048)")
+    o.add_argument("--selection", default="solohead", help="solohead | headwise (default solohead)")
+    o.add_argument("--io", default="coalesced", help="coalesced | fragmented (default coalesced)")
+    o.add_argument("--recall", default="interruptible", help="interruptible | sync (default interruptible)")
+    o.add_argument("--gpu-kv-budget", type=int, default=None, help="cap on GPU KV bytes (emulates a smaller GPU)")
+    o.add_argument("--host-kv-tokens", type=int, default=None, help="pinned host pool size in tokens")
+
+
+def engine_config(args: argparse.Namespace, **extra):
+    """EngineConfig from the shared CLI options (ValueError on bad values, reported as one line)."""
+    from pulseinfer_jax.config import EngineConfig
+
+    return EngineConfig(block_size=args.block_size, mode=args.mode, budget_tokens=args.budget_tokens,
+                        selection=args.selection, io=args.io, recall=args.recall, gpu_kv_budget=args.gpu_kv_budget,
+                        host_kv_tokens=args.host_kv_tokens, **extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,9 +92,9 @@ def _print_stats(results) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from models.loading import load_model
     from pulseinfer_jax.api import generate_long
-    from pulseinfer_jax.config import EngineConfig
     from pulseinfer_jax.engine import Engine
 
+    config = engine_config(args, progress=True)
     prompt = _read_prompt(args)
     if not prompt.strip():
         raise ValueError("the prompt is empty; give some text")
@@ -84,7 +102,7 @@ def _generate(args: argparse.Namespace) -> int:
     chat = args.chat
     if chat is None:
         chat = bool(model.tokenizer and model.tokenizer.has_chat_template)
-    engine = Engine(model, EngineConfig(block_size=args.block_size, progress=True))
+    engine = Engine(model, config)
 
     def on_token(ev) -> None:
         if not args.no_stream:
@@ -110,7 +128,7 @@ def _demo(args: argparse.Namespace) -> int:
     from pulseinfer_jax.demo import run_demo
 
     ok = run_demo(model=args.model, dtype=args.dtype, tokens=args.tokens, depth=args.depth, seed=args.seed,
-                  block_size=args.block_size, stats=args.stats)
+                  config=engine_config(args, progress=True), stats=args.stats)
     return 0 if ok else 1
 
 

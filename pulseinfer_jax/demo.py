@@ -36,12 +36,16 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, passkey: int) -> str:
     return build(reps)
 
 def run_demo(model=None, dtype: str = "float32", tokens: int = 2000, depth: float = 0.5, seed: int = 0,
-             block_size: int = 16, stats: bool = False) -> bool:
-    """Load the model, build the haystack, generate greedily; print answer and timing. True if found."""
+             config=None, stats: bool = False) -> bool:
+    """Load the model, build the haystack, generate greedily; print answer and timing. True if found.
+    `config`: an EngineConfig (e.g. mode="offload"); default: dense, progress bar on."""
     import statistics
 
     from models.loading import load_model
     from pulseinfer_jax.api import generate_long
+    from pulseinfer_jax.config import EngineConfig
+
+    config = config or EngineConfig(progress=True)
 
     t0 = time.perf_counter()
     m = load_model(model, dtype=dtype)
@@ -51,13 +55,17 @@ def run_demo(model=None, dtype: str = "float32", tokens: int = 2000, depth: floa
     passkey = random.Random(seed).randint(10000, 99999)
     prompt = passkey_prompt(m.tokenizer, tokens, depth, passkey)
     stamps: list[float] = []
-    res = generate_long([prompt], m, max_new_tokens=12, seed=seed, block_size=block_size, dtype=dtype,
-                        progress=True, on_token=lambda ev: stamps.append(time.perf_counter()))[0]
+    res = generate_long([prompt], m, max_new_tokens=12, seed=seed, dtype=dtype, engine_config=config,
+                        on_token=lambda ev: stamps.append(time.perf_counter()))[0]
     gaps = [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]  # the first step compiles
     found = str(passkey) in res.text
     s = res.stats
     print(f"model: {m.source} ({m.cfg.num_layers} layers, {dtype}), loaded in {load_s:.1f} s")
-    print(f"document: {s['prompt_tokens']} tokens, passkey {passkey} at depth {depth:.0%}")
+    kv = s["mode"]
+    if kv == "offload":
+        kv += (f" (budget {s['budget_tokens']} tokens, {s['selection']}, recalled {s['recall_bytes'] / 1e6:.1f} MB "
+               f"in {s['recall_transfers']} copies, {s['reused_blocks']} slot-cache hits)")
+    print(f"document: {s['prompt_tokens']} tokens, passkey {passkey} at depth {depth:.0%}; KV {kv}")
     print(f"answer: {res.text.strip()!r} -> {'FOUND' if found else 'NOT FOUND'}")
     step = statistics.median(gaps) if gaps else s["tpot_s"]
     print(f"prefill {s['prefill_s']:.2f} s ({s['prompt_tokens'] / max(s['prefill_s'], 1e-9):.0f} tok/s, "

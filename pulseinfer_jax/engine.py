@@ -55,6 +55,7 @@ class Engine:
         self._attention_proven = self.decode_attention == "jnp"  # pallas: not yet compiled in this engine
         self._bars: dict = {}
         self.host_pool = None  # host_offload.HostKVPool (modes offload / auto)
+        self.scratch: list[int] = []  # GPU blocks outside the allocator that offloaded prompts prefill into
         self.sparse = None  # pipeline.SparseDecoder
         self.sparse_attention: str | None = None  # attention of the sparse pipeline, resolved on first use
         self.h2d_bytes_per_s: float | None = config.h2d_bytes_per_s
@@ -93,6 +94,8 @@ class Engine:
             if cap_bytes < 2 * per_block:
                 raise ValueError(f"gpu_kv_budget={cfg.gpu_kv_budget} does not even hold the key metadata of a "
                                  f"{rows}-block host pool; raise gpu_kv_budget or lower host_kv_tokens")
+        scratch = 0 if plan is None else offload.scratch_blocks_for(cfg, plan, requests)
+        cap_bytes -= scratch * per_block
         if cfg.kv_cache_tokens is not None:
             num_blocks = blocks_for(cfg.kv_cache_tokens, bs) + 1
         else:
@@ -100,16 +103,21 @@ class Engine:
                 want = sum(blocks_for(r.need_tokens, bs) for r in requests) + 1
             else:
                 want = offload.gpu_blocks_wanted(cfg, plan, requests) + 1
+            if plan is not None and cap_bytes < 2 * per_block:
+                raise ValueError(f"gpu_kv_budget={cfg.gpu_kv_budget} cannot hold the offload metadata and the prefill "
+                                 f"scratch ({scratch} blocks for the longest prompt); raise gpu_kv_budget")
             num_blocks = max(2, min(want, cap_bytes // per_block))
-        if self.spec is None or self.spec.num_blocks != num_blocks:
+        # blocks num_blocks.. are the prefill scratch of offloaded prompts, outside the allocator
+        if self.spec is None or self.spec.num_blocks != num_blocks + scratch:
             self.kv = None  # free the old pool before allocating the new one
-            self.spec = self._spec(num_blocks)
+            self.spec = self._spec(num_blocks + scratch)
             self.kv = self.spec.allocate(self.device)
+        self.scratch = list(range(num_blocks, num_blocks + scratch))
         self.allocator = BlockAllocator(num_blocks)
         if plan is None:
             self.scheduler = Scheduler(self.allocator, bs, cfg.max_batch)
             return
-        self._ensure_offload(plan, rows, num_blocks)
+        self._ensure_offload(plan, rows, num_blocks + scratch)
         placer = offload.OffloadPlacer(plan, self.allocator, self.host_pool, bs)
         ioaa = IOAAConfig(h2d_bytes_per_s=self._h2d_bandwidth(), slack=cfg.ioaa_slack)
         self.scheduler = Scheduler(self.allocator, bs, cfg.max_batch, mode=cfg.mode, placer=placer, ioaa=ioaa,
@@ -195,12 +203,12 @@ class Engine:
             r.admit_step = self.steps
         self.steps += 1
         pf = sched.next_prefill()
+        if pf is None and not sched.running and sched.waiting:
+            raise RuntimeError("scheduler stalled: waiting requests cannot be admitted into an idle engine")
         if pf is not None:
             yield from self._prefill_chunk(pf)
         if sched.running:
             yield from self._decode(list(sched.running))
-        if not sched.running and pf is None and sched.waiting:
-            raise RuntimeError("scheduler stalled: waiting requests cannot be admitted into an idle engine")
 
     def _prefill_chunk(self, req: Request) -> Iterator[TokenEvent]:
         cfg = self.config
@@ -212,7 +220,7 @@ class Engine:
         n = min(size, remaining)
         chunk = np.zeros(size, np.int32)
         chunk[:n] = req.prompt[start:start + n]
-        blocks = req.sparse.prefill_table() if req.sparse is not None else req.blocks
+        blocks = req.sparse.prefill_table(self.scratch, len(req.prompt)) if req.sparse is not None else req.blocks
         table = self._table(blocks, bucket(len(blocks)))
         self.kv, logits = prefill_step(self.model.transformer, self.model.params, self.kv, jnp.asarray(chunk),
                                        jnp.int32(start), jnp.int32(n), jnp.asarray(table),
@@ -230,9 +238,8 @@ class Engine:
             bar.close()
             del self._bars[req.index]
         token = self._sample(logits[None], [req])[0]
-        if req.sparse is not None:  # spill the prompt: host rows, metadata, dense-layer packs; free the rest
-            self.kv, free = self.sparse.spill_prompt(self.kv, req.sparse, len(req.prompt))
-            self.scheduler.release_blocks(req, free)
+        if req.sparse is not None:  # spill the prompt: host rows, metadata, dense-layer packs, resident blocks
+            self.kv = self.sparse.spill_prompt(self.kv, req.sparse, len(req.prompt))
         req.prefill_s += time.perf_counter() - t0
         req.t_first = time.perf_counter()
         self.scheduler.prefill_done(req)

@@ -47,9 +47,15 @@ def gpu_blocks_wanted(config: EngineConfig, plan: SparsePlan, requests: Sequence
     total = 0
     for r in requests:
         dense = blocks_for(r.need_tokens, config.block_size)
-        peak, _ = plan.gpu_blocks(len(r.prompt), r.need_tokens)
-        total += peak if config.mode == "offload" else dense
+        total += plan.gpu_blocks(r.need_tokens) if config.mode == "offload" else dense
     return total
+
+
+def scratch_blocks_for(config: EngineConfig, plan: SparsePlan, requests: Sequence[Request]) -> int:
+    """Prefill scratch of offloaded prompts: the longest prompt (0 when sparse requests keep their KV)."""
+    if plan.placement != "host" or not requests:
+        return 0
+    return max(blocks_for(len(r.prompt), config.block_size) for r in requests)
 
 
 class OffloadPlacer:
@@ -65,8 +71,7 @@ class OffloadPlacer:
 
     def _sizes(self, req: Request) -> tuple[int, int, int]:
         dense = blocks_for(req.need_tokens, self.block_size)
-        peak, _ = self.plan.gpu_blocks(len(req.prompt), req.need_tokens)
-        return dense, peak, dense  # rows = one per logical block
+        return dense, self.plan.gpu_blocks(req.need_tokens), dense  # rows = one per logical block
 
     def candidate(self, req: Request) -> Candidate:
         dense, peak, rows = self._sizes(req)
@@ -92,7 +97,7 @@ class OffloadPlacer:
 
     def setup(self, req: Request) -> None:
         rows = self.pool.allocate(blocks_for(req.need_tokens, self.block_size), owner=req.index)
-        req.sparse = SparseKV(self.plan, req.index, len(req.prompt), req.need_tokens, req.blocks, rows)
+        req.sparse = SparseKV(self.plan, req.index, req.need_tokens, req.blocks, rows)
 
     def release(self, req: Request) -> None:
         self.pool.free(req.sparse.host_rows, owner=req.index)

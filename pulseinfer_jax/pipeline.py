@@ -31,6 +31,7 @@ for ablation: `recall="sync"`, `micro_batches=1`, `io="fragmented"`, `selection=
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Generator
@@ -88,28 +89,33 @@ class SparseDecoder:
             self.meta_min = jnp.zeros((rows, c.num_kv_heads, c.head_dim), jnp.float32)
             self.meta_max = jnp.zeros((rows, c.num_kv_heads, c.head_dim), jnp.float32)
         self.kv: jax.Array | None = None
-        self.last_wait_s = 0.0
+        # per decode step: host-to-device copies and bytes issued, recall wait (bounded history)
+        self.step_log: collections.deque[dict] = collections.deque(maxlen=65536)
 
     @property
     def metadata_bytes(self) -> int:
         return 2 * self.meta_min.size * 4
 
     # ---- prompt spill --------------------------------------------------------------------------
-    def spill_prompt(self, kv: jax.Array, s: SparseKV, prompt_tokens: int) -> tuple[jax.Array, list[int]]:
-        """After prefill: host rows, metadata and dense-layer packs of the prompt; returns (kv, GPU blocks to free)."""
+    def spill_prompt(self, kv: jax.Array, s: SparseKV, prompt_tokens: int) -> jax.Array:
+        """After prefill: host rows, metadata, dense-layer packs and resident blocks of the prompt, all read
+        from the prefill blocks (the engine's scratch for host placement); returns kv."""
         table = list(s.table)
-        spill, meta_blocks, free = s.prefill_done(prompt_tokens)
+        spill, meta_blocks, resident = s.prefill_done(prompt_tokens)
         if spill:
             self.pool.write_back(kv, [table[j] for j in spill], [s.host_rows[j] for j in spill])
         self._refresh_meta(kv, [(table[j], s.host_rows[j]) for j in meta_blocks])
+        pairs = [(layer * self.nb + src, layer * self.nb + dst) for src, dst in resident
+                 for layer in range(s.plan.num_layers)]
         if s.plan.placement == "host" and s.plan.dense_layers:
             n = blocks_for(prompt_tokens, s.plan.block_size)
-            pairs = [(d * self.nb + table[j], s.dense_unit(j, d, self.nb)) for j in range(n)
-                     for d in range(s.plan.dense_layers)]
+            pairs += [(d * self.nb + table[j], s.dense_unit(j, d, self.nb)) for j in range(n)
+                      for d in range(s.plan.dense_layers)]
+        if pairs:
             src, dst = (np.zeros(_pow2(len(pairs)), np.int32) for _ in range(2))
             src[: len(pairs)], dst[: len(pairs)] = zip(*pairs, strict=True)
             kv = layer_ops.copy_units(kv, jnp.asarray(src), jnp.asarray(dst))
-        return kv, free
+        return kv
 
     def _refresh_meta(self, kv: jax.Array, blocks: list[tuple[int, int]]) -> None:
         """Key bounds of full GPU blocks into their metadata rows, every sparse layer: [(gpu block, host row)]."""
@@ -149,15 +155,21 @@ class SparseDecoder:
         bounds = np.linspace(0, len(sparse), k + 1).astype(int)
         groups = [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
         self.kv = kv
+        copies0, bytes0 = self.pool.h2d_copies, self.pool.h2d_bytes
         outs: dict[int, jax.Array] = {}
         coros = {i: self._micro_batch([sparse[j] for j in g], [tokens[j] for j in g], [lengths[j] for j in g],
                                       outs, i) for i, g in enumerate(groups)}
-        self._drive(coros, {i: [sparse[j] for j in g] for i, g in enumerate(groups)})
+        waited = self._drive(coros, {i: [sparse[j] for j in g] for i, g in enumerate(groups)})
         kv, self.kv = self.kv, None
+        self.step_log.append({"batch": len(sparse), "micro_batches": k, "h2d_copies": self.pool.h2d_copies - copies0,
+                              "h2d_bytes": self.pool.h2d_bytes - bytes0,
+                              "recall_wait_s": waited})
         logits = np.concatenate([np.asarray(outs[i])[: len(g)] for i, g in enumerate(groups)])
         return kv, logits
 
-    def _drive(self, coros: dict[int, Generator[Stop, None, None]], members: dict[int, list[SparseKV]]) -> None:
+    def _drive(self, coros: dict[int, Generator[Stop, None, None]], members: dict[int, list[SparseKV]]) -> float:
+        """Run the micro-batch coroutines to completion; returns the seconds spent idle on recall."""
+        total = 0.0
         pending: dict[int, Stop] = {}
         for i, co in coros.items():
             stop = next(co, None)
@@ -173,6 +185,7 @@ class SparseDecoder:
                 t0 = time.perf_counter()
                 jax.block_until_ready(arr)  # ...so from here on it idles on PCIe
                 waited = time.perf_counter() - t0
+                total += waited
                 for s in members[i]:
                     s.counters.recall_wait_s += waited
             stop = next(coros[i], None)
@@ -180,6 +193,7 @@ class SparseDecoder:
                 del pending[i]
             else:
                 pending[i] = stop
+        return total
 
     def _micro_batch(self, sparse: list[SparseKV], tokens: list[int], lengths: list[int],
                      outs: dict[int, jax.Array], key: int) -> Generator[Stop, None, None]:

@@ -1,11 +1,11 @@
 """Continuous batching over the paged KV pool (pure Python, testable without a model).
 
 Admission reserves every GPU block a request can ever need up front, FIFO, while the batch has room: for a
-dense request its whole KV (prompt + max_new_tokens), for an offloaded one its peak GPU footprint (see
-host_offload/placement.py). A running request therefore never runs out of KV blocks and never has to be
-preempted: no KV is lost or recomputed. A finished request frees its blocks at once and the head of the
-queue joins the batch at the next step. A request that could never fit is rejected when added, so the
-queue can never wait forever.
+dense request its whole KV (prompt + max_new_tokens), for an offloaded one its steady GPU footprint (see
+host_offload/placement.py; its prompt is prefilled through the engine's scratch). A running request
+therefore never runs out of KV blocks and never has to be preempted: no KV is lost or recomputed. A
+finished request frees its blocks at once and the head of the queue joins the batch at the next step. A
+request that could never fit is rejected when added, so the queue can never wait forever.
 
 Which placement a request gets is IOAA's decision (`pulseinfer_jax.ioaa.admit_batch`), re-evaluated every
 step: mode "dense" / "offload" force it, "auto" prefers dense while memory allows and offloads only while
@@ -151,9 +151,14 @@ class Scheduler:
         for key, decision in decisions:
             if decision == "wait":
                 break
-            req = self.waiting.popleft()
+            req = self.waiting[0]
             assert req.index == key, "admission must follow the queue order"
             cand = cands[key]
+            if decision == "offload":  # the host pool may have filled with the requests admitted just before
+                cand = self.placer.candidate(req)
+                if cand.offload_blocks > self.allocator.num_free:
+                    break
+            self.waiting.popleft()
             need = cand.dense_blocks if decision == "dense" else cand.offload_blocks
             req.blocks = self.allocator.allocate(need, owner=req.index)
             req.placement = decision
@@ -172,12 +177,6 @@ class Scheduler:
         self.prefilling.remove(req)
         req.status = Status.RUNNING
         self.running.append(req)
-
-    def release_blocks(self, req: Request, blocks: list[int]) -> None:
-        """Give back some of a running request's GPU blocks (an offloaded prompt's transient blocks)."""
-        self.allocator.free(blocks, owner=req.index)
-        gone = set(blocks)
-        req.blocks = [b for b in req.blocks if b not in gone]
 
     def finish(self, req: Request, reason: str) -> None:
         if req.status is Status.RUNNING:

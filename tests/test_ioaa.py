@@ -317,3 +317,53 @@ def test_unknown_mode_raises():
 def test_bad_decide_inputs_raise(kwargs, field):
     with pytest.raises(ValueError, match=field):
         run_decide(cand(1), **kwargs)
+
+
+class FakePlacer:
+    """Scheduler.Placer with fixed footprints per request: dense 10 blocks, offloaded 3, budget 400 B."""
+
+    def __init__(self):
+        self.setups, self.releases = [], []
+
+    def candidate(self, req):
+        return Candidate(req.index, 10, 3, 400.0)
+
+    def fits_ever(self, req, mode):
+        return None
+
+    def setup(self, req):
+        self.setups.append(req.index)
+
+    def release(self, req):
+        self.releases.append(req.index)
+
+
+def test_scheduler_runs_ioaa_every_step():
+    """The scheduler admits by IOAA from the live allocator and the running recall estimate, every step."""
+    from pulseinfer_jax.kv_cache import BlockAllocator
+    from pulseinfer_jax.sampling import SamplingParams
+    from pulseinfer_jax.scheduler import Request, Scheduler
+
+    alloc = BlockAllocator(27)  # 26 usable blocks
+    placer = FakePlacer()
+    sched = Scheduler(alloc, 4, 8, mode="auto", placer=placer, ioaa=CFG, cost=FLAT)
+    reqs = [Request(i, [1, 2, 3], SamplingParams(max_new_tokens=4), 4) for i in range(5)]
+    for r in reqs:
+        sched.add(r)
+    admitted = sched.admit()
+    # dense (16 left), dense (6 left), then offloaded: 100 B and 200 B of predicted recall <= 250 B hideable;
+    # the fifth waits on memory (0 blocks left)
+    assert [(r.index, r.placement) for r in admitted] == [(0, "dense"), (1, "dense"), (2, "offload"),
+                                                         (3, "offload")]
+    assert placer.setups == [2, 3] and sched.estimator.total() == 200.0 and alloc.num_free == 0
+    for r in admitted:
+        sched.prefill_done(r)
+    sched.finish(reqs[3], "length")  # 3 blocks back, its recall estimate gone
+    assert placer.releases == [3] and sched.estimator.total() == 100.0
+    sched.estimator.observe(2, 500.0)  # request 2 recalls more than predicted: EMA -> 300 B
+    assert sched.admit() == []  # memory would fit the offload, PCIe would not (300 + 100 > 250): wait
+    assert list(sched.waiting) == [reqs[4]]
+    sched.estimator.observe(2, 0.0)  # 150
+    sched.estimator.observe(2, 0.0)  # 75: 75 + 100 <= 250
+    assert [(r.index, r.placement) for r in sched.admit()] == [(4, "offload")]
+    assert alloc.num_free == 0 and sched.estimator.total() == 175.0

@@ -1,0 +1,249 @@
+"""Sparse KV offloading end to end on CPU (emulated pinned_host): lossless plumbing, the I/O path loses nothing,
+transfer counts of the coalesced and fragmented paths, slot-cache reuse, IOAA placement, bad configurations."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY
+
+from models.loading import LoadedModel, load_model
+from pulseinfer_jax import Engine, EngineConfig, generate_long
+from pulseinfer_jax.kv_cache import blocks_for
+
+BASE = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(TINY / "llama31")
+
+
+@pytest.fixture(scope="module")
+def tiny4(tiny):
+    """A 4-layer model (the tiny checkpoint's two layers twice) so dense_layers=2 leaves two sparse layers."""
+    layers = {k: v for k, v in tiny.params.items()}
+    layers["layers"] = __import__("jax").tree.map(lambda a: jnp.concatenate([a, a[::-1]]), tiny.params["layers"])
+    return LoadedModel(dataclasses.replace(tiny.cfg, num_layers=4), layers, tiny.tokenizer, tiny.dtype, "tiny4")
+
+
+def _prompts(vocab, lengths=(61, 38, 47), seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def _record_logits(monkeypatch):
+    """Capture every (request, step) logits row the engine samples from."""
+    seen: dict[tuple[int, int], np.ndarray] = {}
+    orig = Engine._sample
+
+    def spy(self, logits, reqs):
+        arr = np.asarray(logits)
+        for i, r in enumerate(reqs):
+            seen[(r.index, len(r.output))] = arr[i]
+        return orig(self, logits, reqs)
+
+    monkeypatch.setattr(Engine, "_sample", spy)
+    return seen
+
+
+@pytest.mark.parametrize("model_name,extra", [
+    ("tiny", dict(dense_layers=1)),
+    ("tiny4", dict(dense_layers=2)),
+    ("tiny4", dict(dense_layers=2, selection="headwise", io="fragmented", recall="sync", micro_batches=1)),
+])
+def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extra):
+    """Budget covering the whole context: same greedy tokens as dense, logits within 1e-5 (f32) of the logit
+    scale, while the KV really lives on the host (blocks leave the window, are written back and recalled).
+    Relative, because two dense paths already differ by ~1e-6 of the scale (jnp vs Pallas attention:
+    2.8e-5 absolute at |logits| ~ 29 here): attention summed in another order, f32 rounding."""
+    m = request.getfixturevalue(model_name)
+    prompts = _prompts(m.cfg.vocab_size)
+    seen = _record_logits(monkeypatch)
+    dense = generate_long(prompts, m, max_new_tokens=24, ignore_eos=True, engine_config=EngineConfig(**BASE))
+    dense_logits = dict(seen)
+    seen.clear()
+    cfg = EngineConfig(**BASE, mode="offload", budget_tokens=512, **extra)
+    off = generate_long(prompts, m, max_new_tokens=24, ignore_eos=True, engine_config=cfg)
+    assert [r.token_ids for r in off] == [r.token_ids for r in dense]
+    assert seen.keys() == dense_logits.keys()
+    worst = max(float(np.max(np.abs(seen[k] - dense_logits[k]))) for k in seen)
+    scale = max(float(np.max(np.abs(v))) for v in dense_logits.values())
+    assert worst <= 1e-5 * scale, (worst, scale)
+    assert all(np.array_equal(seen[k], dense_logits[k]) for k in seen if k[1] == 0)  # prefill: the same code
+    for r in off:
+        s = r.stats
+        assert s["mode"] == "offload" and s["offloaded"] is True
+        assert s["recalled_blocks"] > 0 and s["recall_bytes"] > 0 and s["recall_transfers"] > 0
+        assert s["written_back_blocks"] > 0 and s["reused_blocks"] > 0
+
+
+@pytest.mark.parametrize("selection", ["solohead", "headwise"])
+def test_offloaded_sparse_equals_on_device_sparse(tiny4, selection):
+    """Same selection with the KV offloaded and with every block on the GPU: token for token, while the
+    budget (6 of up to 22 blocks) really drops blocks."""
+    prompts = _prompts(tiny4.cfg.vocab_size)
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, selection=selection)
+    dev = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True,
+                        engine_config=EngineConfig(**kw, offload_placement="device"))
+    host = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True, engine_config=EngineConfig(**kw))
+    assert [r.token_ids for r in host] == [r.token_ids for r in dev]
+    assert all(r.stats["offloaded"] and r.stats["recall_bytes"] > 0 for r in host)
+    assert all(not r.stats["offloaded"] and r.stats["recall_bytes"] == 0 for r in dev)
+    full = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True, engine_config=EngineConfig(**BASE))
+    assert [r.token_ids for r in host] != [r.token_ids for r in full], "the budget did not drop anything"
+
+
+def _run_until_last_token(engine, prompts, max_new):
+    """Drive the engine; stop each request before its last token (its KV is still allocated then)."""
+    reqs = [engine.make_request(i, p, __import__("pulseinfer_jax").SamplingParams(max_new_tokens=max_new,
+                                                                                  ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    engine.ensure_pool(reqs)
+    for r in reqs:
+        engine.scheduler.add(r)
+    while any(len(r.output) < max_new - 1 for r in reqs):
+        list(engine.step())
+    return reqs
+
+
+def test_host_pool_holds_what_the_gpu_would(tiny4):
+    """After a long sparse generation, every block that left the GPU window is in the host pool, equal to what
+    on-device sparse decoding (same tokens, every block kept on the GPU) holds for it (to f32 rounding: the
+    host path splits attention into resident + recalled partials and merges them)."""
+    prompts = _prompts(tiny4.cfg.vocab_size, lengths=(45, 30))
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, micro_batches=2)
+    host = Engine(tiny4, EngineConfig(**kw))
+    dev = Engine(tiny4, EngineConfig(**kw, offload_placement="device"))
+    hreqs = _run_until_last_token(host, prompts, 40)
+    dreqs = _run_until_last_token(dev, prompts, 40)
+    kv_dev = np.asarray(dev.kv)
+    checked = 0
+    for hr, dr in zip(hreqs, dreqs, strict=True):
+        assert hr.output == dr.output
+        s = hr.sparse
+        for j in range(s.num_blocks):
+            if s.is_resident(j):
+                continue
+            for sl in range(s.plan.sparse_layers):
+                got = host.host_pool.read(sl, s.host_rows[j])
+                want = kv_dev[s.plan.dense_layers + sl, dr.sparse.table[j]]
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+                checked += 1
+    assert checked >= 2 * 2 * 10  # both requests, both sparse layers, >= 10 exited blocks each
+
+
+def test_coalesced_one_copy_per_layer_and_step_fragmented_per_unit(tiny4):
+    prompts = _prompts(tiny4.cfg.vocab_size)
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
+    logs, bytes_, per_req = {}, {}, {}
+    for io, mbs in [("coalesced", 1), ("coalesced", 2), ("fragmented", 1)]:
+        eng = Engine(tiny4, EngineConfig(**kw, io=io, micro_batches=mbs))
+        res = generate_long(prompts, eng, max_new_tokens=16, ignore_eos=True, engine_config=eng.config)
+        logs[io, mbs] = list(eng.sparse.step_log)
+        bytes_[io, mbs] = sum(e["h2d_bytes"] for e in logs[io, mbs])
+        per_req[io, mbs] = [r.stats for r in res]
+    sparse_layers = 2
+    for e in logs["coalesced", 1]:
+        assert e["h2d_copies"] <= sparse_layers  # whole batch: at most one copy per layer per step
+    assert any(e["h2d_copies"] == sparse_layers for e in logs["coalesced", 1])
+    for e in logs["coalesced", 2]:
+        assert e["h2d_copies"] <= sparse_layers * e["micro_batches"]
+    # fragmented: one copy per selected (block, KV head) that was missing; same bytes as coalesced
+    hkv = tiny4.cfg.num_kv_heads
+    frag = per_req["fragmented", 1]
+    assert [s["recall_transfers"] for s in frag] == [s["recalled_blocks"] * hkv for s in frag]
+    assert bytes_["fragmented", 1] == bytes_["coalesced", 1] == bytes_["coalesced", 2]
+    assert sum(e["h2d_copies"] for e in logs["fragmented", 1]) == sum(s["recall_transfers"] for s in frag)
+    assert [s["recall_bytes"] for s in frag] == [s["recall_bytes"] for s in per_req["coalesced", 1]]
+
+
+def test_repeated_selection_recalls_nothing(tiny4):
+    """A budget covering every block selects the same middle blocks step after step: the first step recalls
+    them, later steps only what newly left the window (nothing while no block leaves)."""
+    prompt = _prompts(tiny4.cfg.vocab_size, lengths=(40,))  # 10 full blocks
+    eng = Engine(tiny4, EngineConfig(**BASE, mode="offload", budget_tokens=512, dense_layers=2, micro_batches=1))
+    generate_long(prompt, eng, max_new_tokens=8, ignore_eos=True, engine_config=eng.config)
+    log = list(eng.sparse.step_log)
+    # the first decode step writes position 40 (block 10): window = blocks 9, 10, middle = blocks 1..8
+    bs, middle = 4, 8
+    assert log[0]["h2d_bytes"] == middle * 2 * eng.host_pool.layer_block_bytes
+    # decode positions 40..46: a new block starts at 44 (step 4) and block 8 leaves the window then
+    for i, e in enumerate(log[1:], start=1):
+        expect = 2 * eng.host_pool.layer_block_bytes if (40 + i) % bs == 0 else 0
+        assert e["h2d_bytes"] == expect, (i, e)
+
+
+def test_auto_mode_places_by_memory_and_stays_correct(tiny4):
+    """IOAA under a small GPU budget: requests run dense while memory allows, then offloaded; each request's
+    tokens are those of its placement run alone (dense, or offloaded sparse)."""
+    prompts = _prompts(tiny4.cfg.vocab_size, lengths=(100, 100, 100, 100))
+    kw = dict(**BASE, budget_tokens=32, dense_layers=1, slot_cache_blocks=5)
+    dense = generate_long(prompts, tiny4, max_new_tokens=12, ignore_eos=True, engine_config=EngineConfig(**kw))
+    off = generate_long(prompts, tiny4, max_new_tokens=12, ignore_eos=True,
+                        engine_config=EngineConfig(**kw, mode="offload"))
+    # dense: 28 blocks per request; offloaded: 4 resident + 5 slots + 7 dense-layer packs = 16; the pool of
+    # 72 blocks takes two dense requests (56) and one offloaded (16), then the fourth waits for a finish
+    cfg = EngineConfig(**kw, mode="auto", kv_cache_tokens=72 * 4)
+    eng = Engine(tiny4, cfg)
+    res = generate_long(prompts, eng, max_new_tokens=12, ignore_eos=True, engine_config=cfg)
+    modes = [r.stats["mode"] for r in res]
+    assert modes[:3] == ["dense", "dense", "offload"], modes
+    assert res[3].stats["admitted_at_step"] > 0
+    for r, d, o, mode in zip(res, dense, off, modes, strict=True):
+        assert r.token_ids == (d.token_ids if mode == "dense" else o.token_ids)
+    assert eng.allocator.num_free == eng.allocator.capacity
+    assert eng.host_pool.allocator.num_free == eng.host_pool.allocator.capacity
+
+
+def test_host_pool_exhaustion_queues_then_runs(tiny4):
+    """A host pool that holds one offloaded request at a time: the second waits (no lost KV), then runs."""
+    prompts = _prompts(tiny4.cfg.vocab_size, lengths=(40, 40))
+    need = blocks_for(40 + 8, 4)
+    cfg = EngineConfig(**BASE, mode="offload", budget_tokens=24, dense_layers=2, host_kv_tokens=need * 4)
+    res = generate_long(prompts, tiny4, max_new_tokens=8, ignore_eos=True, engine_config=cfg)
+    solo = [generate_long([p], tiny4, max_new_tokens=8, ignore_eos=True, engine_config=cfg)[0] for p in prompts]
+    assert [r.token_ids for r in res] == [r.token_ids for r in solo]
+    assert res[0].stats["admitted_at_step"] == 0 and res[1].stats["admitted_at_step"] > 0
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(budget_tokens=12), "below sink \\+ window"),
+    (dict(window_tokens=6), "multiple of block_size"),
+    (dict(slot_cache_blocks=1), "slot_cache_blocks"),
+    (dict(selection="perhead"), "selection="),
+    (dict(io="scatter"), "io="),
+    (dict(solohead="retrieval_head"), "retrieval_heads"),
+])
+def test_bad_offload_configs(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**{**BASE, "mode": "offload", "budget_tokens": 64, **kw})
+
+
+def test_bad_offload_runtime_configs(tiny, tiny4):
+    p = _prompts(tiny4.cfg.vocab_size, lengths=(40,))
+    with pytest.raises(ValueError, match="host rows"):  # host pool too small for the request
+        generate_long(p, tiny4, max_new_tokens=8, engine_config=EngineConfig(
+            **BASE, mode="offload", budget_tokens=24, host_kv_tokens=16))
+    with pytest.raises(ValueError, match="leaves no sparse layer"):
+        generate_long(p, tiny, max_new_tokens=8, engine_config=EngineConfig(**BASE, mode="offload", budget_tokens=24))
+    with pytest.raises(ValueError, match="gpu_kv_budget"):
+        generate_long(p, tiny4, max_new_tokens=8, engine_config=EngineConfig(
+            **BASE, mode="offload", budget_tokens=24, gpu_kv_budget=1000))
+    assert dense_ok(tiny4, p)  # the engine is still usable after the errors
+
+
+def dense_ok(m, p):
+    return len(generate_long(p, m, max_new_tokens=2, block_size=4)[0].token_ids) == 2
+
+
+def test_pallas_sparse_pipeline_matches_jnp(tiny4):
+    """The offload pipeline with the Pallas kernels (interpret mode here) gives the jnp pipeline's tokens."""
+    prompts = _prompts(tiny4.cfg.vocab_size, lengths=(37,))
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
+    a = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True, engine_config=EngineConfig(**kw))
+    b = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True,
+                      engine_config=EngineConfig(**kw, decode_attention="pallas"))
+    assert a[0].token_ids == b[0].token_ids
+    assert b[0].stats["decode_attention"] == "pallas"
