@@ -25,6 +25,8 @@ number of compiled variants stays logarithmic.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,10 +69,8 @@ class HostKVPool:
         self.d2h_copies = 0
         self.d2h_bytes = 0
         self.pool: Array = jax.jit(lambda: jnp.zeros(self.shape, self.dtype), out_shardings=self.host)()
-        self._write = jax.jit(self._write_back_impl, donate_argnums=0, out_shardings=self.host)
-        self._gather_blocks = jax.jit(self._gather_blocks_impl, out_shardings=self.host)
-        self._gather_units = jax.jit(self._gather_units_impl, out_shardings=self.host)
-        self._fragment = jax.jit(self._fragment_impl, out_shardings=self.dev)
+        # shared by every pool on this device (engines reuse the compiled transfers)
+        self._write, self._gather_blocks, self._gather_units, self._fragment = _transfers(device, first_layer)
 
     # ---- sizes ---------------------------------------------------------------------------------
     @property
@@ -146,45 +146,50 @@ class HostKVPool:
         """One row of pool layer `layer` as numpy [2, bs, Hkv, hd] (tests, debugging; synchronous)."""
         return np.asarray(jax.device_get(self.pool))[layer, row]
 
-    # ---- jitted bodies -------------------------------------------------------------------------
-    def _write_back_impl(self, pool: Array, kv: Array, blocks: Int[Array, " n"], rows: Int[Array, " n"],
-                         count: Int[Array, ""]) -> Array:
-        staged = jax.device_put(kv[self.first_layer:, blocks], self.host)  # [Ls, n, 2, bs, Hkv, hd]: one copy
 
-        @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-        @jax.jit
-        def scatter_rows(pool, staged, rows, count):
-            def body(i, p):
-                blk = jax.lax.dynamic_slice_in_dim(staged, i, 1, axis=1)
-                return jax.lax.dynamic_update_slice(p, blk, (0, rows[i], 0, 0, 0, 0))
 
-            return jax.lax.fori_loop(0, count, body, pool)
+@functools.cache
+def _transfers(device: jax.Device, first_layer: int) -> tuple:
+    """The jitted transfer functions for pools on `device` (write_back, gather_blocks, gather_units, fragment)."""
+    host, dev = host_sharding(device), device_sharding(device)
 
-        h = self.host
-        return scatter_rows(jax.device_put(pool, h), staged, jax.device_put(rows, h), jax.device_put(count, h))
-
-    @staticmethod
     @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
     @jax.jit
-    def _gather_blocks_impl(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"]) -> Array:
+    def scatter_rows(pool, staged, rows, count):
+        def body(i, p):
+            blk = jax.lax.dynamic_slice_in_dim(staged, i, 1, axis=1)
+            return jax.lax.dynamic_update_slice(p, blk, (0, rows[i], 0, 0, 0, 0))
+
+        return jax.lax.fori_loop(0, count, body, pool)
+
+    def write_back(pool: Array, kv: Array, blocks: Int[Array, " n"], rows: Int[Array, " n"],
+                   count: Int[Array, ""]) -> Array:
+        staged = jax.device_put(kv[first_layer:, blocks], host)  # [Ls, n, 2, bs, Hkv, hd]: one D2H copy
+        return scatter_rows(jax.device_put(pool, host), staged, jax.device_put(rows, host),
+                            jax.device_put(count, host))
+
+    @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    @jax.jit
+    def gather_blocks(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"]) -> Array:
         return jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False).at[rows].get(mode="clip")
 
-    @staticmethod
     @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
     @jax.jit
-    def _gather_units_impl(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"],
-                           heads: Int[Array, " n"]) -> Array:
+    def gather_units(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"], heads: Int[Array, " n"]) -> Array:
         p = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)  # [NHB, 2, bs, Hkv, hd]
         return p.at[rows, :, :, heads].get(mode="clip")  # [n, 2, bs, hd]
 
-    def _fragment_impl(self, pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"], heads: Int[Array, " n"],
-                       count: Int[Array, ""]) -> Array:
+    def fragment(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"], heads: Int[Array, " n"],
+                 count: Int[Array, ""]) -> Array:
         _, _, _, bs, _, hd = pool.shape
         n = rows.shape[0]
 
         def body(i, out):
             unit = jax.lax.dynamic_slice(pool, (layer, rows[i], 0, 0, heads[i], 0), (1, 1, 2, bs, 1, hd))
-            return out.at[i].set(jax.device_put(unit, self.dev).reshape(2, bs, hd))
+            return out.at[i].set(jax.device_put(unit, dev).reshape(2, bs, hd))  # one H2D copy per unit
 
-        out = jnp.zeros((n, 2, bs, hd), pool.dtype, device=self.dev)
+        out = jnp.zeros((n, 2, bs, hd), pool.dtype, device=dev)
         return jax.lax.fori_loop(0, count, body, out)
+
+    return (jax.jit(write_back, donate_argnums=0, out_shardings=host), jax.jit(gather_blocks, out_shardings=host),
+            jax.jit(gather_units, out_shardings=host), jax.jit(fragment, out_shardings=dev))

@@ -37,6 +37,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--recall", default="interruptible", help="interruptible | sync (default interruptible)")
     o.add_argument("--gpu-kv-budget", type=int, default=None, help="cap on GPU KV bytes (emulates a smaller GPU)")
     o.add_argument("--host-kv-tokens", type=int, default=None, help="pinned host pool size in tokens")
+    o.add_argument("--dense-layers", type=int, default=2, help="first layers that attend densely (default 2)")
 
 
 def engine_config(args: argparse.Namespace, **extra):
@@ -45,7 +46,7 @@ def engine_config(args: argparse.Namespace, **extra):
 
     return EngineConfig(block_size=args.block_size, mode=args.mode, budget_tokens=args.budget_tokens,
                         selection=args.selection, io=args.io, recall=args.recall, gpu_kv_budget=args.gpu_kv_budget,
-                        host_kv_tokens=args.host_kv_tokens, **extra)
+                        host_kv_tokens=args.host_kv_tokens, dense_layers=args.dense_layers, **extra)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -109,6 +109,10 @@ def test_engine_config_validation():
     (["generate", "--model", str(TINY / "llama2"), "--dtype", "int4", "hi"], "dtype"),
     (["generate", "--model", str(TINY / "llama2"), ""], "empty"),
     (["info", "/nonexistent"], "does not exist"),
+    (["generate", "--model", str(TINY / "llama2"), "--mode", "turbo", "hi"], "mode="),
+    (["generate", "--model", str(TINY / "llama2"), "--mode", "offload", "--budget-tokens", "16", "hi"],
+     "below sink + window"),
+    (["generate", "--model", str(TINY / "llama2"), "--mode", "offload", "hi"], "leaves no sparse layer"),
 ])
 def test_cli_errors_exit_2_one_line(capsys, argv, match):
     assert main(argv) == 2
@@ -126,6 +130,13 @@ def test_cli_generate_and_info(capsys, tmp_path):
     assert main(["generate", "--model", str(TINY / "llama2"), "--file", str(f), "--max-new-tokens", "3",
                  "--no-stream"]) == 0
     assert capsys.readouterr().out.strip()
+    # offloaded, with the recall counters in --stats
+    assert main(["generate", "--model", str(TINY / "smollm2"), "--max-new-tokens", "6", "--stats", "--mode",
+                 "offload", "--dense-layers", "1", "--block-size", "4", "--budget-tokens", "96", "--no-chat",
+                 "hello " * 200]) == 0
+    stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert stats["mode"] == "offload" and stats["offloaded"] is True and stats["prompt_tokens"] > 150
+    assert stats["recall_bytes"] > 0 and stats["recall_transfers"] > 0 and "recall_wait_s" in stats
     assert main(["info", "random:llama-3.1-8b"]) == 0  # config only: no 8B weights are built
     info = json.loads(capsys.readouterr().out)
     assert info["parameters"] == pytest.approx(8.03e9, rel=0.01)
