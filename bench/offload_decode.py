@@ -70,7 +70,10 @@ def _run_once(model, name: str, prompts: list, steps: int, base: dict) -> dict:
         cfg = dataclasses.replace(cfg, slot_cache_blocks=cfg.budget_blocks - cfg.sink_blocks - cfg.window_blocks)
     eng = Engine(model, cfg)
     warm = 2
-    sp = SamplingParams(max_new_tokens=warm + steps + 1, ignore_eos=True)
+    # a request decodes while later ones prefill (one chunk per step): budget those steps too, so every
+    # request is still running during the timed steps
+    prefill_steps = sum(-(-len(p) // cfg.prefill_chunk) for p in prompts)
+    sp = SamplingParams(max_new_tokens=prefill_steps + warm + steps + 2, ignore_eos=True)
     reqs = [eng.make_request(i, p, sp) for i, p in enumerate(prompts)]
     eng.ensure_pool(reqs)
     for r in reqs:
@@ -85,8 +88,10 @@ def _run_once(model, name: str, prompts: list, steps: int, base: dict) -> dict:
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        list(eng.step())
+        events = list(eng.step())
         times.append(time.perf_counter() - t)
+        if len(events) != len(reqs) or any(e.finish_reason for e in events):
+            raise RuntimeError(f"{name}: a timed step decoded {len(events)} of {len(reqs)} requests")
     log = list(eng.sparse.step_log)[log0:] if eng.sparse is not None else []
     used = eng.allocator.capacity - eng.allocator.num_free
     gpu_kv = used * eng.spec.bytes_per_block + (eng.sparse.metadata_bytes if eng.sparse is not None else 0)

@@ -9,8 +9,9 @@ One decode step of the sparse requests (`SparseDecoder.decode`):
      that stops where it needs something not yet there;
   2. dense layer l < dense_layers: one jitted call (write the token, attend over every block, MLP);
   3. sparse layer l:
-       a. `sparse_pre`: q/k/v, write the token into its window block, score all blocks from their key bounds,
-          select (SoloHead: one set per layer; headwise: one per KV head)          -> STOP until sel is on host
+       a. `sparse_pre`: q/k/v, write the token into its window block, score the middle blocks (neither sink
+          nor window) from their key bounds, select (SoloHead: one set per layer; headwise: one per KV
+          head; sinks and window always)                                           -> STOP until sel is on host
        b. host: split the selection into resident blocks (sinks, window), slot-cache hits and misses (LRU),
           and ISSUE THE RECALL of the misses at once: coalesced = one host gather into one pinned staging
           buffer + one host-to-device copy for the whole micro-batch; fragmented = one copy per (block, head);
@@ -82,6 +83,7 @@ class SparseDecoder:
             raise ValueError(f"solohead='retrieval_head' needs retrieval_heads: one KV head per sparse layer "
                              f"({plan.sparse_layers}); calibrate them with sparse.calibrate_retrieval_head")
         self.model, self.params, self.plan, self.config = model, params, plan, config
+        self.layer_params = layer_ops.split_layers(params)  # one pytree per layer (see layer_ops docstring)
         self.pool = pool
         self.nb = num_gpu_blocks
         rows = plan.sparse_layers * pool.num_rows
@@ -212,8 +214,12 @@ class SparseDecoder:
         nblk = np.zeros(bp, np.int32)
         newest = np.zeros(bp, np.int32)  # GPU block of each row's newest logical block (0 = null for padding)
         for b, s in enumerate(sparse):
-            cand[b, : n_blocks[b]] = s.host_rows[: n_blocks[b]]
-            nblk[b] = n_blocks[b]
+            n = n_blocks[b]
+            # only middle blocks are scored: sinks and window are always selected (by position), and their
+            # key bounds are not maintained while they sit in the window (-1 -> score -inf, no softmax mass)
+            middle = range(p.sink_blocks, max(p.sink_blocks, n - p.window_blocks))
+            cand[b, middle] = [s.host_rows[j] for j in middle]
+            nblk[b] = n
             newest[b] = s.gpu_of[n_blocks[b] - 1]
         positions_d, cand_d, nblk_d = jnp.asarray(positions), jnp.asarray(cand), jnp.asarray(nblk)
 
@@ -233,16 +239,16 @@ class SparseDecoder:
 
         x = layer_ops.embed(model, params, jnp.asarray(tok))
         for layer in range(model.cfg.num_layers):
-            li = jnp.int32(layer)
+            lp = self.layer_params[layer]
             if layer < p.dense_layers:
-                self.kv, x = layer_ops.dense_layer(model, params, self.kv, li, x, positions_d, dense_write[layer],
+                self.kv, x = layer_ops.dense_layer(model, lp, self.kv, x, positions_d, dense_write[layer],
                                                    dense_ids[layer], dense_lens[layer], attention=cfg.attention)
                 continue
             sl = layer - p.dense_layers
             write = np.where(np.arange(bp) < b_real, layer * nb + newest, 0).astype(np.int32)
             rh = cfg.retrieval_heads[sl] if cfg.retrieval_heads is not None else 0
             self.kv, q, sel = layer_ops.sparse_pre(
-                model, params, self.kv, self.meta_min, self.meta_max, li, jnp.int32(sl * self.pool.num_rows), x,
+                model, lp, self.kv, self.meta_min, self.meta_max, jnp.int32(sl * self.pool.num_rows), x,
                 positions_d, jnp.asarray(write), cand_d, nblk_d, jnp.int32(rh), budget=p.budget_blocks,
                 sink=p.sink_blocks, window=p.window_blocks, mode=p.selection, solohead=cfg.solohead,
                 attention=cfg.attention)
@@ -256,16 +262,14 @@ class SparseDecoder:
                     self.kv = self._scatter(layer, staging)
                 both = [[r + t for r, t in zip(rr, tt, strict=True)] for rr, tt in zip(res, late, strict=True)]
                 ids, lens = self._ids(both, bp)
-                x = layer_ops.attend_merge_finish(model, params, li, x, q, self.kv, ids, lens, None,
-                                                  attention=cfg.attention)
+                x = layer_ops.attend_merge_finish(model, lp, x, q, self.kv, ids, lens, None, attention=cfg.attention)
                 continue
             ids, lens = self._ids(res, bp)
             early = layer_ops.attend(q, self.kv, ids, lens, attention=cfg.attention)
             yield "recall", staging[0], early[0]
             self.kv = self._scatter(layer, staging)
             ids, lens = self._ids(late, bp)
-            x = layer_ops.attend_merge_finish(model, params, li, x, q, self.kv, ids, lens, early,
-                                              attention=cfg.attention)
+            x = layer_ops.attend_merge_finish(model, lp, x, q, self.kv, ids, lens, early, attention=cfg.attention)
         outs[key] = layer_ops.logits(model, params, x)
 
     def _ids(self, entries: list[list[list[tuple[int, int]]]], bp: int) -> tuple[jax.Array, jax.Array]:

@@ -3,13 +3,14 @@ transfer counts of the coalesced and fragmented paths, slot-cache reuse, IOAA pl
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import TINY, record_sampled_logits
 
 from models.loading import LoadedModel, load_model
-from pulseinfer_jax import Engine, EngineConfig, generate_long
+from pulseinfer_jax import Engine, EngineConfig, SamplingParams, generate_long
 from pulseinfer_jax.kv_cache import blocks_for
 
 BASE = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1)
@@ -23,29 +24,14 @@ def tiny():
 @pytest.fixture(scope="module")
 def tiny4(tiny):
     """A 4-layer model (the tiny checkpoint's two layers twice) so dense_layers=2 leaves two sparse layers."""
-    layers = {k: v for k, v in tiny.params.items()}
-    layers["layers"] = __import__("jax").tree.map(lambda a: jnp.concatenate([a, a[::-1]]), tiny.params["layers"])
-    return LoadedModel(dataclasses.replace(tiny.cfg, num_layers=4), layers, tiny.tokenizer, tiny.dtype, "tiny4")
+    params = dict(tiny.params)
+    params["layers"] = jax.tree.map(lambda a: jnp.concatenate([a, a[::-1]]), tiny.params["layers"])
+    return LoadedModel(dataclasses.replace(tiny.cfg, num_layers=4), params, tiny.tokenizer, tiny.dtype, "tiny4")
 
 
 def _prompts(vocab, lengths=(61, 38, 47), seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab, n).tolist() for n in lengths]
-
-
-def _record_logits(monkeypatch):
-    """Capture every (request, step) logits row the engine samples from."""
-    seen: dict[tuple[int, int], np.ndarray] = {}
-    orig = Engine._sample
-
-    def spy(self, logits, reqs):
-        arr = np.asarray(logits)
-        for i, r in enumerate(reqs):
-            seen[(r.index, len(r.output))] = arr[i]
-        return orig(self, logits, reqs)
-
-    monkeypatch.setattr(Engine, "_sample", spy)
-    return seen
 
 
 @pytest.mark.parametrize("model_name,extra", [
@@ -60,7 +46,7 @@ def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extr
     2.8e-5 absolute at |logits| ~ 29 here): attention summed in another order, f32 rounding."""
     m = request.getfixturevalue(model_name)
     prompts = _prompts(m.cfg.vocab_size)
-    seen = _record_logits(monkeypatch)
+    seen = record_sampled_logits(monkeypatch)
     dense = generate_long(prompts, m, max_new_tokens=24, ignore_eos=True, engine_config=EngineConfig(**BASE))
     dense_logits = dict(seen)
     seen.clear()
@@ -97,9 +83,8 @@ def test_offloaded_sparse_equals_on_device_sparse(tiny4, selection):
 
 def _run_until_last_token(engine, prompts, max_new):
     """Drive the engine; stop each request before its last token (its KV is still allocated then)."""
-    reqs = [engine.make_request(i, p, __import__("pulseinfer_jax").SamplingParams(max_new_tokens=max_new,
-                                                                                  ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    reqs = [engine.make_request(i, p, sp) for i, p in enumerate(prompts)]
     engine.ensure_pool(reqs)
     for r in reqs:
         engine.scheduler.add(r)

@@ -5,7 +5,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GOLDENS
+from conftest import GOLDENS, record_sampled_logits
 
 from pulseinfer_jax import generate_long
 
@@ -58,19 +58,9 @@ def test_chat_prompt_text_path(smollm2):
 def test_offload_full_budget_equals_dense(smollm2, monkeypatch):
     """SmolLM2 (30 layers, 2 dense): a ~700-token prompt over 44 blocks, offloaded with a budget covering it
     all, decodes exactly as dense (tokens; logits within 1e-5 of their scale) while recalling from the host."""
-    from pulseinfer_jax import Engine
     from pulseinfer_jax.demo import passkey_prompt
 
-    seen: dict = {}
-    orig = Engine._sample
-
-    def spy(self, logits, reqs):
-        arr = np.asarray(logits)
-        for i, r in enumerate(reqs):
-            seen[(r.index, len(r.output))] = arr[i]
-        return orig(self, logits, reqs)
-
-    monkeypatch.setattr(Engine, "_sample", spy)
+    seen = record_sampled_logits(monkeypatch)
     prompt = passkey_prompt(smollm2.tokenizer, 700, 0.3, 52817)
     kw = dict(max_new_tokens=12, ignore_eos=True)
     dense = generate_long([prompt], smollm2, **kw)[0]
