@@ -43,7 +43,7 @@ else
     BENCH=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8,32
            --max-kv-tokens 300000 --steps 8 --attention jnp,pallas --engine-prompt 8192 --engine-batch 4)
     OBENCH=(--model random:llama-3.1-8b --dtype bfloat16 --context 4096 --batch 4 --steps 6 --budget-tokens 1024
-            --systems dense,pulseinfer,offload-headwise,sparse-on-device,pulseinfer-sync)
+            --systems dense,pulseinfer,offload-headwise,sparse-on-device,pulseinfer-sync,pulseinfer-1mb)
     TEST_TIMEOUT=${TEST_TIMEOUT:-130}
 fi
 XDIST=()

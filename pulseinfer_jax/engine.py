@@ -145,7 +145,10 @@ class Engine:
                     warnings.warn(f"Pallas sparse kernels failed on {self.device.platform} ({err}); the sparse "
                                   "pipeline uses the jnp attention", RuntimeWarning, stacklevel=3)
                     self.sparse_attention = "jnp"
-        pcfg = PipelineConfig(io=cfg.io, recall=cfg.recall, micro_batches=cfg.micro_batches,
+        from pallas_kernels.common import GPU_PLATFORMS
+
+        mbs = cfg.micro_batches or (2 if self.device.platform in GPU_PLATFORMS else 1)
+        pcfg = PipelineConfig(io=cfg.io, recall=cfg.recall, micro_batches=mbs,
                               attention=self.sparse_attention, solohead=cfg.solohead,
                               retrieval_heads=cfg.retrieval_heads)
         if self.sparse is None or self.sparse.plan != plan or self.sparse.nb != num_blocks:
