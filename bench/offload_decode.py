@@ -151,7 +151,14 @@ def main() -> int:
             "prompt_kind": prompt_kind, "prompt_tokens": [len(p) for p in prompts], "engine": base}
     rows = []
     for name in args.systems.split(","):
-        r = run_system(model, name, prompts, args.steps, base)
+        try:
+            r = run_system(model, name, prompts, args.steps, base)
+        except Exception as e:  # noqa: BLE001 - record it and go on: GPU time is scarce, later systems matter
+            err = f"{type(e).__name__}: {str(e)[:2000]}"
+            print(f"{name:22s} FAILED: {err[:300]}", flush=True)
+            rows.append({"system": name, "config": SYSTEMS[name], "error": err})
+            write_result(out_name, {**meta, "systems": rows, "complete": False}, args.out)
+            continue
         rows.append(r)
         write_result(out_name, {**meta, "systems": rows, "complete": False}, args.out)  # survives a timeout
         print(f"{name:22s} step {r['step_s_median'] * 1e3:8.1f} ms (p90 {r['step_s_p90'] * 1e3:7.1f}), "
@@ -159,9 +166,9 @@ def main() -> int:
               f"{r['h2d_copies_per_step']:6.1f} copies/step, wait {r['recall_wait_s_per_step'] * 1e3:6.2f} ms/step, "
               f"hit {r['slot_hit_rate'] if r['slot_hit_rate'] is None else round(r['slot_hit_rate'], 3)}, "
               f"GPU KV {r['gpu_kv_bytes'] / 1e6:.1f} MB", flush=True)
-    dense = next((r for r in rows if r["system"] == "dense"), None)
+    dense = next((r for r in rows if r["system"] == "dense" and "error" not in r), None)
     for r in rows:
-        if dense is not None:
+        if dense is not None and "error" not in r:
             same = [sum(a == b for a, b in zip(x, y, strict=True)) / len(x)
                     for x, y in zip(r["outputs"], dense["outputs"], strict=True)]
             r["token_agreement_with_dense"] = statistics.mean(same)
