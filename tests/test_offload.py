@@ -232,3 +232,22 @@ def test_pallas_sparse_pipeline_matches_jnp(tiny4):
                       engine_config=EngineConfig(**kw, decode_attention="pallas"))
     assert a[0].token_ids == b[0].token_ids
     assert b[0].stats["decode_attention"] == "pallas"
+
+
+def test_retrieval_head_calibration_and_decode(tiny4):
+    """Calibration picks a valid KV head per sparse layer (all tie -> head 0 when the budget covers every
+    block) and solohead="retrieval_head" decodes with them (offloaded == on device)."""
+    from pulseinfer_jax.calibration import calibrate_retrieval_heads
+
+    prompt = _prompts(tiny4.cfg.vocab_size, lengths=(90,))[0]
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
+    heads = calibrate_retrieval_heads(tiny4, prompt, EngineConfig(**kw))
+    assert len(heads) == 2 and all(0 <= h < tiny4.cfg.num_kv_heads for h in heads)
+    assert calibrate_retrieval_heads(tiny4, prompt, EngineConfig(**{**kw, "budget_tokens": 512})) == (0, 0)
+    with pytest.raises(ValueError, match="too short"):
+        calibrate_retrieval_heads(tiny4, prompt[:5], EngineConfig(**kw))
+    cfg = dict(kw, solohead="retrieval_head", retrieval_heads=heads)
+    a = generate_long([prompt[:60]], tiny4, max_new_tokens=12, ignore_eos=True, engine_config=EngineConfig(**cfg))
+    b = generate_long([prompt[:60]], tiny4, max_new_tokens=12, ignore_eos=True,
+                      engine_config=EngineConfig(**cfg, offload_placement="device"))
+    assert a[0].token_ids == b[0].token_ids and a[0].stats["recall_bytes"] > 0

@@ -1,0 +1,158 @@
+"""Accuracy of sparse decoding against dense on a real model: passkey retrieval and teacher-forced agreement.
+
+    python bench/accuracy.py                                   # CPU, SmolLM2, the full grid (slow: ~1 h)
+    python bench/accuracy.py --lengths 2000,4000 --depths 0.1,0.5,0.9 --budgets 256,1024   # a reduced grid
+    python bench/accuracy.py --smoke                           # tiny sizes, script check
+
+Variants: dense, `headwise`, SoloHead `normalized_sum` and SoloHead `retrieval_head` (heads calibrated with
+`pulseinfer_jax.calibration` on a different text: the first 2K tokens of the evaluation text file, while the
+teacher-forced window comes from its end), each sparse one at every budget. All sparse runs are offloaded
+(the I/O path is exact, tests/test_offload.py), block size 16, 1 sink block, 64-token window, 2 dense layers.
+- passkey: the haystack of `pulseinfer_jax.demo.passkey_prompt` at each length and depth, greedy, 12 new
+  tokens; found = the passkey's digits appear in the answer.
+- teacher-forced: `--tf-context` tokens of real text as the prompt, then the next `--tf-tokens` tokens fed
+  one by one (not sampled); per position, top-1 agreement of the sparse logits with dense and KL(dense ||
+  sparse). Text: `--text`, default /usr/share/common-licenses/GPL-3 (if present), else CPython's
+  idlelib/NEWS.txt (both real English; say which in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import sysconfig
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from bench.common import write_result  # noqa: E402
+
+TEXTS = [pathlib.Path("/usr/share/common-licenses/GPL-3"), pathlib.Path(sysconfig.get_paths()["stdlib"]) / "idlelib"
+         / "NEWS.txt"]
+
+
+def engine_config(variant: str, budget: int | None, heads: tuple[int, ...] | None, base: dict):
+    from pulseinfer_jax import EngineConfig
+
+    if variant == "dense":
+        return EngineConfig(**base)
+    kw = dict(base, mode="offload", budget_tokens=budget)
+    if variant == "headwise":
+        return EngineConfig(**kw, selection="headwise")
+    if variant == "normalized_sum":
+        return EngineConfig(**kw)
+    return EngineConfig(**kw, solohead="retrieval_head", retrieval_heads=heads)
+
+
+def passkey(model, cfg, lengths, depths) -> dict:
+    from pulseinfer_jax import generate_long
+    from pulseinfer_jax.demo import passkey_prompt
+
+    out = {}
+    for n in lengths:
+        keys = [10000 + 7919 * i for i in range(len(depths))]
+        prompts = [passkey_prompt(model.tokenizer, n, d, k) for d, k in zip(depths, keys, strict=True)]
+        res = generate_long(prompts, model, max_new_tokens=12, engine_config=cfg)
+        out[n] = [str(k) in r.text for k, r in zip(keys, res, strict=True)]
+    return out
+
+
+def teacher_forced_logits(model, cfg, prefix: list[int], targets: list[int]) -> np.ndarray:
+    from pulseinfer_jax import Engine, SamplingParams
+
+    rec: list[np.ndarray] = []
+
+    class Forced(Engine):
+        def _sample(self, logits, reqs):
+            arr = np.asarray(logits, np.float32)
+            rec.extend(arr[: len(reqs)])
+            return [targets[len(r.output)] if len(r.output) < len(targets) else 0 for r in reqs]
+
+    eng = Forced(model, cfg)
+    req = eng.make_request(0, prefix, SamplingParams(max_new_tokens=len(targets), ignore_eos=True))
+    list(eng.run([req]))
+    return np.stack(rec)
+
+
+def agreement(dense: np.ndarray, sparse: np.ndarray) -> tuple[float, float]:
+    top1 = float(np.mean(dense.argmax(-1) == sparse.argmax(-1)))
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    lp, lq = log_softmax(dense.astype(np.float64)), log_softmax(sparse.astype(np.float64))
+    kl = float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
+    return top1, kl
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--lengths", default="2000,4000,7000")
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--budgets", default="256,512,1024,2048")
+    ap.add_argument("--variants", default="headwise,normalized_sum,retrieval_head")
+    ap.add_argument("--tf-context", type=int, default=4000)
+    ap.add_argument("--tf-tokens", type=int, default=128)
+    ap.add_argument("--text", default=None)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.smoke:
+        args.lengths, args.depths, args.budgets, args.tf_context, args.tf_tokens = "300", "0.5", "256", 300, 8
+
+    from models.loading import load_model
+    from pulseinfer_jax.calibration import calibrate_retrieval_heads
+
+    model = load_model(args.model)
+    if model.tokenizer is None:
+        raise SystemExit("the accuracy bench needs a model with a tokenizer")
+    text_path = pathlib.Path(args.text) if args.text else next((p for p in TEXTS if p.is_file()), None)
+    if text_path is None:
+        raise SystemExit(f"no evaluation text: pass --text (looked for {', '.join(map(str, TEXTS))})")
+    ids = model.tokenizer.encode(text_path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=True)
+    need = args.tf_context + args.tf_tokens
+    if len(ids) < need:
+        ids = ids * (need // len(ids) + 1)  # repeat a short text (labelled in the JSON)
+    prefix, targets = ids[-need:-args.tf_tokens], ids[-args.tf_tokens:]
+    calib = ids[: min(2048, len(ids) - need)] if len(ids) - need >= 256 else ids[:512]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    base = dict(block_size=16, sink_blocks=1, window_tokens=64, dense_layers=2, max_batch=8)
+
+    runs = [("dense", None)] + [(v, int(b)) for b in args.budgets.split(",") for v in args.variants.split(",")]
+    rows, dense_logits = [], None
+    for variant, budget in runs:
+        t0 = time.perf_counter()
+        heads = None
+        if variant == "retrieval_head":
+            heads = calibrate_retrieval_heads(model, calib, engine_config("normalized_sum", budget, None, base))
+        cfg = engine_config(variant, budget, heads, base)
+        pk = passkey(model, cfg, lengths, depths)
+        logits = teacher_forced_logits(model, cfg, prefix, targets)
+        if variant == "dense":
+            dense_logits = logits
+        top1, kl = agreement(dense_logits, logits)
+        row = {"variant": variant, "budget_tokens": budget, "retrieval_heads": heads,
+               "passkey": {str(n): found for n, found in pk.items()},
+               "passkey_accuracy": statistics.mean(x for v in pk.values() for x in v),
+               "tf_top1_agreement": top1, "tf_mean_kl": kl, "seconds": time.perf_counter() - t0}
+        rows.append(row)
+        print(f"{variant:15s} budget {budget or '-':>5}: passkey {row['passkey_accuracy']:.2f} "
+              f"{ {n: sum(f) for n, f in pk.items()} }, teacher-forced top-1 {top1:.4f}, KL {kl:.5f} "
+              f"({row['seconds']:.0f} s)", flush=True)
+        name = "accuracy_smoke" if args.smoke else "accuracy_cpu"
+        write_result(name, {"model": args.model or "SmolLM2-135M-Instruct (GGUF)", "text": str(text_path),
+                            "text_tokens": len(ids), "tf_context": args.tf_context, "tf_tokens": args.tf_tokens,
+                            "lengths": lengths, "depths": depths, "engine": base, "rows": rows,
+                            "complete": len(rows) == len(runs)}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
