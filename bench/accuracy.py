@@ -5,8 +5,8 @@
     python bench/accuracy.py --smoke                           # tiny sizes, script check
 
 Variants: dense, `headwise`, SoloHead `normalized_sum` and SoloHead `retrieval_head` (heads calibrated with
-`pulseinfer_jax.calibration` on a different text: the first 2K tokens of the evaluation text file, while the
-teacher-forced window comes from its end), each sparse one at every budget. All sparse runs are offloaded
+`pulseinfer_jax.calibration` on the evaluation text before its teacher-forced window, which comes from its
+end), each sparse one at every budget. All sparse runs are offloaded
 (the I/O path is exact, tests/test_offload.py), block size 16, 1 sink block, 64-token window, 2 dense layers.
 - passkey: the haystack of `pulseinfer_jax.demo.passkey_prompt` at each length and depth, greedy, 12 new
   tokens; found = the passkey's digits appear in the answer.
@@ -101,13 +101,14 @@ def main() -> int:
     ap.add_argument("--tf-tokens", type=int, default=128)
     ap.add_argument("--text", default=None)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--name", default="accuracy_cpu", help="result file name (bench/results/NAME.json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.smoke:
         args.lengths, args.depths, args.budgets, args.tf_context, args.tf_tokens = "300", "0.5", "256", 300, 8
 
     from models.loading import load_model
-    from pulseinfer_jax.calibration import calibrate_retrieval_heads
+    from pulseinfer_jax.calibration import MAX_CALIBRATION_TOKENS, calibrate_retrieval_heads
 
     model = load_model(args.model)
     if model.tokenizer is None:
@@ -120,7 +121,9 @@ def main() -> int:
     if len(ids) < need:
         ids = ids * (need // len(ids) + 1)  # repeat a short text (labelled in the JSON)
     prefix, targets = ids[-need:-args.tf_tokens], ids[-args.tf_tokens:]
-    calib = ids[: min(2048, len(ids) - need)] if len(ids) - need >= 256 else ids[:512]
+    # calibration text: everything before the teacher-forced window (never the evaluated tokens), and it must
+    # be longer than the budget (calibrate_retrieval_heads refuses otherwise)
+    calib = ids[: min(MAX_CALIBRATION_TOKENS, len(ids) - need)] if len(ids) - need >= 256 else ids[:512]
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     base = dict(block_size=16, sink_blocks=1, window_tokens=64, dense_layers=2, max_batch=8)
@@ -146,7 +149,7 @@ def main() -> int:
         print(f"{variant:15s} budget {budget or '-':>5}: passkey {row['passkey_accuracy']:.2f} "
               f"{ {n: sum(f) for n, f in pk.items()} }, teacher-forced top-1 {top1:.4f}, KL {kl:.5f} "
               f"({row['seconds']:.0f} s)", flush=True)
-        name = "accuracy_smoke" if args.smoke else "accuracy_cpu"
+        name = "accuracy_smoke" if args.smoke else args.name
         write_result(name, {"model": args.model or "SmolLM2-135M-Instruct (GGUF)", "text": str(text_path),
                             "text_tokens": len(ids), "tf_context": args.tf_context, "tf_tokens": args.tf_tokens,
                             "lengths": lengths, "depths": depths, "engine": base, "rows": rows,

@@ -7,7 +7,9 @@ One dense forward over the calibration prompt captures, per layer, the queries o
 positions and every key; `sparse.block_attention_mass` turns them into the true attention mass per block and
 `sparse.calibrate_retrieval_head` picks, per layer, the KV head whose top-k selection (same budget, sinks
 and window as at run time) covers the most mass of all heads. The forward attends with full O(T^2) scores
-per layer, so keep calibration prompts to a few thousand tokens.
+per layer, so keep calibration prompts to a few thousand tokens, and several times longer than the budget
+(a prompt inside the budget is rejected: every head would cover all of it; measured: calibrating a 2,048-token
+budget on a 2,048-token prompt picked head 0 everywhere and lost passkeys).
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def calibrate_retrieval_heads(model: LoadedModel, tokens: Sequence[int], config:
     if t > MAX_CALIBRATION_TOKENS:
         raise ValueError(f"calibration prompt has {t} tokens; the pass is O(T^2), keep it <= "
                          f"{MAX_CALIBRATION_TOKENS}")
+    if -(-t // config.block_size) <= config.budget_blocks:
+        raise ValueError(f"a {t}-token calibration prompt fits in the {config.budget_tokens}-token budget, so every "
+                         "head's selection covers all of it and no head can be told apart; calibrate on a prompt "
+                         "several times longer than the budget")
     c = model.cfg
     if not 0 <= config.dense_layers < c.num_layers:
         raise ValueError(f"dense_layers={config.dense_layers} leaves no sparse layer in {c.num_layers} layers")

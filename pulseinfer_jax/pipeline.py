@@ -83,7 +83,7 @@ class SparseDecoder:
             raise ValueError(f"solohead='retrieval_head' needs retrieval_heads: one KV head per sparse layer "
                              f"({plan.sparse_layers}); calibrate them with sparse.calibrate_retrieval_head")
         self.model, self.params, self.plan, self.config = model, params, plan, config
-        self.layer_params = layer_ops.split_layers(params)  # one pytree per layer (see layer_ops docstring)
+        self._layer_params: list[dict] | None = None
         self.pool = pool
         self.nb = num_gpu_blocks
         rows = plan.sparse_layers * pool.num_rows
@@ -93,6 +93,14 @@ class SparseDecoder:
         self.kv: jax.Array | None = None
         # per decode step: host-to-device copies and bytes issued, recall wait (bounded history)
         self.step_log: collections.deque[dict] = collections.deque(maxlen=65536)
+
+    @property
+    def layer_params(self) -> list[dict]:
+        """One weight pytree per layer (see layer_ops), split on first use: it costs a second copy of the
+        layer weights, so an engine that never decodes a sparse request never pays it."""
+        if self._layer_params is None:
+            self._layer_params = layer_ops.split_layers(self.params)
+        return self._layer_params
 
     @property
     def metadata_bytes(self) -> int:

@@ -235,15 +235,16 @@ def test_pallas_sparse_pipeline_matches_jnp(tiny4):
 
 
 def test_retrieval_head_calibration_and_decode(tiny4):
-    """Calibration picks a valid KV head per sparse layer (all tie -> head 0 when the budget covers every
-    block) and solohead="retrieval_head" decodes with them (offloaded == on device)."""
+    """Calibration picks a valid KV head per sparse layer, refuses a prompt the budget covers (every head
+    would tie), and solohead="retrieval_head" decodes with the heads (offloaded == on device)."""
     from pulseinfer_jax.calibration import calibrate_retrieval_heads
 
     prompt = _prompts(tiny4.cfg.vocab_size, lengths=(90,))[0]
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
     heads = calibrate_retrieval_heads(tiny4, prompt, EngineConfig(**kw))
     assert len(heads) == 2 and all(0 <= h < tiny4.cfg.num_kv_heads for h in heads)
-    assert calibrate_retrieval_heads(tiny4, prompt, EngineConfig(**{**kw, "budget_tokens": 512})) == (0, 0)
+    with pytest.raises(ValueError, match="fits in the 512-token budget"):
+        calibrate_retrieval_heads(tiny4, prompt, EngineConfig(**{**kw, "budget_tokens": 512}))
     with pytest.raises(ValueError, match="too short"):
         calibrate_retrieval_heads(tiny4, prompt[:5], EngineConfig(**kw))
     cfg = dict(kw, solohead="retrieval_head", retrieval_heads=heads)
