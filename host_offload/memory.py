@@ -26,10 +26,6 @@ def host_sharding(device: jax.Device) -> SingleDeviceSharding:
     return SingleDeviceSharding(device, memory_kind=HOST_KIND)
 
 
-def memory_kind(x: jax.Array) -> str:
-    return x.sharding.memory_kind
-
-
 def measure_h2d_bandwidth(device: jax.Device, nbytes: int = 64 << 20, repeats: int = 3) -> float:
     """Host-to-device bytes/s of one large copy from pinned host memory (best of `repeats`)."""
     import time

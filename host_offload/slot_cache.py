@@ -63,9 +63,3 @@ class SlotCache:
         self.hits += len(hits)
         self.misses += len(misses)
         return hits, misses
-
-    def drop(self, key: int) -> None:
-        """Forget `key` (e.g. its data changed); its slot becomes free."""
-        slot = self._slot_of.pop(key, None)
-        if slot is not None:
-            self._free.append(slot)

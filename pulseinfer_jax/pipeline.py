@@ -283,13 +283,9 @@ class SparseDecoder:
     def _ids(self, entries: list[list[list[tuple[int, int]]]], bp: int) -> tuple[jax.Array, jax.Array]:
         """[(unit, len)] per row and lane -> padded ids / lens [bp, S, W] (W a power of two)."""
         width = _pow2(max(len(v) for per in entries for v in per))
-        ids = _pad_rows([[[u for u, _ in v] for v in per] for per in entries], width, bp, self.plan_lanes, -1)
-        lens = _pad_rows([[[n for _, n in v] for v in per] for per in entries], width, bp, self.plan_lanes, 0)
+        ids = _pad_rows([[[u for u, _ in v] for v in per] for per in entries], width, bp, self.plan.lanes, -1)
+        lens = _pad_rows([[[n for _, n in v] for v in per] for per in entries], width, bp, self.plan.lanes, 0)
         return jnp.asarray(ids), jnp.asarray(lens)
-
-    @property
-    def plan_lanes(self) -> int:
-        return self.plan.lanes
 
     def _plan_layer(self, sel: np.ndarray, sparse: list[SparseKV], lengths: list[int], layer: int, sl: int):
         """Selection [bp, S, N] -> per row and lane: resident entries, late (recalled) entries as (unit, len),
