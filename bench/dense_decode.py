@@ -28,8 +28,8 @@ from bench.common import write_result  # noqa: E402
 
 
 def step_times(model, ctx: int, batch: int, steps: int, block_size: int, attention: str = "jnp") -> dict:
-    from pulseinfer_jax.kv_cache import CacheSpec, blocks_for
-    from pulseinfer_jax.runner import bucket, decode_step
+    from pulseinfer_jax.kv_cache import CacheSpec, blocks_for, bucket
+    from pulseinfer_jax.runner import decode_step
 
     c = model.cfg
     per_seq = blocks_for(ctx + steps + 1, block_size)

@@ -34,15 +34,15 @@ from jax.experimental.compute_on import compute_on
 from jaxtyping import Array, Float, Int
 
 from host_offload.memory import device_sharding, host_sharding
-from pulseinfer_jax.kv_cache import BlockAllocator, OutOfBlocksError
+from pulseinfer_jax.kv_cache import BlockAllocator, OutOfBlocksError, bucket
 
 NULL_ROW = 0
 
 
 def _pad_pow2(*vectors: np.ndarray) -> tuple[np.ndarray, ...]:
-    n = len(vectors[0])
-    width = 1 << max(0, (max(n, 1) - 1).bit_length())
-    return tuple(np.pad(np.asarray(v, np.int32), (0, width - n)) for v in vectors)
+    """Pad index vectors with the null row / 0 to the next power of two (bounded number of compiled shapes)."""
+    width = bucket(len(vectors[0]))
+    return tuple(np.pad(np.asarray(v, np.int32), (0, width - len(v))) for v in vectors)
 
 
 class HostKVPool:
@@ -165,6 +165,8 @@ def _transfers(device: jax.Device, first_layer: int) -> tuple:
     def write_back(pool: Array, kv: Array, blocks: Int[Array, " n"], rows: Int[Array, " n"],
                    count: Int[Array, ""]) -> Array:
         staged = jax.device_put(kv[first_layer:, blocks], host)  # [Ls, n, 2, bs, Hkv, hd]: one D2H copy
+        # the pool already lives on pinned_host; the explicit put gives its traced value the host memory space,
+        # which compute_on's dynamic_update_slice requires of all operands (it fails without)
         return scatter_rows(jax.device_put(pool, host), staged, jax.device_put(rows, host),
                             jax.device_put(count, host))
 

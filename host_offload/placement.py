@@ -111,8 +111,7 @@ class SparseCounters:
     reused_blocks: int = 0  # selected middle entries found in the slot cache
     recall_wait_s: float = 0.0
     written_back_blocks: int = 0
-    steps: int = 0
-    last_step_recall_bytes: int = 0
+    last_step_recall_bytes: int = 0  # the latest decode step's recall (IOAA's observation)
 
 
 class SparseKV:

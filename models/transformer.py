@@ -112,20 +112,26 @@ class Transformer:
         (x, state), _ = jax.lax.scan(body, (x, state), (params["layers"], idxs))
         return x, state
 
+    def causal_attention(self, q: Float[Array, "b t Hq hd"], k: Float[Array, "b t Hkv hd"],
+                         v: Float[Array, "b t Hkv hd"]) -> Float[Array, "b t Hq hd"]:
+        """Plain causal GQA attention over the whole sequence: O(t^2) scores in float32, HIGHEST precision."""
+        c = self.cfg
+        b, t = q.shape[:2]
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        qg = q.astype(jnp.float32).reshape(b, t, c.num_kv_heads, c.group_size, c.head_dim)
+        hi = jax.lax.Precision.HIGHEST
+        sc = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision=hi) * c.head_dim ** -0.5
+        p = jax.nn.softmax(jnp.where(causal, sc, -jnp.inf), axis=-1)
+        o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32), precision=hi)
+        return o.reshape(b, t, c.num_heads, c.head_dim).astype(q.dtype)
+
     def forward(self, params: dict, tokens: Int[Array, "b t"]) -> Float[Array, "b t vocab"]:
         """Plain causal forward without a cache: O(t^2) scores, for tests and as the oracle."""
-        c = self.cfg
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        causal = jnp.tril(jnp.ones((t, t), bool))
 
         def attend(_, q, k, v, s):
-            qg = q.astype(jnp.float32).reshape(b, t, c.num_kv_heads, c.group_size, c.head_dim)
-            hi = jax.lax.Precision.HIGHEST
-            sc = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision=hi) * c.head_dim ** -0.5
-            p = jax.nn.softmax(jnp.where(causal, sc, -jnp.inf), axis=-1)
-            o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32), precision=hi)
-            return o.reshape(b, t, c.num_heads, c.head_dim).astype(q.dtype), s
+            return self.causal_attention(q, k, v), s
 
         x, _ = self.layers(params, self.embed(params, tokens), positions, attend, None)
         return self.logits(params, x)

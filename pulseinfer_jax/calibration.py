@@ -39,18 +39,12 @@ def capture_queries_and_keys(model: LoadedModel, tokens: Sequence[int], queries:
     def run(params, tok):
         tr = model.transformer
         positions = jnp.arange(t, dtype=jnp.int32)[None]
-        causal = jnp.tril(jnp.ones((t, t), bool))
 
         def attend(layer, q, k, v, st):
             qs, ks = st
             qs = qs.at[layer].set(q[0, t - p:].astype(jnp.float32))
             ks = ks.at[layer].set(k[0].astype(jnp.float32))
-            qg = q.astype(jnp.float32).reshape(1, t, c.num_kv_heads, c.group_size, c.head_dim)
-            hi = jax.lax.Precision.HIGHEST
-            sc = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision=hi) * c.head_dim ** -0.5
-            w = jax.nn.softmax(jnp.where(causal, sc, -jnp.inf), axis=-1)
-            o = jnp.einsum("bhgqk,bkhd->bqhgd", w, v.astype(jnp.float32), precision=hi)
-            return o.reshape(1, t, c.num_heads, c.head_dim).astype(q.dtype), (qs, ks)
+            return tr.causal_attention(q, k, v), (qs, ks)
 
         init = (jnp.zeros((c.num_layers, p, c.num_heads, c.head_dim), jnp.float32),
                 jnp.zeros((c.num_layers, t, c.num_kv_heads, c.head_dim), jnp.float32))

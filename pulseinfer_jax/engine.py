@@ -21,8 +21,8 @@ import numpy as np
 from models.loading import LoadedModel
 from pulseinfer_jax.config import EngineConfig, resolve_decode_attention
 from pulseinfer_jax.ioaa import IOAAConfig
-from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for
-from pulseinfer_jax.runner import bucket, decode_step, prefill_step
+from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for, bucket
+from pulseinfer_jax.runner import decode_step, prefill_step
 from pulseinfer_jax.sampling import SamplingParams, greedy_sample, sample
 from pulseinfer_jax.scheduler import FixedStepTime, Request, Scheduler, Status
 
@@ -60,6 +60,12 @@ class Engine:
         self.sparse_attention: str | None = None  # attention of the sparse pipeline, resolved on first use
         self.h2d_bytes_per_s: float | None = config.h2d_bytes_per_s
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids if model.tokenizer else model.cfg.eos_token_ids)
+
+    @property
+    def on_gpu(self) -> bool:
+        from pallas_kernels.common import GPU_PLATFORMS
+
+        return self.device.platform in GPU_PLATFORMS
 
     # ---- KV pool -------------------------------------------------------------------------------
     def _spec(self, num_blocks: int) -> CacheSpec:
@@ -145,9 +151,7 @@ class Engine:
                     warnings.warn(f"Pallas sparse kernels failed on {self.device.platform} ({err}); the sparse "
                                   "pipeline uses the jnp attention", RuntimeWarning, stacklevel=3)
                     self.sparse_attention = "jnp"
-        from pallas_kernels.common import GPU_PLATFORMS
-
-        mbs = cfg.micro_batches or (2 if self.device.platform in GPU_PLATFORMS else 1)
+        mbs = cfg.micro_batches or (2 if self.on_gpu else 1)
         pcfg = PipelineConfig(io=cfg.io, recall=cfg.recall, micro_batches=mbs,
                               attention=self.sparse_attention, solohead=cfg.solohead,
                               retrieval_heads=cfg.retrieval_heads)
@@ -158,10 +162,8 @@ class Engine:
     def _h2d_bandwidth(self) -> float:
         if self.h2d_bytes_per_s is None:
             from host_offload.memory import measure_h2d_bandwidth
-            from pallas_kernels.common import GPU_PLATFORMS
 
-            gpu = self.device.platform in GPU_PLATFORMS
-            self.h2d_bytes_per_s = measure_h2d_bandwidth(self.device) if gpu else CPU_NOMINAL_H2D
+            self.h2d_bytes_per_s = measure_h2d_bandwidth(self.device) if self.on_gpu else CPU_NOMINAL_H2D
         return self.h2d_bytes_per_s
 
     # ---- request intake ------------------------------------------------------------------------
@@ -270,7 +272,6 @@ class Engine:
             self.kv, logits = self.sparse.decode(self.kv, [r.sparse for r in sparse], [r.output[-1] for r in sparse],
                                                  [r.seq_len for r in sparse])
             out.append((sparse, self._sample(jnp.asarray(logits), sparse)))
-        if sparse:
             est = self.scheduler.estimator
             est.observe_step_time(time.perf_counter() - t0)
             for r in sparse:

@@ -67,6 +67,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum): padded batch / table / index widths, so the number of
+    compiled shapes stays logarithmic."""
+    return 1 << max(0, (max(n, minimum) - 1).bit_length())
+
+
 class BlockAllocator:
     """Free-list allocator over blocks 1..num_blocks-1 (block 0 is the null block).
 

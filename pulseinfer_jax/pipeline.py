@@ -45,7 +45,7 @@ from host_offload.host_pool import HostKVPool
 from host_offload.placement import SparseKV, SparsePlan
 from models.transformer import Transformer
 from pulseinfer_jax import layer_ops
-from pulseinfer_jax.kv_cache import blocks_for
+from pulseinfer_jax.kv_cache import blocks_for, bucket
 
 Stop = tuple[str, jax.Array, jax.Array | None]  # (kind, awaited array, GPU work queued ahead of it)
 
@@ -58,10 +58,6 @@ class PipelineConfig:
     attention: str = "jnp"  # "jnp" | "pallas"
     solohead: str = "normalized_sum"  # "normalized_sum" | "retrieval_head"
     retrieval_heads: tuple[int, ...] | None = None  # per sparse layer, for solohead="retrieval_head"
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
 def _pad_rows(rows: list[list[list[int]]], width: int, batch: int, lanes: int, fill: int) -> np.ndarray:
@@ -122,7 +118,7 @@ class SparseDecoder:
             pairs += [(d * self.nb + table[j], s.dense_unit(j, d, self.nb)) for j in range(n)
                       for d in range(s.plan.dense_layers)]
         if pairs:
-            src, dst = (np.zeros(_pow2(len(pairs)), np.int32) for _ in range(2))
+            src, dst = (np.zeros(bucket(len(pairs)), np.int32) for _ in range(2))
             src[: len(pairs)], dst[: len(pairs)] = zip(*pairs, strict=True)
             kv = layer_ops.copy_units(kv, jnp.asarray(src), jnp.asarray(dst))
         return kv
@@ -134,7 +130,7 @@ class SparseDecoder:
         p = self.plan
         units = [(p.dense_layers + sl) * self.nb + g for sl in range(p.sparse_layers) for g, _ in blocks]
         rows = [sl * self.pool.num_rows + r for sl in range(p.sparse_layers) for _, r in blocks]
-        n = _pow2(len(units))
+        n = bucket(len(units))
         u = np.zeros(n, np.int32)
         r = np.full(n, -1, np.int32)
         lens = np.zeros(n, np.int32)
@@ -158,7 +154,6 @@ class SparseDecoder:
             self.pool.write_back(kv, [b for b, _ in write_back], [r for _, r in write_back])
         self._refresh_meta(kv, meta)
         for s in sparse:
-            s.counters.steps += 1
             s.counters.last_step_recall_bytes = 0
 
         k = max(1, min(self.config.micro_batches, len(sparse)))
@@ -211,9 +206,9 @@ class SparseDecoder:
         model, params = self.model, self.params
         bs = p.block_size
         b_real = len(sparse)
-        bp = _pow2(b_real)
+        bp = bucket(b_real)
         n_blocks = [blocks_for(length, bs) for length in lengths]
-        kc = _pow2(max(n_blocks))
+        kc = bucket(max(n_blocks))
         positions = np.zeros(bp, np.int32)
         positions[:b_real] = np.asarray(lengths) - 1
         tok = np.zeros(bp, np.int32)
@@ -228,21 +223,22 @@ class SparseDecoder:
             middle = range(p.sink_blocks, max(p.sink_blocks, n - p.window_blocks))
             cand[b, middle] = [s.host_rows[j] for j in middle]
             nblk[b] = n
-            newest[b] = s.gpu_of[n_blocks[b] - 1]
+            newest[b] = s.gpu_of[n - 1]
         positions_d, cand_d, nblk_d = jnp.asarray(positions), jnp.asarray(cand), jnp.asarray(nblk)
 
-        dense_ids, dense_lens, dense_write = [], [], []
+        dense_lens = np.zeros((bp, 1, kc), np.int32)  # valid tokens per block: the same in every dense layer
+        for b in range(b_real):
+            dense_lens[b, 0, : n_blocks[b]] = np.clip(lengths[b] - np.arange(n_blocks[b]) * bs, 0, bs)
+        dense_lens = jnp.asarray(dense_lens)
+        dense_ids, dense_write = [], []
         for d in range(p.dense_layers):
             ids = np.full((bp, 1, kc), -1, np.int32)
-            lens = np.zeros((bp, 1, kc), np.int32)
             write = np.zeros(bp, np.int32)
             for b, s in enumerate(sparse):
                 n = n_blocks[b]
                 ids[b, 0, :n] = [s.dense_unit(j, d, nb) for j in range(n)]
-                lens[b, 0, :n] = np.clip(lengths[b] - np.arange(n) * bs, 0, bs)
                 write[b] = s.dense_unit(n - 1, d, nb)
             dense_ids.append(jnp.asarray(ids))
-            dense_lens.append(jnp.asarray(lens))
             dense_write.append(jnp.asarray(write))
 
         x = layer_ops.embed(model, params, jnp.asarray(tok))
@@ -250,7 +246,7 @@ class SparseDecoder:
             lp = self.layer_params[layer]
             if layer < p.dense_layers:
                 self.kv, x = layer_ops.dense_layer(model, lp, self.kv, x, positions_d, dense_write[layer],
-                                                   dense_ids[layer], dense_lens[layer], attention=cfg.attention)
+                                                   dense_ids[layer], dense_lens, attention=cfg.attention)
                 continue
             sl = layer - p.dense_layers
             write = np.where(np.arange(bp) < b_real, layer * nb + newest, 0).astype(np.int32)
@@ -282,7 +278,7 @@ class SparseDecoder:
 
     def _ids(self, entries: list[list[list[tuple[int, int]]]], bp: int) -> tuple[jax.Array, jax.Array]:
         """[(unit, len)] per row and lane -> padded ids / lens [bp, S, W] (W a power of two)."""
-        width = _pow2(max(len(v) for per in entries for v in per))
+        width = bucket(max(len(v) for per in entries for v in per))
         ids = _pad_rows([[[u for u, _ in v] for v in per] for per in entries], width, bp, self.plan.lanes, -1)
         lens = _pad_rows([[[n for _, n in v] for v in per] for per in entries], width, bp, self.plan.lanes, 0)
         return jnp.asarray(ids), jnp.asarray(lens)

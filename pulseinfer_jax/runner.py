@@ -121,8 +121,3 @@ def prefill_step(model: Transformer, params: dict, kv: jax.Array, *args: jax.Arr
 
 def _platform(x: jax.Array) -> str:
     return next(iter(x.devices())).platform
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    return 1 << max(0, (max(n, minimum) - 1).bit_length())

@@ -38,12 +38,10 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
+from pulseinfer_jax.kv_cache import bucket
+
 Mode = Literal["headwise", "solohead"]
 SoloHead = Literal["normalized_sum", "retrieval_head"]
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def bucket_budget(tokens: int, block_size: int, *, min_blocks: int = 16) -> int:
@@ -51,7 +49,7 @@ def bucket_budget(tokens: int, block_size: int, *, min_blocks: int = 16) -> int:
     number of distinct selection/attention shapes compiled stays logarithmic in the budget."""
     if tokens <= 0 or block_size <= 0 or min_blocks <= 0:
         raise ValueError(f"tokens={tokens}, block_size={block_size} and min_blocks={min_blocks} must be positive")
-    return max(int(min_blocks), _next_pow2(-(-int(tokens) // int(block_size))))
+    return max(int(min_blocks), bucket(-(-int(tokens) // int(block_size))))
 
 
 def candidate_ids(
