@@ -41,6 +41,8 @@ class TokenEvent:
 
 
 class Engine:
+    decoder_class = None  # pipeline.SparseDecoder or a subclass (benchmarks record/replay selections with one)
+
     def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig(), device: jax.Device | None = None):
         self.model = model
         self.config = config
@@ -156,8 +158,9 @@ class Engine:
                               attention=self.sparse_attention, solohead=cfg.solohead,
                               retrieval_heads=cfg.retrieval_heads)
         if self.sparse is None or self.sparse.plan != plan or self.sparse.nb != num_blocks:
-            self.sparse = SparseDecoder(self.model.transformer, self.model.params, plan, pcfg, self.host_pool,
-                                        num_blocks, self.device)
+            cls = self.decoder_class or SparseDecoder
+            self.sparse = cls(self.model.transformer, self.model.params, plan, pcfg, self.host_pool, num_blocks,
+                              self.device)
 
     def _h2d_bandwidth(self) -> float:
         if self.h2d_bytes_per_s is None:
@@ -216,20 +219,9 @@ class Engine:
             yield from self._decode(list(sched.running))
 
     def _prefill_chunk(self, req: Request) -> Iterator[TokenEvent]:
-        cfg = self.config
         t0 = time.perf_counter()
-        start = req.prefilled
-        remaining = len(req.prompt) - start
-        bs = cfg.block_size
-        size = min(cfg.prefill_chunk, bs * bucket(blocks_for(remaining, bs)))
-        n = min(size, remaining)
-        chunk = np.zeros(size, np.int32)
-        chunk[:n] = req.prompt[start:start + n]
         blocks = req.sparse.prefill_table(self.scratch, len(req.prompt)) if req.sparse is not None else req.blocks
-        table = self._table(blocks, bucket(len(blocks)))
-        self.kv, logits = prefill_step(self.model.transformer, self.model.params, self.kv, jnp.asarray(chunk),
-                                       jnp.int32(start), jnp.int32(n), jnp.asarray(table),
-                                       key_chunk=min(cfg.key_chunk, size))
+        n, logits = self._prefill_compute(req, blocks)
         req.prefilled += n
         bar = self._progress_bar(req)
         if req.prefilled < len(req.prompt):
@@ -249,6 +241,23 @@ class Engine:
         req.t_first = time.perf_counter()
         self.scheduler.prefill_done(req)
         yield from self._accept([req], [token])
+
+    def _prefill_compute(self, req: Request, blocks: list[int]) -> tuple[int, jax.Array]:
+        """Run the model over the next chunk of req's prompt, writing its KV into `blocks` (the request's
+        prefill blocks); returns (tokens consumed, logits [V] of the chunk's last position)."""
+        cfg = self.config
+        start = req.prefilled
+        remaining = len(req.prompt) - start
+        bs = cfg.block_size
+        size = min(cfg.prefill_chunk, bs * bucket(blocks_for(remaining, bs)))
+        n = min(size, remaining)
+        chunk = np.zeros(size, np.int32)
+        chunk[:n] = req.prompt[start:start + n]
+        table = self._table(blocks, bucket(len(blocks)))
+        self.kv, logits = prefill_step(self.model.transformer, self.model.params, self.kv, jnp.asarray(chunk),
+                                       jnp.int32(start), jnp.int32(n), jnp.asarray(table),
+                                       key_chunk=min(cfg.key_chunk, size))
+        return n, logits
 
     def _progress_bar(self, req: Request):
         if req.index in self._bars:

@@ -5,10 +5,16 @@ keeps only a small resident part and every decode step recalls the selected bloc
 Admission decides, for the head of the queue, which of the two it gets, or that it waits, so that PCIe never
 becomes the bottleneck of a decode step:
 
-* dense whenever its blocks fit in free GPU memory (dense costs no PCIe traffic);
-* otherwise offloaded if its resident blocks fit and the predicted recall of *all* offloaded requests, this one
-  included, can be moved in ``slack`` of one decode step at the host-to-device bandwidth;
+* while GPU memory is not what limits the batch (every queued request fits dense in the free blocks): dense
+  (dense costs no PCIe traffic and is exact);
+* under memory pressure (the queue's dense demand exceeds the free blocks), offloading comes first: a request is
+  offloaded if its resident blocks fit and the predicted recall of *all* offloaded requests, this one included,
+  can be moved in ``slack`` of one decode step at the host-to-device bandwidth, since an offloaded request takes
+  a fraction of a dense one's GPU blocks and leaves room for more requests in the batch; only when PCIe has no
+  room left does it go dense (if that fits);
 * otherwise wait.
+Greedy "dense whenever it fits" would fill the GPU with the first few requests and leave no room to offload
+the rest: a batch no larger than dense serving's, which is what the bench (bench/decode_throughput.py) showed.
 
 Recall is predicted per request by ``RecallEstimator``: a new request starts at ``prior_miss_fraction`` of its
 per-step selection budget, then follows an EMA of its observed misses. Everything here is a pure function of
@@ -185,16 +191,19 @@ def decide(
     observed_step_time_s: float | None,
     cost: CostModel,
     config: IOAAConfig,
+    memory_bound: bool = False,
 ) -> Decision:
     """Decide how one waiting request is admitted now: "dense", "offload" or "wait".
 
     mode "dense" / "offload" force that placement: admitted iff its blocks of that kind fit in `free_blocks`
-    (no bandwidth check). mode "auto" (IOAA):
+    (no bandwidth check). mode "auto" (IOAA), with ``pcie_ok`` meaning
+    ``(offloaded_recall_bytes + prior) / h2d_bytes_per_s <= slack * step_time``
+    (``prior = prior_miss_fraction * budget_bytes``, ``step_time = hideable_step_time_s(running, ...)``):
 
-    1. "dense" if ``dense_blocks <= free_blocks``;
-    2. else "offload" if ``offload_blocks <= free_blocks`` and
-       ``(offloaded_recall_bytes + prior) / h2d_bytes_per_s <= slack * step_time``, with
-       ``prior = prior_miss_fraction * budget_bytes`` and ``step_time = hideable_step_time_s(running, ...)``;
+    1. not `memory_bound`: "dense" if ``dense_blocks <= free_blocks``;
+       `memory_bound` (the queue's dense demand exceeds the free blocks): "offload" if
+       ``offload_blocks <= free_blocks`` and ``pcie_ok``, else "dense" if it fits;
+    2. else "offload" if ``offload_blocks <= free_blocks`` and ``pcie_ok``;
     3. else "offload" anyway if ``offload_blocks <= free_blocks`` and nothing is running (``running == 0``):
        with an empty batch nothing can change the bandwidth picture, so waiting would stall the queue forever;
        the request then runs PCIe-bound, which is still progress;
@@ -220,16 +229,17 @@ def decide(
         return "dense" if fits_dense else "wait"
     if mode == "offload":
         return "offload" if fits_offload else "wait"
+    if fits_dense and not memory_bound:
+        return "dense"
+    if fits_offload:
+        step_time = hideable_step_time_s(running, observed_step_time_s, cost)
+        recall = offloaded_recall_bytes + prior_recall_bytes(candidate.budget_bytes, config)
+        # compare in bytes: recall / bw <= slack * step  <=>  recall <= slack * step * bw (bw > 0)
+        if recall <= config.slack * step_time * config.h2d_bytes_per_s:
+            return "offload"
     if fits_dense:
         return "dense"
-    if not fits_offload:
-        return "wait"
-    if running == 0:
-        return "offload"
-    step_time = hideable_step_time_s(running, observed_step_time_s, cost)
-    recall = offloaded_recall_bytes + prior_recall_bytes(candidate.budget_bytes, config)
-    # compare in bytes: recall / bw <= slack * step  <=>  recall <= slack * step * bw (bw > 0)
-    return "offload" if recall <= config.slack * step_time * config.h2d_bytes_per_s else "wait"
+    return "offload" if fits_offload and running == 0 else "wait"
 
 
 def admit_batch(
@@ -243,6 +253,7 @@ def admit_batch(
     cost: CostModel,
     config: IOAAConfig,
     max_batch: int | None = None,
+    queued_dense_blocks: int | None = None,
 ) -> list[tuple[int, Decision]]:
     """Admit from the FIFO queue `candidates` (head first) as many requests as fit now.
 
@@ -251,6 +262,10 @@ def admit_batch(
     total, so later candidates see the state it leaves. Evaluation stops at the first "wait" (or when the batch
     reaches `max_batch`, which counts as a wait): nothing behind a waiting request is admitted even if it
     would fit, so a large request is never overtaken forever by a stream of small ones.
+
+    `queued_dense_blocks` is the dense demand of the whole queue (the sum of its candidates' dense_blocks; the
+    scheduler knows it, a generator of candidates could not give it without being consumed): while the demand
+    not yet admitted exceeds the free blocks, the scan is `memory_bound` (see ``decide``). None = never.
 
     Returns ``(key, decision)`` for every admitted request in order, followed by ``(head_key, "wait")`` for the
     request that stopped the scan, if any; an empty queue gives []. Nothing is mutated: the caller allocates the
@@ -264,13 +279,16 @@ def admit_batch(
         if max_batch is not None and running >= max_batch:
             out.append((cand.key, "wait"))
             break
+        bound = queued_dense_blocks is not None and queued_dense_blocks > free_blocks
         d = decide(cand, mode=mode, free_blocks=free_blocks, running=running,
                    offloaded_recall_bytes=offloaded_recall_bytes, observed_step_time_s=observed_step_time_s,
-                   cost=cost, config=config)
+                   cost=cost, config=config, memory_bound=bound)
         out.append((cand.key, d))
         if d == "wait":
             break
         running += 1
+        if queued_dense_blocks is not None:
+            queued_dense_blocks -= cand.dense_blocks
         if d == "dense":
             free_blocks -= cand.dense_blocks
         else:

@@ -8,8 +8,8 @@ finished request frees its blocks at once and the head of the queue joins the ba
 request that could never fit is rejected when added, so the queue can never wait forever.
 
 Which placement a request gets is IOAA's decision (`pulseinfer_jax.ioaa.admit_batch`), re-evaluated every
-step: mode "dense" / "offload" force it, "auto" prefers dense while memory allows and offloads only while
-the predicted recall hides behind the decode step. The engine supplies a `Placer` that knows footprints
+step: mode "dense" / "offload" force it, "auto" runs dense while the queue fits in memory and, under
+memory pressure, offloads first while the predicted recall hides behind the decode step. The engine supplies a `Placer` that knows footprints
 and sets up / tears down the offloaded state; without one every request is dense.
 """
 
@@ -146,7 +146,8 @@ class Scheduler:
                                 running=len(self.prefilling) + len(self.running),
                                 offloaded_recall_bytes=self.estimator.total(),
                                 observed_step_time_s=self.estimator.step_time_s, cost=self.cost, config=self.ioaa,
-                                max_batch=self.max_batch)
+                                max_batch=self.max_batch,
+                                queued_dense_blocks=sum(c.dense_blocks for c in cands.values()))
         admitted = []
         for key, decision in decisions:
             if decision == "wait":

@@ -1,6 +1,8 @@
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -27,3 +29,27 @@ def record_sampled_logits(monkeypatch) -> dict:
 
     monkeypatch.setattr(Engine, "_sample", spy)
     return seen
+
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny Llama-3.1 checkpoint of the goldens (2 layers)."""
+    from models.loading import load_model
+
+    return load_model(TINY / "llama31")
+
+
+@pytest.fixture(scope="module")
+def tiny4(tiny):
+    """A 4-layer model (the tiny checkpoint's two layers twice) so dense_layers=2 leaves two sparse layers."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from models.loading import LoadedModel
+
+    params = dict(tiny.params)
+    params["layers"] = jax.tree.map(lambda a: jnp.concatenate([a, a[::-1]]), tiny.params["layers"])
+    return LoadedModel(dataclasses.replace(tiny.cfg, num_layers=4), params, tiny.tokenizer, tiny.dtype, "tiny4")

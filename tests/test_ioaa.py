@@ -43,9 +43,9 @@ def cand(key, dense=20, offload=3, budget=400.0):
     return Candidate(key=key, dense_blocks=dense, offload_blocks=offload, budget_bytes=budget)
 
 
-def run_decide(c, *, mode="auto", free=10, running=1, recall=0.0, observed=None, cost=FLAT, config=CFG):
+def run_decide(c, *, mode="auto", free=10, running=1, recall=0.0, observed=None, cost=FLAT, config=CFG, **kw):
     return decide(c, mode=mode, free_blocks=free, running=running, offloaded_recall_bytes=recall,
-                  observed_step_time_s=observed, cost=cost, config=config)
+                  observed_step_time_s=observed, cost=cost, config=config, **kw)
 
 
 def run_batch(cs, *, mode="auto", free=10, running=1, recall=0.0, observed=None, cost=FLAT, config=CFG, **kw):
@@ -127,6 +127,26 @@ def test_admit_batch_accounts_memory():
     cs = [cand(k, dense=4, offload=1, budget=0.0) for k in range(1, 7)]
     # dense 10 -> 6 -> 2, then offload 2 -> 1 -> 0, then nothing fits
     assert run_batch(cs, free=10) == [(1, "dense"), (2, "dense"), (3, "offload"), (4, "offload"), (5, "wait")]
+
+
+def test_memory_pressure_offloads_first_while_pcie_has_room():
+    # dense fits, but the queue does not: an offloaded request (1 block) leaves room for more of them
+    assert run_decide(cand(1, dense=4, offload=1), free=10) == "dense"
+    assert run_decide(cand(1, dense=4, offload=1), free=10, memory_bound=True) == "offload"
+    # PCIe full: dense if it fits, else wait
+    assert run_decide(cand(1, dense=4, offload=1), free=10, recall=200.0, memory_bound=True) == "dense"
+    assert run_decide(cand(1, dense=40, offload=1), free=10, recall=200.0, memory_bound=True) == "wait"
+    cs = [cand(k, dense=4, offload=1, budget=0.0) for k in range(1, 7)]
+    # demand 24 > 10 free: offloads until the rest of the demand (4 blocks) fits in the free 5, then dense: six
+    # admitted (greedy dense admits four, test_admit_batch_accounts_memory)
+    assert run_batch(cs, free=10, queued_dense_blocks=24) == [(k, "offload") for k in range(1, 6)] + [(6, "dense")]
+    # demand within the free blocks: nothing to gain from offloading, all dense
+    assert run_batch(cs[:2], free=10, queued_dense_blocks=8) == [(1, "dense"), (2, "dense")]
+    # the pressure is re-evaluated as the scan admits: after two offloads 8 blocks of demand fit in 8 free
+    cs2 = [cand(1, dense=6, offload=1, budget=0.0), cand(2, dense=6, offload=1, budget=0.0),
+           cand(3, dense=4, offload=1, budget=0.0), cand(4, dense=4, offload=1, budget=0.0)]
+    assert run_batch(cs2, free=10, queued_dense_blocks=20) == [(1, "offload"), (2, "offload"), (3, "dense"),
+                                                               (4, "dense")]
 
 
 def test_admit_batch_dense_admission_grows_the_hideable_step():
@@ -351,19 +371,20 @@ def test_scheduler_runs_ioaa_every_step():
     for r in reqs:
         sched.add(r)
     admitted = sched.admit()
-    # dense (16 left), dense (6 left), then offloaded: 100 B and 200 B of predicted recall <= 250 B hideable;
-    # the fifth waits on memory (0 blocks left)
-    assert [(r.index, r.placement) for r in admitted] == [(0, "dense"), (1, "dense"), (2, "offload"),
-                                                         (3, "offload")]
-    assert placer.setups == [2, 3] and sched.estimator.total() == 200.0 and alloc.num_free == 0
+    # the queue's dense demand (50 blocks) exceeds the 26 free: memory-bound, so offloading comes first while
+    # PCIe has room: offload (100 B), offload (200 B); the third would make 300 B > 250 B, so dense (10 blocks)
+    # and the fourth dense too (0 left); the fifth waits on memory
+    assert [(r.index, r.placement) for r in admitted] == [(0, "offload"), (1, "offload"), (2, "dense"),
+                                                         (3, "dense")]
+    assert placer.setups == [0, 1] and sched.estimator.total() == 200.0 and alloc.num_free == 0
     for r in admitted:
         sched.prefill_done(r)
-    sched.finish(reqs[3], "length")  # 3 blocks back, its recall estimate gone
-    assert placer.releases == [3] and sched.estimator.total() == 100.0
-    sched.estimator.observe(2, 500.0)  # request 2 recalls more than predicted: EMA -> 300 B
-    assert sched.admit() == []  # memory would fit the offload, PCIe would not (300 + 100 > 250): wait
+    sched.finish(reqs[1], "length")  # 3 blocks back, its recall estimate gone
+    assert placer.releases == [1] and sched.estimator.total() == 100.0
+    sched.estimator.observe(0, 500.0)  # request 0 recalls more than predicted: EMA -> 300 B
+    assert sched.admit() == []  # memory fits the offload (not dense), PCIe would not (300 + 100 > 250): wait
     assert list(sched.waiting) == [reqs[4]]
-    sched.estimator.observe(2, 0.0)  # 150
-    sched.estimator.observe(2, 0.0)  # 75: 75 + 100 <= 250
+    sched.estimator.observe(0, 0.0)  # 150
+    sched.estimator.observe(0, 0.0)  # 75: 75 + 100 <= 250
     assert [(r.index, r.placement) for r in sched.admit()] == [(4, "offload")]
     assert alloc.num_free == 0 and sched.estimator.total() == 175.0

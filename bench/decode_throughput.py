@@ -1,0 +1,343 @@
+"""Decode throughput and latency: dense serving vs per-head offloading vs PulseInfer (+ one ablation per technique).
+
+    python bench/decode_throughput.py --smoke                              # tiny random model on CPU (script check)
+    python bench/decode_throughput.py --model random:llama-3.1-8b --dtype bfloat16 \
+        --contexts 32768,65536,131072 --batches 1,2,4,8 --gpu-kv-budget 24GiB --replay smollm2 --out DIR
+    python bench/decode_throughput.py --model random:qwen3-14b --dtype bfloat16 --mix mooncake --mix-requests 12 ...
+
+Every system is this engine with one configuration (SYSTEMS below), on the same model and the same requests, in
+the same run. Long prompts are NOT prefilled: their KV is synthetic (random values written straight into the
+prefill blocks, `bench/synthetic.py`; labelled "synthetic KV" in the JSON), because prefilling 128K-token
+prompts of an 8B model would take the GPU window many times over and decode cost does not depend on the
+values. Selection over random keys is arbitrary, so `--replay NAME` makes sparse requests attend and recall the
+blocks a real model selected (`bench/traces.py`, traces recorded by `bench/selection_trace.py` at the same
+budget); without it the miss pattern is that of random KV (say so).
+
+Memory: `--gpu-kv-budget` caps the GPU KV (pool + offload metadata + prefill scratch), emulating a smaller GPU;
+the host pool holds every offloaded request's KV (checked against the machine's free RAM before a point runs:
+a point that would not fit is recorded as skipped, not run). Dense serving admits as many requests as its
+budget holds and queues the rest: "batch reached" is what actually decoded together.
+
+Fixed-batch points (`--contexts` x `--batches`): all requests are admitted and prefilled (synthetic), `--warm`
+decode steps run untimed (they compile), then `--steps` steps are timed one by one (each ends with the tokens on
+the host). Reported: decode tokens/s, step time = TPOT p50/p99, batch reached and placements, GPU KV bytes (pool
+in use, offload metadata) and host KV bytes, host-to-device bytes and copies per step, the PCIe rate they imply
+(bytes per step / step time), recall wait per step, slot-cache hit rate, XLA compiles during the timed steps.
+Mix (`--mix mooncake`): request prompt and output lengths drawn from the Mooncake trace's empirical
+distribution (bench/workload.py), run to completion; per-request TPOT p50/p99 and decode tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from bench.common import RESULTS, write_result  # noqa: E402
+
+SYSTEMS = {
+    "dense": dict(mode="dense"),
+    # the existing-offloading baseline: per-head selection, one copy per (block, head), wait for every recall
+    "offload-headwise": dict(mode="offload", selection="headwise", io="fragmented", recall="sync", micro_batches=1),
+    # SoloHead + coalesced gather-scatter + interruptible (2 micro-batches on a GPU) + IOAA admission
+    "pulseinfer": dict(mode="auto"),
+    # one technique off at a time
+    "pulseinfer-no-solohead": dict(mode="auto", selection="headwise"),
+    "pulseinfer-no-coalescing": dict(mode="auto", io="fragmented"),
+    "pulseinfer-no-interrupt": dict(mode="auto", recall="sync", micro_batches=1),
+    "pulseinfer-no-ioaa": dict(mode="offload"),  # every request offloaded
+    "pulseinfer-min-reuse": dict(mode="auto"),  # slot cache = one step's selection (set in run_point)
+    "sparse-on-device": dict(mode="offload", offload_placement="device"),  # same selection, no PCIe
+}
+DEFAULT_SYSTEMS = "dense,offload-headwise,pulseinfer,pulseinfer-no-solohead,pulseinfer-no-coalescing," \
+                  "pulseinfer-no-interrupt,pulseinfer-no-ioaa,pulseinfer-min-reuse"
+
+
+def parse_bytes(text: str) -> int:
+    units = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    t = text.strip().lower()
+    num = t.rstrip("abgikm")
+    unit = t[len(num):]
+    if unit not in units or not num:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 24GiB, 512MiB or 1000000")
+    return int(float(num) * units[unit])
+
+
+def free_host_bytes() -> int | None:
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class CompileCounter:
+    """Counts XLA backend compiles (jax.monitoring events) so timed windows can say whether they compiled."""
+
+    def __init__(self):
+        import jax.monitoring
+
+        self.count = 0
+
+        def listener(event: str, duration: float, **_) -> None:
+            if "backend_compile" in event:
+                self.count += 1
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+
+
+def engine_for(model, system: str, base: dict, replay: dict | None):
+    """A synthetic-KV engine for `system` (replaying the trace of its selection mode when given)."""
+    from bench.synthetic import SyntheticKVEngine
+    from bench.traces import replay_decoder
+    from pulseinfer_jax import EngineConfig
+
+    cfg = EngineConfig(**base, **SYSTEMS[system])
+    if system == "pulseinfer-min-reuse":
+        cfg = dataclasses.replace(cfg, slot_cache_blocks=cfg.budget_blocks - cfg.sink_blocks - cfg.window_blocks)
+    attrs = {}
+    if replay is not None and cfg.mode != "dense":
+        attrs["decoder_class"] = replay_decoder(replay[cfg.selection])
+    return type("BenchEngine", (SyntheticKVEngine,), attrs)(model, cfg), cfg
+
+
+def host_bytes_needed(model, cfg, total_tokens: list[int]) -> int:
+    if cfg.mode == "dense":
+        return 0
+    c = model.cfg
+    import jax.numpy as jnp
+
+    per_token = (c.num_layers - cfg.dense_layers) * 2 * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize
+    return sum(-(-t // cfg.block_size) * cfg.block_size for t in total_tokens) * per_token
+
+
+def run_point(model, system: str, prompt_len: int, batch: int, steps: int, warm: int, base: dict,
+              replay: dict | None, compiles: CompileCounter) -> dict:
+    from pulseinfer_jax import SamplingParams
+    from pulseinfer_jax.scheduler import Status
+
+    eng, cfg = engine_for(model, system, base, replay)
+    new = warm + steps + 2 * batch + 4  # prefill steps (one prompt per step) also decode the running requests
+    need = host_bytes_needed(model, cfg, [prompt_len + new] * batch)
+    free = free_host_bytes()
+    if free is not None and need > 0.8 * free:
+        return {"skipped": f"host KV pool {need / 2**30:.1f} GiB > 80% of free RAM ({free / 2**30:.1f} GiB)"}
+    sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    rng = np.random.default_rng(batch)
+    reqs = [eng.make_request(i, rng.integers(1, model.cfg.vocab_size, prompt_len).tolist(), sp)
+            for i in range(batch)]
+    eng.ensure_pool(reqs)
+    for r in reqs:
+        eng.scheduler.add(r)
+    sched = eng.scheduler
+    t0 = time.perf_counter()
+    idle = 0  # steps in a row that admitted nothing and had nothing to prefill
+    while (sched.waiting or sched.prefilling) and idle < 2:
+        waiting = len(sched.waiting)
+        list(eng.step())
+        idle = 0 if sched.prefilling or len(sched.waiting) < waiting else idle + 1
+    # what is still waiting does not fit next to the running requests (e.g. dense out of memory)
+    fill_s = time.perf_counter() - t0
+    for _ in range(warm):
+        list(eng.step())
+    running = list(eng.scheduler.running)
+    log0 = len(eng.sparse.step_log) if eng.sparse is not None else 0
+    c0 = compiles.count
+    times, tokens, batch_seen = [], 0, []
+    for _ in range(steps):
+        t = time.perf_counter()
+        events = list(eng.step())
+        times.append(time.perf_counter() - t)
+        tokens += len(events)
+        batch_seen.append(len(events))
+    compiled = compiles.count - c0
+    log = list(eng.sparse.step_log)[log0:] if eng.sparse is not None else []
+    counters = [r.sparse.counters for r in running if r.sparse is not None]
+    hits = sum(c.reused_blocks for c in counters)
+    misses = sum(c.recalled_blocks for c in counters)
+    used = eng.allocator.capacity - eng.allocator.num_free
+    meta_bytes = eng.sparse.metadata_bytes if eng.sparse is not None else 0
+    h2d = statistics.mean(e["h2d_bytes"] for e in log) if log else 0.0
+    p50 = float(np.percentile(times, 50))
+    row = {
+        "system": system, "config": SYSTEMS[system], "context": prompt_len, "batch_requested": batch,
+        "batch_reached": statistics.mean(batch_seen), "placements": {
+            p: sum(r.placement == p for r in running) for p in ("dense", "offload")},
+        "steps": steps, "step_s_all": times, "tpot_s_p50": p50, "tpot_s_p99": float(np.percentile(times, 99)),
+        "decode_tokens_per_s": tokens / sum(times), "fill_s": fill_s,
+        "gpu_kv_bytes_in_use": used * eng.spec.bytes_per_block + meta_bytes,
+        "gpu_kv_bytes_allocated": eng.spec.total_bytes + meta_bytes,
+        "host_kv_bytes": eng.host_pool.pool.nbytes if eng.host_pool is not None else 0,
+        "h2d_bytes_per_step": h2d,
+        "h2d_copies_per_step": statistics.mean(e["h2d_copies"] for e in log) if log else 0.0,
+        "h2d_gb_per_s_implied": h2d / p50 / 1e9,
+        "recall_wait_s_per_step": statistics.mean(e["recall_wait_s"] for e in log) if log else 0.0,
+        "slot_hit_rate": hits / (hits + misses) if hits + misses else None,
+        "compiles_in_timed_steps": compiled,
+    }
+    for r in reqs:
+        if r.status is not Status.FINISHED:
+            eng.stop_request(r, "length")
+    del eng
+    gc.collect()
+    return row
+
+
+def run_mix(model, system: str, lengths: list[tuple[int, int]], base: dict, replay: dict | None) -> dict:
+    """Run a trace-shaped set of requests to completion; per-request TPOT and decode tokens/s."""
+    from pulseinfer_jax import SamplingParams
+
+    eng, cfg = engine_for(model, system, base, replay)
+    need = host_bytes_needed(model, cfg, [p + o for p, o in lengths])
+    free = free_host_bytes()
+    if free is not None and need > 0.8 * free:
+        return {"skipped": f"host KV pool {need / 2**30:.1f} GiB > 80% of free RAM ({free / 2**30:.1f} GiB)"}
+    rng = np.random.default_rng(0)
+    reqs = [eng.make_request(i, rng.integers(1, model.cfg.vocab_size, p).tolist(),
+                             SamplingParams(max_new_tokens=o, ignore_eos=True)) for i, (p, o) in enumerate(lengths)]
+    t0 = time.perf_counter()
+    n_tokens = sum(1 for _ in eng.run(reqs))
+    wall = time.perf_counter() - t0
+    tpot = [(r.t_done - r.t_first) / (len(r.output) - 1) for r in reqs if len(r.output) > 1]
+    row = {"system": system, "config": SYSTEMS[system], "requests": len(reqs), "tokens": n_tokens, "wall_s": wall,
+           "tokens_per_s": n_tokens / wall, "tpot_s_p50": float(np.percentile(tpot, 50)),
+           "tpot_s_p99": float(np.percentile(tpot, 99)),
+           "placements": {p: sum(r.placement == p for r in reqs) for p in ("dense", "offload")},
+           "engine_steps": eng.steps}
+    del eng
+    gc.collect()
+    return row
+
+
+def load_replay(name: str | None, budget: int) -> dict | None:
+    """Traces (one per selection mode) named NAME_{solohead,headwise}_b{budget}.npz under bench/results/traces
+    (or a directory/prefix path)."""
+    if name is None:
+        return None
+    from bench.traces import load_trace
+
+    prefix = pathlib.Path(name) if ("/" in name) else RESULTS / "traces" / name
+    out = {}
+    for sel in ("solohead", "headwise"):
+        path = pathlib.Path(f"{prefix}_{sel}_b{budget}.npz")
+        if not path.is_file():
+            have = sorted(p.name for p in path.parent.glob("*.npz")) if path.parent.is_dir() else []
+            raise SystemExit(f"no trace {path} (record it with bench/selection_trace.py --budgets {budget}); "
+                             f"found: {have}")
+        out[sel] = load_trace(path)
+    return out
+
+
+def describe(row: dict) -> str:
+    """One console line per measured point."""
+    if "tpot_s_p50" not in row:
+        return str(row.get("skipped") or row.get("error"))
+    hit = row["slot_hit_rate"]
+    return (f"reached {row['batch_reached']:5.1f} {row['placements']}: {row['decode_tokens_per_s']:8.1f} tok/s, "
+            f"TPOT p50 {row['tpot_s_p50'] * 1e3:7.1f} ms p99 {row['tpot_s_p99'] * 1e3:7.1f} ms, "
+            f"H2D {row['h2d_bytes_per_step'] / 1e6:7.1f} MB/step in {row['h2d_copies_per_step']:6.0f} copies "
+            f"({row['h2d_gb_per_s_implied']:5.1f} GB/s), wait {row['recall_wait_s_per_step'] * 1e3:5.2f} ms, "
+            f"hit {'-' if hit is None else round(hit, 3)}, GPU KV {row['gpu_kv_bytes_in_use'] / 2**30:.2f} GiB, "
+            f"compiles {row['compiles_in_timed_steps']}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="random:llama-3.1-8b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--contexts", default="32768", help="prompt tokens per request (comma list)")
+    ap.add_argument("--batches", default="1,4", help="requests per point (comma list)")
+    ap.add_argument("--steps", type=int, default=16, help="timed decode steps per point")
+    ap.add_argument("--warm", type=int, default=6, help="untimed decode steps first (compiles)")
+    ap.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma list of {', '.join(SYSTEMS)}")
+    ap.add_argument("--budget-tokens", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dense-layers", type=int, default=2)
+    ap.add_argument("--gpu-kv-budget", type=parse_bytes, default=None, help="e.g. 24GiB (emulates a smaller GPU)")
+    ap.add_argument("--replay", default=None, help="trace name (e.g. smollm2) or path prefix; see bench/traces.py")
+    ap.add_argument("--mix", default=None, choices=["mooncake"], help="also run a trace-shaped request mix")
+    ap.add_argument("--mix-requests", type=int, default=8)
+    ap.add_argument("--mix-scale", type=float, default=4.0, help="prompt lengths x this (long-context shift)")
+    ap.add_argument("--max-context", type=int, default=131072, help="mix prompts are capped here")
+    ap.add_argument("--mix-max-output", type=int, default=256, help="mix outputs are capped here (GPU time)")
+    ap.add_argument("--name", default=None, help="result file name (default decode_throughput_<platform>)")
+    ap.add_argument("--smoke", action="store_true", help="tiny random model and sizes (CPU check of the script)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.smoke:
+        # SmolLM2's shape with random weights: 30 layers make offloading cheaper than dense on the GPU (a
+        # 2-layer model would keep half its KV in the dense-layer packs); 200 MiB holds 2 dense 2K requests
+        args.model, args.dtype, args.contexts, args.batches = "random:smollm2-135m", "float32", "2000", "1,3"
+        args.steps, args.warm, args.budget_tokens = 3, 2, 256
+        args.gpu_kv_budget = args.gpu_kv_budget or 200 * 2**20
+        args.mix_requests, args.mix_scale, args.max_context, args.mix_max_output = 4, 0.3, 2500, 12
+    systems = args.systems.split(",")
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        ap.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+
+    import jax
+
+    from models.loading import load_model
+
+    compiles = CompileCounter()
+    model = load_model(args.model, dtype=args.dtype)
+    replay = load_replay(args.replay, args.budget_tokens)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    base = dict(block_size=args.block_size, budget_tokens=args.budget_tokens, dense_layers=args.dense_layers,
+                max_batch=max(batches + [args.mix_requests]), gpu_kv_budget=args.gpu_kv_budget, progress=False,
+                prefill_chunk=max(512, args.block_size))
+    name = args.name or ("decode_throughput_smoke" if args.smoke else f"decode_throughput_{jax.devices()[0].platform}")
+    meta = {"kind": "decode_throughput", "model": args.model, "dtype": args.dtype, "engine": base,
+            "kv": "synthetic random KV (not prefilled)",
+            "selection_source": f"replayed traces {args.replay}" if replay else "the engine's own (over random KV)",
+            "gpu_kv_budget_note": "GPU KV capped by gpu_kv_budget (an emulated smaller GPU)" if args.gpu_kv_budget
+            else "GPU KV: 85% of free device memory", "points": [], "mix": None}
+    for ctx in contexts:
+        for b in batches:
+            for system in systems:
+                try:
+                    row = run_point(model, system, ctx, b, args.steps, args.warm, base, replay, compiles)
+                except Exception as e:  # noqa: BLE001 - record and go on: GPU time is scarce
+                    row = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+                    gc.collect()
+                row = {"system": system, "context": ctx, "batch_requested": b, **row}
+                meta["points"].append(row)
+                write_result(name, {**meta, "complete": False}, args.out)
+                print(f"ctx {ctx:6d} batch {b:3d} {system:25s} {describe(row)}", flush=True)
+    if args.mix:
+        from bench.workload import mooncake_mix
+
+        lengths, source = mooncake_mix(args.mix_requests, scale=args.mix_scale, max_prompt=args.max_context,
+                                       max_output=args.mix_max_output, seed=0)
+        meta["mix"] = {"source": source, "scale": args.mix_scale, "lengths": lengths, "rows": []}
+        for system in systems:
+            try:
+                row = run_mix(model, system, lengths, base, replay)
+            except Exception as e:  # noqa: BLE001
+                row = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+                gc.collect()
+            meta["mix"]["rows"].append({"system": system, **row})
+            write_result(name, {**meta, "complete": False}, args.out)
+            print(f"mix {system:25s} " + (f"{row['tokens_per_s']:8.1f} tok/s, TPOT p50 {row['tpot_s_p50'] * 1e3:7.1f} "
+                                          f"ms p99 {row['tpot_s_p99'] * 1e3:7.1f} ms {row['placements']}"
+                                          if "tokens_per_s" in row else str(row.get("skipped") or row.get("error"))),
+                  flush=True)
+    path = write_result(name, {**meta, "complete": True}, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The evaluation's own machinery on CPU: synthetic KV fill, selection traces (record / replay / block mapping)
+and one throughput-bench point; these decide what the GPU numbers mean, so they are tested like the engine."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench.synthetic import SyntheticKVEngine, fill_random_kv
+from bench.traces import BlockMap, RecordingDecoder, load_trace, replay_decoder
+from pulseinfer_jax import Engine, EngineConfig, SamplingParams
+from pulseinfer_jax.kv_cache import blocks_for
+
+BASE = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1,
+            budget_tokens=32, dense_layers=2, mode="offload", progress=False)
+
+
+def _prompts(vocab, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def _record(model, prompts, steps, cls=Engine, decoder=RecordingDecoder, **kw):
+    eng = type("E", (cls,), {"decoder_class": decoder})(model, EngineConfig(**{**BASE, **kw}))
+    reqs = [eng.make_request(i, p, SamplingParams(max_new_tokens=steps + 1, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    list(eng.run(reqs))
+    return eng.sparse.trace(list(range(len(prompts))), steps, {"model": "tiny4"})
+
+
+def test_block_map_stretches_keeps_identity_and_is_injective():
+    same = BlockMap(sink=1, mid_t0=10, mid_r0=10)
+    assert same(np.arange(1, 30)).tolist() == list(range(1, 30))
+    m = BlockMap(sink=1, mid_t0=10, mid_r0=35)
+    got = m(np.arange(1, 15))
+    assert got[0] == 1 and got[9] == 1 + 9 * 35 // 10  # the prompt's middle stretched over the longer one
+    assert got[10:].tolist() == [36, 37, 38, 39]  # blocks that joined later map one to one after it
+    assert len(set(got.tolist())) == len(got) and (np.diff(got) > 0).all()
+    with pytest.raises(ValueError, match="at least the trace's 10 middle blocks"):
+        BlockMap(sink=1, mid_t0=10, mid_r0=9)
+
+
+@pytest.mark.parametrize("selection", ["solohead", "headwise"])
+def test_trace_records_and_replays_exactly(tiny4, tmp_path, selection):
+    """Replaying a trace on prompts of the same lengths (other tokens, so other own selections) attends and
+    recalls exactly the recorded blocks: the replayed run's own record equals the trace, hits and misses too."""
+    v = tiny4.cfg.vocab_size
+    tr = _record(tiny4, _prompts(v, (70, 53)), 10, selection=selection)
+    lanes = 1 if selection == "solohead" else tiny4.cfg.num_kv_heads
+    assert tr.sel.shape == (2, 10, 2, lanes, 8 - 1 - 2)  # [R, T, sparse layers, lanes, middle blocks]
+    assert (tr.sel >= 0).any() and tr.misses.sum() > 0 and tr.hits.sum() > 0
+    path = tr.save(tmp_path / "t.npz")
+    tr2 = load_trace(path)
+    assert tr2.meta["selection"] == selection and (tr2.sel == tr.sel).all()
+    other = _record(tiny4, _prompts(v, (70, 53), seed=5), 10, selection=selection)
+    assert not (other.sel == tr.sel).all()  # the other prompts select otherwise on their own
+    replayed = _record(tiny4, _prompts(v, (70, 53), seed=5), 10, selection=selection,
+                       decoder=replay_decoder(tr2, base=RecordingDecoder))
+    assert (replayed.sel == tr.sel).all()
+    assert (replayed.hits == tr.hits).all() and (replayed.misses == tr.misses).all()
+
+
+def test_replay_maps_onto_longer_contexts(tiny4):
+    v = tiny4.cfg.vocab_size
+    tr = _record(tiny4, _prompts(v, (60,)), 6)
+    replayed = _record(tiny4, _prompts(v, (150,), seed=3), 6, decoder=replay_decoder(tr, base=RecordingDecoder))
+    sink, win = 1, 2
+    m = BlockMap(sink, int(tr.num_blocks[0, 0]) - sink - win, int(replayed.num_blocks[0, 0]) - sink - win)
+    for t in range(6):
+        for sl in range(2):
+            src = tr.sel[0, t, sl, 0]
+            assert replayed.sel[0, t, sl, 0][replayed.sel[0, t, sl, 0] >= 0].tolist() == sorted(
+                m(src[src >= 0]).tolist())
+
+
+def test_replay_refuses_a_trace_of_another_budget(tiny4):
+    tr = _record(tiny4, _prompts(tiny4.cfg.vocab_size, (60,)), 3)
+    eng = type("E", (Engine,), {"decoder_class": replay_decoder(tr)})(
+        tiny4, EngineConfig(**{**BASE, "budget_tokens": 48}))
+    req = eng.make_request(0, [5] * 60, SamplingParams(max_new_tokens=3))
+    with pytest.raises(ValueError, match="record the trace at the same budget_tokens"):
+        list(eng.run([req]))
+
+
+def test_fill_random_kv_writes_only_the_table():
+    kv = jnp.full((3, 9, 2, 4, 2, 8), jnp.nan, jnp.float32)
+    table = jnp.array([5, 2, 7, 0], jnp.int32)  # padded with the null block
+    out = np.asarray(fill_random_kv(kv, table, jax.random.key(1)))
+    written = out[:, [5, 2, 7]]
+    assert np.isfinite(written).all() and abs(written.mean()) < 0.2 and 0.8 < written.std() < 1.2
+    assert not (out[0, 5] == out[1, 5]).all()  # every layer its own values
+    untouched = [b for b in range(1, 9) if b not in (5, 2, 7)]
+    assert np.isnan(out[:, untouched]).all()
+
+
+def test_synthetic_prefill_offloads_the_same_kv_dense_would_hold(tiny4):
+    """A synthetic prompt spilled to the host holds what the same synthetic fill puts in a dense request's
+    blocks (same key, same block order): the bench's offloaded and dense systems decode the same KV."""
+    prompt = [7] * 61  # 16 blocks of 4: the fill's padded table has 16 entries in both engines
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)  # still running after the first step
+    dense = SyntheticKVEngine(tiny4, EngineConfig(**{**BASE, "mode": "dense"}))
+    off = SyntheticKVEngine(tiny4, EngineConfig(**BASE))
+    rd, ro = dense.make_request(0, prompt, sp), off.make_request(0, prompt, sp)
+    for eng, r in ((dense, rd), (off, ro)):
+        eng.ensure_pool([r])
+        eng.scheduler.add(r)
+        list(eng.step())  # admit + the whole synthetic prefill in one step
+        assert r.prefilled == len(prompt)
+    kv = np.asarray(dense.kv)
+    host = np.asarray(off.host_pool.pool)  # [Ls, rows, 2, bs, Hkv, hd]
+    for j in range(blocks_for(len(prompt), 4) - 1):  # full blocks
+        np.testing.assert_array_equal(host[:, ro.sparse.host_rows[j]], kv[2:, rd.blocks[j]])
+
+
+def test_throughput_point_dense_queues_pulseinfer_offloads(tiny4):
+    """One bench point under a GPU budget that holds two dense requests: dense decodes two of three, PulseInfer
+    (IOAA under memory pressure) all three; the row says so, with I/O counted."""
+    from bench.decode_throughput import CompileCounter, run_point
+
+    base = {k: v for k, v in BASE.items() if k != "mode"}
+    base.update(dense_layers=1, slot_cache_blocks=5, kv_cache_tokens=72 * 4)
+    counter = CompileCounter()
+    rows = {s: run_point(tiny4, s, 100, 3, steps=3, warm=2, base=base, replay=None, compiles=counter)
+            for s in ("dense", "pulseinfer")}
+    assert rows["dense"]["batch_reached"] == 2 and rows["dense"]["placements"] == {"dense": 2, "offload": 0}
+    assert rows["pulseinfer"]["batch_reached"] == 3 and rows["pulseinfer"]["placements"]["offload"] >= 2
+    assert rows["pulseinfer"]["h2d_bytes_per_step"] > 0 and rows["dense"]["h2d_bytes_per_step"] == 0
+    for r in rows.values():
+        assert len(r["step_s_all"]) == 3 and r["decode_tokens_per_s"] > 0 and r["tpot_s_p99"] >= r["tpot_s_p50"]
+
+
+
+def test_mooncake_mix_draws_trace_pairs_scaled_and_capped():
+    from bench.workload import load_mooncake, mooncake_mix
+
+    inp, out, source = load_mooncake()
+    assert inp.size == out.size == 1000 and "Mooncake" in source
+    assert np.median(inp) == 6397.5 and (out >= 1).all()  # the stored sample's statistics (bench/data)
+    pairs = set(zip(inp.tolist(), out.tolist(), strict=True))
+    mix, desc = mooncake_mix(200, scale=1.0, max_prompt=10**9, max_output=10**9, min_output=1, seed=3)
+    assert all(p in pairs for p in mix)  # drawn as pairs: the joint distribution is the trace's
+    assert mix == mooncake_mix(200, scale=1.0, max_prompt=10**9, max_output=10**9, min_output=1, seed=3)[0]
+    scaled, desc = mooncake_mix(200, scale=4.0, max_prompt=131072, max_output=256, seed=3)
+    assert [min(p * 4, 131072) for p, _ in mix] == [p for p, _ in scaled]
+    assert [min(max(o, 2), 256) for _, o in mix] == [o for _, o in scaled]
+    assert "x 4.0 capped at 131072" in desc
+    with pytest.raises(ValueError, match="bad mix parameters"):
+        mooncake_mix(0)
