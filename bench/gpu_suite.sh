@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# One-call GPU check: environment, the test suite compiled for the accelerator (no interpret mode; kernel
-# and offload tests first), bench/kernels.py, the dense decode benchmark (jnp and Pallas decode attention)
-# and the offload benchmark (dense vs PulseInfer vs per-head offloading, random Llama-3.1-8B).
-# Writes everything into OUT_DIR (ready to copy into bench/results/).
-#   bench/gpu_suite.sh OUT_DIR            on a GPU machine (python3 with jax[cuda] 0.11.2 + flax + transformers)
-#   bench/gpu_suite.sh OUT_DIR --smoke    tiny sizes on CPU, to check the script before GPU time is spent
-#   bench/gpu_suite.sh OUT_DIR --tests-only   just the test suite (TEST_TIMEOUT seconds, default 150)
-# Tests run in parallel processes (pytest-xdist, if present) without GPU memory preallocation: on the GPU
-# the suite is dominated by XLA compile time, which parallelises over the host's cores.
-# Wheels of packages the GPU image lacks (gguf) travel in .whl/ (bench/fetch_gpu_wheels.sh) and are
-# installed into /tmp/site.
+# One-call GPU suite (< 8 minutes on an H200): environment, the kernel and offload tests compiled for the GPU
+# (no interpret mode), bench/kernels.py, bench/io_sweep.py, one representative point of every system of
+# bench/decode_throughput.py (random Llama-3.1-8B, bf16, synthetic KV with a real model's selections replayed),
+# then a 128K-context point and the dense decode bench if time is left. Every step has its own timeout and
+# every bench rewrites its JSON after each measurement, so a timeout keeps what ran. Everything goes to OUT_DIR
+# (ready to copy into bench/results/).
+#   bench/gpu_suite.sh OUT_DIR              on a GPU machine (python3 with jax[cuda] 0.11.2 + flax + transformers)
+#   bench/gpu_suite.sh OUT_DIR --smoke      tiny sizes on CPU, the whole script end to end (~6 min on 2 cores)
+#   bench/gpu_suite.sh OUT_DIR --tests-only just the tests (TEST_TIMEOUT seconds)
+# Tests run in parallel processes (pytest-xdist, if present) without GPU memory preallocation: on the GPU the
+# suite's tests are dominated by XLA compile time, which parallelises over the host's cores.
+# Wheels the GPU image lacks (gguf) travel in .whl/ (bench/fetch_gpu_wheels.sh) and go to /tmp/site.
 set -uo pipefail
-OUT=${1:?usage: bench/gpu_suite.sh OUT_DIR [--smoke]}
-SMOKE=${2:-}
+OUT=${1:?usage: bench/gpu_suite.sh OUT_DIR [--smoke|--tests-only]}
+MODE=${2:-}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -24,49 +25,62 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 t0=$(date +%s)
 {
-    date -u; nvidia-smi 2>/dev/null || echo "no nvidia-smi"
+    date -u; nvidia-smi 2>/dev/null || echo "no nvidia-smi"; free -g 2>/dev/null
     "$PY" -c "import jax, flax, transformers; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'transformers', transformers.__version__)"
 } > "$OUT/env.txt" 2>&1
 tail -3 "$OUT/env.txt"
 
-if [ "$SMOKE" = "--smoke" ]; then
-    TESTS=(tests/test_attention.py tests/test_kv_cache.py tests/test_gather_scatter.py tests/test_host_offload.py)
-    BENCH=(--smoke)
-    OBENCH=(--smoke)
+step() {  # step NAME TIMEOUT_S COMMAND...: run with a timeout, log to $OUT/NAME.log, print its tail
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s, at $(( $(date +%s) - t0 ))s)"
+    timeout -s INT -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name exit $?"
+    grep -v "^WARNING" "$OUT/$name.log" | tail -"${TAIL:-14}"
+}
+
+KERNEL_TESTS=(tests/test_sparse_decode_attention.py tests/test_block_scoring.py tests/test_gather_scatter.py
+              tests/test_host_offload.py tests/test_offload.py tests/test_attention.py)
+if [ "$MODE" = "--smoke" ]; then
+    TESTS=(tests/test_gather_scatter.py tests/test_host_offload.py)
     TEST_TIMEOUT=300
+    SMOKE=(--smoke)
+    TRACE="$OUT/traces/smoke"
+    DT_A=(--smoke --replay "$TRACE" --name decode_throughput_a)
+    DT_B=(--smoke --contexts 3000 --batches 2 --systems dense,pulseinfer,offload-headwise --name decode_throughput_b)
+    DENSE=(--smoke)
 else
-    # most informative first: kernels-to-be, HF parity, engine; the rest after
-    TESTS=(tests/test_sparse_decode_attention.py tests/test_block_scoring.py tests/test_gather_scatter.py
-           tests/test_host_offload.py tests/test_offload.py tests/test_sparse_selection.py tests/test_attention.py
-           tests/test_hf_parity.py tests/test_engine.py tests/test_ioaa.py tests/test_sampling.py
-           tests/test_bad_input.py tests/test_kv_cache.py tests/test_gguf.py tests/test_tokenizer.py tests/test_smollm2.py)
-    BENCH=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8,32
+    TESTS=("${KERNEL_TESTS[@]}")
+    TEST_TIMEOUT=${TEST_TIMEOUT:-85}
+    SMOKE=()
+    TRACE=smollm2  # bench/results/traces/smollm2_{solohead,headwise}_b2048.npz (bench/selection_trace.py)
+    # point A: 8 requests of 32K tokens under a 16 GiB GPU KV budget (dense fits 4), every system
+    DT_A=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 32768 --batches 8 --steps 12 --warm 6
+          --budget-tokens 2048 --gpu-kv-budget 16GiB --replay "$TRACE" --name decode_throughput_a
+          --systems dense,pulseinfer,offload-headwise,pulseinfer-no-ioaa,pulseinfer-no-solohead,pulseinfer-no-coalescing,pulseinfer-no-interrupt,pulseinfer-min-reuse)
+    # point B: 4 requests of 128K under 32 GiB (dense fits 2; the 128 GiB host holds ~6 offloaded 128K requests)
+    DT_B=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 131072 --batches 4 --steps 8 --warm 4
+          --budget-tokens 2048 --gpu-kv-budget 32GiB --replay "$TRACE" --name decode_throughput_b
+          --systems dense,pulseinfer,offload-headwise)
+    DENSE=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8,32
            --max-kv-tokens 300000 --steps 8 --attention jnp,pallas --engine-prompt 8192 --engine-batch 4)
-    OBENCH=(--model random:llama-3.1-8b --dtype bfloat16 --context 4096 --batch 4 --steps 6 --budget-tokens 1024
-            --systems dense,pulseinfer,offload-headwise,sparse-on-device,pulseinfer-sync,pulseinfer-1mb)
-    TEST_TIMEOUT=${TEST_TIMEOUT:-130}
 fi
 XDIST=()
 if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${TEST_WORKERS:-8}"); fi
 
 echo "== tests on $("$PY" -c 'import jax; print(jax.default_backend())')"
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 15 "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
-    --durations=10 "${XDIST[@]}" "${TESTS[@]}" > "$OUT/tests.log" 2>&1
-echo "tests exit $?:"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25
+XLA_PYTHON_CLIENT_PREALLOCATE=false TAIL=25 step tests "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
+    --durations=10 "${XDIST[@]}" "${TESTS[@]}"
+[ "$MODE" = "--tests-only" ] && exit 0
 
-[ "$SMOKE" = "--tests-only" ] && exit 0
-echo "== kernel benchmark"
-KBENCH=()
-[ "$SMOKE" = "--smoke" ] && KBENCH=(--smoke)
-timeout "${KERNEL_TIMEOUT:-110}" "$PY" bench/kernels.py "${KBENCH[@]}" --out "$OUT" > "$OUT/kernels.log" 2>&1
-echo "kernels exit $?"
-grep -v "^WARNING" "$OUT/kernels.log" | tail -25
-echo "== dense decode benchmark"
-timeout "${DENSE_TIMEOUT:-100}" "$PY" bench/dense_decode.py "${BENCH[@]}" --out "$OUT" > "$OUT/dense_decode.log" 2>&1
-echo "bench exit $?"
-cat "$OUT/dense_decode.log" | grep -v "^WARNING" | tail -15
-echo "== offload decode benchmark"
-timeout "${OFFLOAD_TIMEOUT:-150}" "$PY" bench/offload_decode.py "${OBENCH[@]}" --out "$OUT" > "$OUT/offload_decode.log" 2>&1
-echo "offload bench exit $?"
-grep -v "^WARNING" "$OUT/offload_decode.log" | tail -12
+step kernels "${KERNEL_TIMEOUT:-75}" "$PY" bench/kernels.py "${SMOKE[@]}" --out "$OUT"
+IO=(--max-copies 2048 --repeats 3)
+[ "$MODE" = "--smoke" ] && IO=(--smoke)
+step io_sweep "${IO_TIMEOUT:-45}" "$PY" bench/io_sweep.py "${IO[@]}" --out "$OUT"
+if [ "$MODE" = "--smoke" ]; then  # the smoke replays a trace recorded here (same budget and shapes)
+    step selection_trace 300 "$PY" bench/selection_trace.py --smoke --no-synthetic --trace-dir "$OUT/traces" --out "$OUT"
+fi
+step decode_throughput_a "${THROUGHPUT_TIMEOUT:-160}" "$PY" bench/decode_throughput.py "${DT_A[@]}" --out "$OUT"
+step decode_throughput_b "${LONG_TIMEOUT:-70}" "$PY" bench/decode_throughput.py "${DT_B[@]}" --out "$OUT"
+step dense_decode "${DENSE_TIMEOUT:-30}" "$PY" bench/dense_decode.py "${DENSE[@]}" --out "$OUT"
 echo "suite took $(( $(date +%s) - t0 )) s"

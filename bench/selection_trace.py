@@ -136,7 +136,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.smoke:
-        args.model, args.lengths, args.steps, args.budgets = "random:tiny-llama", "300,260", 6, "128"
+        # SmolLM2's shape with random weights and random token ids; traces usable by decode_throughput --smoke
+        args.model, args.lengths, args.steps, args.budgets = "random:smollm2-135m", "600,500", 6, "256"
     from models.loading import load_model
 
     model = load_model(args.model)
@@ -146,7 +147,7 @@ def main() -> int:
     rows = []
     for budget, selection in itertools.product([int(b) for b in args.budgets.split(",")],
                                                args.selections.split(",")):
-        base = dict(block_size=16, sink_blocks=1, window_tokens=64, dense_layers=2 if not args.smoke else 1,
+        base = dict(block_size=16, sink_blocks=1, window_tokens=64, dense_layers=2,
                     budget_tokens=budget, max_batch=len(prompts), progress=False)
         for synthetic in ([False] if args.no_synthetic else [False, True]):
             t0 = time.perf_counter()

@@ -7,6 +7,7 @@ checkpoints use: the older `rope_theta` + `rope_scaling`, or transformers 5's `r
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,49 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (`rope_type == "yarn"`, e.g. Qwen3 at 128K): frequencies interpolated by `factor` below
+    a ramp between beta_slow and beta_fast rotations over the original context, extrapolated above it, and
+    cos/sin scaled by `attention_factor` (Hugging Face's `_compute_yarn_parameters`)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # None = 0.1 * ln(factor) + 1 (or the mscale ratio when given)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def cos_sin_scale(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim)
+        return get_mscale(self.factor)
+
+    def inv_freq(self, theta: float, dim: int) -> np.ndarray:
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # as Hugging Face: no zero-width ramp
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrapolate = 1 - ramp  # 1 = keep the original frequency (high frequencies), 0 = interpolate by factor
+        pos_freqs = theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        return (1 / (self.factor * pos_freqs)) * (1 - extrapolate) + (1 / pos_freqs) * extrapolate
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -42,7 +86,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -92,12 +136,14 @@ class ModelConfig:
         return layers * per_layer + embed + d
 
     def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies, float64 [head_dim // 2], with llama3 scaling applied if configured."""
+        """RoPE inverse frequencies, float64 [head_dim // 2], with llama3 / YaRN scaling applied if configured."""
         exponents = np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim
         inv = 1.0 / (self.rope_theta ** exponents)
         s = self.rope_scaling
         if s is None:
             return inv
+        if isinstance(s, YarnScaling):
+            return s.inv_freq(self.rope_theta, self.head_dim)
         low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
         high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
         wavelen = 2 * np.pi / inv
@@ -108,6 +154,11 @@ class ModelConfig:
         smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled)
+
+    @property
+    def rope_cos_sin_scale(self) -> float:
+        """Factor on RoPE's cos and sin (YaRN's attention factor; 1 otherwise)."""
+        return self.rope_scaling.cos_sin_scale() if isinstance(self.rope_scaling, YarnScaling) else 1.0
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str = "") -> "ModelConfig":
@@ -143,8 +194,18 @@ class ModelConfig:
                 high_freq_factor=float(spec["high_freq_factor"]),
                 original_max_position_embeddings=int(spec["original_max_position_embeddings"]),
             )
+        elif rope_type == "yarn":
+            opt = {k: spec[k] for k in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+                   if spec.get(k) is not None}
+            original = spec.get("original_max_position_embeddings") or d.get("max_position_embeddings", 4096)
+            factor = spec.get("factor")
+            if factor is None:
+                factor = int(d.get("max_position_embeddings", 4096)) / int(original)
+            scaling = YarnScaling(factor=float(factor), original_max_position_embeddings=int(original),
+                                  truncate=bool(spec.get("truncate", True)), **{k: float(v) for k, v in opt.items()})
         elif rope_type != "default":
-            raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
+            raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (supported: default, llama3, "
+                                        "yarn)")
         window = d.get("sliding_window")
         max_pos = int(d.get("max_position_embeddings", 4096))
         if model_type in ("mistral", "qwen2", "qwen3") and window and d.get("use_sliding_window", True):

@@ -20,6 +20,14 @@ PRESETS: dict[str, dict] = {
         "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
         "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
     },
+    # Qwen3-14B as its model card says to run it past 32K tokens: YaRN, factor 4 over the native 32K
+    "qwen3-14b-128k": {
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 17408,
+        "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
     "smollm2-135m": {
         "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,

@@ -10,10 +10,13 @@ from models.config import ModelConfig
 
 
 def rope_tables(cfg: ModelConfig, positions: Int[Array, "*batch"]) -> tuple[Array, Array]:
-    """cos and sin, float32 [*batch, head_dim // 2], for integer positions."""
+    """cos and sin, float32 [*batch, head_dim // 2], for integer positions (times YaRN's attention factor)."""
     inv_freq = jnp.asarray(cfg.inv_freq().astype(np.float32))  # [head_dim // 2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
+    scale = cfg.rope_cos_sin_scale
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(

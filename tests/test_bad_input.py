@@ -66,8 +66,8 @@ def test_unsupported_architecture(tmp_path):
     (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         load_model(d)
-    (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
-    with pytest.raises(UnsupportedModelError, match="yarn"):
+    (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "longrope", "factor": 4.0}}))
+    with pytest.raises(UnsupportedModelError, match="longrope"):
         load_model(d)
 
 
