@@ -7,7 +7,8 @@
 Variants: dense, `headwise`, SoloHead `normalized_sum` and SoloHead `retrieval_head` (heads calibrated with
 `pulseinfer_jax.calibration` on the evaluation text before its teacher-forced window, which comes from its
 end), each sparse one at every budget. All sparse runs are offloaded
-(the I/O path is exact, tests/test_offload.py), block size 16, 1 sink block, 64-token window, 2 dense layers.
+(the I/O path is exact, tests/test_offload.py), block size 16, by default 1 sink block, 64-token window, 2 dense
+layers (`--sink-blocks`, `--window-tokens`, `--dense-layers`; `--no-passkey` runs the teacher-forced part only).
 - passkey: the haystack of `pulseinfer_jax.demo.passkey_prompt` at each length and depth, greedy, 12 new
   tokens; found = the passkey's digits appear in the answer.
 - teacher-forced: `--tf-context` tokens of real text as the prompt, then the next `--tf-tokens` tokens fed
@@ -100,6 +101,10 @@ def main() -> int:
     ap.add_argument("--tf-context", type=int, default=4000)
     ap.add_argument("--tf-tokens", type=int, default=128)
     ap.add_argument("--text", default=None)
+    ap.add_argument("--window-tokens", type=int, default=64)
+    ap.add_argument("--sink-blocks", type=int, default=1)
+    ap.add_argument("--dense-layers", type=int, default=2)
+    ap.add_argument("--no-passkey", action="store_true", help="teacher-forced agreement only (quick exploration)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="accuracy_cpu", help="result file name (bench/results/NAME.json)")
     ap.add_argument("--out", default=None)
@@ -126,7 +131,8 @@ def main() -> int:
     calib = ids[: min(MAX_CALIBRATION_TOKENS, len(ids) - need)] if len(ids) - need >= 256 else ids[:512]
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
-    base = dict(block_size=16, sink_blocks=1, window_tokens=64, dense_layers=2, max_batch=8)
+    base = dict(block_size=16, sink_blocks=args.sink_blocks, window_tokens=args.window_tokens,
+                dense_layers=args.dense_layers, max_batch=8)
 
     runs = [("dense", None)] + [(v, int(b)) for b in args.budgets.split(",") for v in args.variants.split(",")]
     rows, dense_logits = [], None
@@ -136,17 +142,17 @@ def main() -> int:
         if variant == "retrieval_head":
             heads = calibrate_retrieval_heads(model, calib, engine_config("normalized_sum", budget, None, base))
         cfg = engine_config(variant, budget, heads, base)
-        pk = passkey(model, cfg, lengths, depths)
+        pk = {} if args.no_passkey else passkey(model, cfg, lengths, depths)
         logits = teacher_forced_logits(model, cfg, prefix, targets)
         if variant == "dense":
             dense_logits = logits
         top1, kl = agreement(dense_logits, logits)
         row = {"variant": variant, "budget_tokens": budget, "retrieval_heads": heads,
                "passkey": {str(n): found for n, found in pk.items()},
-               "passkey_accuracy": statistics.mean(x for v in pk.values() for x in v),
+               "passkey_accuracy": statistics.mean(x for v in pk.values() for x in v) if pk else None,
                "tf_top1_agreement": top1, "tf_mean_kl": kl, "seconds": time.perf_counter() - t0}
         rows.append(row)
-        print(f"{variant:15s} budget {budget or '-':>5}: passkey {row['passkey_accuracy']:.2f} "
+        print(f"{variant:15s} budget {budget or '-':>5}: passkey {row['passkey_accuracy'] or 0:.2f} "
               f"{ {n: sum(f) for n, f in pk.items()} }, teacher-forced top-1 {top1:.4f}, KL {kl:.5f} "
               f"({row['seconds']:.0f} s)", flush=True)
         name = "accuracy_smoke" if args.smoke else args.name

@@ -286,7 +286,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="random:llama-3.1-8b")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--contexts", default="32768", help="prompt tokens per request (comma list)")
+    ap.add_argument("--contexts", default="32768", help="prompt tokens per request (comma list; prompt + generated "
+                    "tokens must stay below the model's max positions, e.g. 130816 for a 128K point on Llama-3.1)")
     ap.add_argument("--batches", default="1,4", help="requests per point (comma list)")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per point")
     ap.add_argument("--warm", type=int, default=6, help="untimed decode steps first (compiles)")

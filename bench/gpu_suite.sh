@@ -54,13 +54,14 @@ else
     TEST_TIMEOUT=${TEST_TIMEOUT:-85}
     SMOKE=()
     TRACE=smollm2  # bench/results/traces/smollm2_{solohead,headwise}_b2048.npz (bench/selection_trace.py)
-    # point A: 8 requests of 32K tokens under a 16 GiB GPU KV budget (dense fits 4), every system
+    # point A: 8 requests of 32K tokens under a 16 GiB GPU KV budget (dense fits 3 of 4.0 GiB), every system
     DT_A=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 32768 --batches 8 --steps 12 --warm 6
           --budget-tokens 2048 --gpu-kv-budget 16GiB --replay "$TRACE" --name decode_throughput_a
           --systems dense,pulseinfer,offload-headwise,pulseinfer-no-ioaa,pulseinfer-no-solohead,pulseinfer-no-coalescing,pulseinfer-no-interrupt,pulseinfer-min-reuse)
-    # point B: 4 requests of 128K under 32 GiB (dense fits 2; the 128 GiB host holds ~6 offloaded 128K requests)
-    DT_B=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 131072 --batches 4 --steps 8 --warm 4
-          --budget-tokens 2048 --gpu-kv-budget 32GiB --replay "$TRACE" --name decode_throughput_b
+    # point B: 4 requests of 128K (130,816 prompt tokens: Llama-3.1 stops at 131,072 positions) under 33 GiB
+    # (dense fits 2 of 16.0 GiB; the 128 GiB host holds ~6 offloaded)
+    DT_B=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 130816 --batches 4 --steps 8 --warm 4
+          --budget-tokens 2048 --gpu-kv-budget 33GiB --replay "$TRACE" --name decode_throughput_b
           --systems dense,pulseinfer,offload-headwise)
     DENSE=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8,32
            --max-kv-tokens 300000 --steps 8 --attention jnp,pallas --engine-prompt 8192 --engine-batch 4)
