@@ -98,7 +98,7 @@ class Engine:
             c = self.model.cfg
             plan = offload.sparse_plan(cfg, c.num_layers, c.num_kv_heads)
             rows = offload.host_rows_for(cfg, requests)
-            cap_bytes -= offload.metadata_bytes(plan, rows, c.head_dim)
+            cap_bytes -= offload.metadata_bytes(plan, rows, c.head_dim, jnp.dtype(self.model.dtype).itemsize)
             if cap_bytes < 2 * per_block:
                 raise ValueError(f"gpu_kv_budget={cfg.gpu_kv_budget} does not even hold the key metadata of a "
                                  f"{rows}-block host pool; raise gpu_kv_budget or lower host_kv_tokens")
@@ -148,7 +148,7 @@ class Engine:
         if self.sparse_attention is None:
             self.sparse_attention = self.decode_attention
             if self.sparse_attention == "pallas" and cfg.decode_attention == "auto":
-                err = probe_pallas(self.device)
+                err = probe_pallas(self.device, self.model.dtype)
                 if err is not None:
                     warnings.warn(f"Pallas sparse kernels failed on {self.device.platform} ({err}); the sparse "
                                   "pipeline uses the jnp attention", RuntimeWarning, stacklevel=3)

@@ -2,8 +2,8 @@
 
 GPU memory (one pool, one allocator, `gpu_kv_budget` bytes in all) holds the dense requests' KV and the
 resident part of offloaded ones (see host_offload/placement.py); the per-block key metadata of every sparse
-layer (float32 min and max, [sparse layers * host rows, Hkv, hd] each) is also on the GPU and is charged to
-the same budget. The pinned host pool holds one row per logical block of every sparse request.
+layer (min and max, [sparse layers * host rows, Hkv, hd] each, in the KV dtype: the min / max of keys stored
+in a dtype are exact in it) is also on the GPU and is charged to the same budget. The pinned host pool holds one row per logical block of every sparse request.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def host_rows_for(config: EngineConfig, requests: Sequence[Request]) -> int:
     return sum(blocks_for(r.need_tokens, bs) for r in requests) + 1
 
 
-def metadata_bytes(plan: SparsePlan, host_rows: int, head_dim: int) -> int:
-    return 2 * plan.sparse_layers * host_rows * plan.num_kv_heads * head_dim * 4
+def metadata_bytes(plan: SparsePlan, host_rows: int, head_dim: int, itemsize: int) -> int:
+    """Key bounds (min and max) of every sparse layer and host row, stored in the KV dtype (`itemsize` bytes)."""
+    return 2 * plan.sparse_layers * host_rows * plan.num_kv_heads * head_dim * itemsize
 
 
 def gpu_blocks_wanted(config: EngineConfig, plan: SparsePlan, requests: Sequence[Request]) -> int:
@@ -103,20 +104,22 @@ class OffloadPlacer:
         self.pool.free(req.sparse.host_rows, owner=req.index)
 
 
-def probe_pallas(device: jax.Device) -> str | None:
-    """Compile and run the sparse decode kernels once on tiny shapes; None if fine, else the error text."""
+def probe_pallas(device: jax.Device, dtype=None) -> str | None:
+    """Compile and run the sparse decode kernels once on tiny shapes in the KV dtype (default bfloat16; the key
+    bounds use it too); None if fine, else the error text."""
     import jax.numpy as jnp
 
     from pallas_kernels.block_scoring import block_scores
     from pallas_kernels.sparse_decode_attention import sparse_decode_attention
 
+    dtype = jnp.dtype(dtype or jnp.bfloat16)
     try:
         with jax.default_device(device):
-            q = jnp.ones((1, 4, 64), jnp.bfloat16)
-            pool = jnp.ones((4, 2, 16, 2, 64), jnp.bfloat16)
+            q = jnp.ones((1, 4, 64), dtype)
+            pool = jnp.ones((4, 2, 16, 2, 64), dtype)
             ids = jnp.array([[[1, 2]]], jnp.int32)
             jax.block_until_ready(sparse_decode_attention(q, pool, ids, jnp.full_like(ids, 16)))
-            meta = jnp.ones((4, 2, 64), jnp.float32)
+            meta = jnp.ones((4, 2, 64), dtype)
             jax.block_until_ready(block_scores(q, meta, meta, ids[:, 0]))
     except Exception as e:  # noqa: BLE001 - any lowering/compile error
         return f"{type(e).__name__}: {str(e)[:300]}"

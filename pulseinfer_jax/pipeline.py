@@ -83,9 +83,12 @@ class SparseDecoder:
         self.pool = pool
         self.nb = num_gpu_blocks
         rows = plan.sparse_layers * pool.num_rows
+        # key bounds in the KV dtype: the min / max of bf16 keys are bf16 values, so nothing is rounded (and the
+        # bounds cost half of float32's GPU memory: at 128K they would be the largest part of an offloaded
+        # request's GPU footprint); scoring computes in float32
         with jax.default_device(device):
-            self.meta_min = jnp.zeros((rows, c.num_kv_heads, c.head_dim), jnp.float32)
-            self.meta_max = jnp.zeros((rows, c.num_kv_heads, c.head_dim), jnp.float32)
+            self.meta_min = jnp.zeros((rows, c.num_kv_heads, c.head_dim), pool.dtype)
+            self.meta_max = jnp.zeros((rows, c.num_kv_heads, c.head_dim), pool.dtype)
         self.kv: jax.Array | None = None
         # per decode step: host-to-device copies and bytes issued, recall wait (bounded history)
         self.step_log: collections.deque[dict] = collections.deque(maxlen=65536)
@@ -100,7 +103,7 @@ class SparseDecoder:
 
     @property
     def metadata_bytes(self) -> int:
-        return 2 * self.meta_min.size * 4
+        return 2 * self.meta_min.nbytes
 
     # ---- prompt spill --------------------------------------------------------------------------
     def spill_prompt(self, kv: jax.Array, s: SparseKV, prompt_tokens: int) -> jax.Array:

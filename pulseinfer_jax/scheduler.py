@@ -9,8 +9,9 @@ request that could never fit is rejected when added, so the queue can never wait
 
 Which placement a request gets is IOAA's decision (`pulseinfer_jax.ioaa.admit_batch`), re-evaluated every
 step: mode "dense" / "offload" force it, "auto" runs dense while the queue fits in memory and, under
-memory pressure, offloads first while the predicted recall hides behind the decode step. The engine supplies a `Placer` that knows footprints
-and sets up / tears down the offloaded state; without one every request is dense.
+memory pressure, offloads first while the predicted recall hides behind the decode step. The engine
+supplies a `Placer` that knows footprints and sets up / tears down the offloaded state; without one every
+request is dense.
 """
 
 from __future__ import annotations

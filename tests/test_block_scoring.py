@@ -152,6 +152,24 @@ def test_block_scores_bf16_query_and_tight_bound():
     np.testing.assert_allclose(out[0], want, rtol=1e-5, atol=1e-4)
 
 
+def test_bf16_key_bounds_are_exact_and_score_like_float32():
+    """The engine stores key bounds in the KV dtype: the min / max of bf16 keys are bf16 values, so bf16 rows hold
+    exactly the float32 bounds, and scoring (kernel and reference) gives bit-identical results from either."""
+    rng = np.random.default_rng(11)
+    nb, bs, hkv, hd, group = 12, 16, 2, 64, 3
+    pool, _ = _pool(rng, nb, bs, hkv, hd, [bs] * nb)
+    pool = jnp.asarray(pool, jnp.bfloat16)
+    ids = jnp.asarray(rng.permutation(nb), jnp.int32)
+    kmin, kmax = block_key_bounds(pool, ids, jnp.full((nb,), bs, jnp.int32))
+    bmin, bmax = kmin.astype(jnp.bfloat16), kmax.astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(bmin.astype(jnp.float32)), np.asarray(kmin))
+    np.testing.assert_array_equal(np.asarray(bmax.astype(jnp.float32)), np.asarray(kmax))
+    q = jnp.asarray(rng.standard_normal((2, hkv * group, hd)), jnp.bfloat16)
+    cand = jnp.asarray(rng.integers(-1, nb, (2, 20)), jnp.int32)
+    for fn in (block_scores, block_scores_reference):
+        np.testing.assert_array_equal(np.asarray(fn(q, bmin, bmax, cand)), np.asarray(fn(q, kmin, kmax, cand)))
+
+
 def test_block_scores_rejects_bad_inputs():
     q = jnp.zeros((1, 6, 64))
     meta = jnp.zeros((4, 4, 64))
@@ -182,9 +200,11 @@ def test_block_scores_lowers_to_triton_ir():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            for group, hd, k, per_head in [(3, 64, 300, True), (8, 128, 37, False)]:
+            for group, hd, k, per_head, meta_dtype in [(3, 64, 300, True, jnp.float32),
+                                                       (8, 128, 37, False, jnp.float32),
+                                                       (4, 128, 64, False, jnp.bfloat16)]:
                 q = jax.ShapeDtypeStruct((2, 2 * group, hd), jnp.bfloat16)
-                meta = jax.ShapeDtypeStruct((24, 2, hd), jnp.float32)
+                meta = jax.ShapeDtypeStruct((24, 2, hd), meta_dtype)
                 ids = jax.ShapeDtypeStruct((2, k), jnp.int32)
                 fn = jax.jit(lambda q, a, b, i, ph=per_head: block_scores(q, a, b, i, per_head=ph, interpret=False))
                 text = fn.trace(q, meta, meta, ids).lower(lowering_platforms=("cuda",)).as_text()
