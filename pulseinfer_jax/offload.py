@@ -3,7 +3,8 @@
 GPU memory (one pool, one allocator, `gpu_kv_budget` bytes in all) holds the dense requests' KV and the
 resident part of offloaded ones (see host_offload/placement.py); the per-block key metadata of every sparse
 layer (min and max, [sparse layers * host rows, Hkv, hd] each, in the KV dtype: the min / max of keys stored
-in a dtype are exact in it) is also on the GPU and is charged to the same budget. The pinned host pool holds one row per logical block of every sparse request.
+in a dtype are exact in it) is also on the GPU and is charged to the same budget. The pinned host pool holds
+one row per logical block of every sparse request.
 """
 
 from __future__ import annotations
