@@ -79,16 +79,27 @@ def teacher_forced_logits(model, cfg, prefix: list[int], targets: list[int]) -> 
     return np.stack(rec)
 
 
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
 def agreement(dense: np.ndarray, sparse: np.ndarray) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(dense || sparse)) over positions; dense / sparse: logits [P, V]."""
     top1 = float(np.mean(dense.argmax(-1) == sparse.argmax(-1)))
-
-    def log_softmax(x):
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-    lp, lq = log_softmax(dense.astype(np.float64)), log_softmax(sparse.astype(np.float64))
+    lp, lq = log_softmax(dense), log_softmax(sparse)
     kl = float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
     return top1, kl
+
+
+def disagreement_margins(dense: np.ndarray, sparse: np.ndarray) -> list[float]:
+    """Where the argmaxes differ: dense's probability of its own top-1 minus its probability of the token sparse
+    chose (small = dense itself nearly tied between the two)."""
+    p = np.exp(log_softmax(dense))
+    a, b = dense.argmax(-1), sparse.argmax(-1)
+    idx = np.nonzero(a != b)[0]
+    return [float(p[i, a[i]] - p[i, b[i]]) for i in idx]
 
 
 def main() -> int:
@@ -150,7 +161,9 @@ def main() -> int:
         row = {"variant": variant, "budget_tokens": budget, "retrieval_heads": heads,
                "passkey": {str(n): found for n, found in pk.items()},
                "passkey_accuracy": statistics.mean(x for v in pk.values() for x in v) if pk else None,
-               "tf_top1_agreement": top1, "tf_mean_kl": kl, "seconds": time.perf_counter() - t0}
+               "tf_top1_agreement": top1, "tf_mean_kl": kl,
+               "tf_disagreement_dense_margins": disagreement_margins(dense_logits, logits),
+               "seconds": time.perf_counter() - t0}
         rows.append(row)
         print(f"{variant:15s} budget {budget or '-':>5}: passkey {row['passkey_accuracy'] or 0:.2f} "
               f"{ {n: sum(f) for n, f in pk.items()} }, teacher-forced top-1 {top1:.4f}, KL {kl:.5f} "

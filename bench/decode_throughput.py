@@ -298,6 +298,7 @@ def main() -> int:
     ap.add_argument("--gpu-kv-budget", type=parse_bytes, default=None, help="e.g. 24GiB (emulates a smaller GPU)")
     ap.add_argument("--replay", default=None, help="trace name (e.g. smollm2) or path prefix; see bench/traces.py")
     ap.add_argument("--mix", default=None, choices=["mooncake"], help="also run a trace-shaped request mix")
+    ap.add_argument("--mix-only", action="store_true", help="skip the fixed (context, batch) points")
     ap.add_argument("--mix-requests", type=int, default=8)
     ap.add_argument("--mix-scale", type=float, default=4.0, help="prompt lengths x this (long-context shift)")
     ap.add_argument("--max-context", type=int, default=131072, help="mix prompts are capped here")
@@ -326,7 +327,9 @@ def main() -> int:
     cache: dict = {}
     model = load_model(args.model, dtype=args.dtype)
     replay = load_replay(args.replay, args.budget_tokens)
-    contexts = [int(x) for x in args.contexts.split(",")]
+    if args.mix_only and not args.mix:
+        ap.error("--mix-only needs --mix")
+    contexts = [] if args.mix_only else [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     base = dict(block_size=args.block_size, budget_tokens=args.budget_tokens, dense_layers=args.dense_layers,
                 max_batch=max(batches + [args.mix_requests]), gpu_kv_budget=args.gpu_kv_budget, progress=False,

@@ -146,3 +146,26 @@ def test_mooncake_mix_draws_trace_pairs_scaled_and_capped():
     assert "x 4.0 capped at 131072" in desc
     with pytest.raises(ValueError, match="bad mix parameters"):
         mooncake_mix(0)
+
+
+def test_selection_trace_statistics():
+    from bench.selection_trace import analyse
+    from bench.traces import Trace
+
+    # 1 request, 3 steps, 2 sparse layers, 2 lanes (heads), up to 3 middle blocks each
+    sel = np.full((1, 3, 2, 2, 3), -1, np.int16)
+    sel[0, :, :, 0, :2] = [1, 2]  # head 0: {1, 2} every step, both layers
+    sel[0, 0, :, 1, :2] = [2, 3]  # head 1: {2, 3}, then {4, 5}, then {4, 5}
+    sel[0, 1:, :, 1, :2] = [4, 5]
+    misses = np.array([[[8, 8], [2, 0], [0, 0]]], np.int32)  # [R, T, Ls]: cold step, then 2, then 0
+    hits = np.array([[[0, 0], [2, 4], [4, 4]]], np.int32)
+    out = analyse(Trace(sel, np.full((1, 3), 20, np.int32), hits, misses, {}), unit_bytes=100)
+    assert out["cold_step_recall_blocks"] == 16  # the first step is reported apart
+    assert out["hit_rate"] == 14 / 16 and out["recall_blocks_per_step_mean"] == 1.0
+    assert out["recall_bytes_per_step_mean"] == 100.0 and out["recall_one_layer_step_max"] == 2
+    assert out["recall_per_layer_mean"] == [1.0, 0.0] and out["hit_rate_per_layer"] == [6 / 8, 8 / 8]
+    # lane 0 never changes (1.0); lane 1: {2,3} -> {4,5} (0.0) then unchanged (1.0): mean over 8 = 0.75
+    assert out["selection_jaccard_step_to_step"] == 0.75
+    # heads: {1,2} vs {2,3} -> 1/3 at step 0, {1,2} vs {4,5} -> 0 after; union 3/2 then 4/2
+    assert out["head_pairwise_jaccard"] == pytest.approx((2 * (1 / 3)) / 6)
+    assert out["head_union_over_one_set"] == pytest.approx((2 * 1.5 + 4 * 2.0) / 6)

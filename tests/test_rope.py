@@ -51,3 +51,33 @@ def test_yarn_factor_defaults_and_the_qwen3_128k_preset():
     assert long.max_position_embeddings == 131072 and short.max_position_embeddings == 40960
     np.testing.assert_allclose(long.inv_freq(), GOLDEN["cases"]["qwen3_14b_128k"]["inv_freq"], rtol=2e-6)
     assert dataclasses.replace(long, rope_scaling=None, max_position_embeddings=40960, name="qwen3-14b") == short
+
+
+def test_a_yarn_checkpoint_loads_and_decodes(tmp_path, monkeypatch):
+    """A Qwen3 checkpoint with a YaRN setting runs end to end, and the scaling changes the logits (positions
+    past the original context get interpolated frequencies and cos/sin carry the attention factor)."""
+    import shutil
+
+    from conftest import TINY, record_sampled_logits
+
+    from models.loading import load_model
+    from pulseinfer_jax import generate_long
+
+    d = tmp_path / "qwen3_yarn"
+    shutil.copytree(TINY / "qwen3", d)
+    cfg = json.loads((d / "config.json").read_text())
+    # transformers 5 spelling (the goldens above use the older `rope_scaling`)
+    cfg["rope_parameters"] = {"rope_theta": 1000000.0, "rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 64}
+    (d / "config.json").write_text(json.dumps(cfg))
+    plain, yarn = load_model(TINY / "qwen3"), load_model(d)
+    assert isinstance(yarn.cfg.rope_scaling, YarnScaling) and plain.cfg.rope_scaling is None
+    seen = record_sampled_logits(monkeypatch)
+    prompt = [[5, 17, 42, 7, 99, 3, 12, 8] * 12]
+    first = {}
+    for name, m in (("plain", plain), ("yarn", yarn)):
+        res = generate_long(prompt, m, max_new_tokens=4, ignore_eos=True)
+        assert len(res[0].token_ids) == 4
+        first[name] = np.array(seen[(0, 0)])
+        assert np.isfinite(first[name]).all()
+    assert not np.allclose(first["plain"], first["yarn"], atol=1e-3)

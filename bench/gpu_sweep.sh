@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The evaluation's full throughput sweep, for a GPU session after bench/gpu_suite.sh has passed (one call,
+# < 10 minutes on an H200; each part under its own timeout, JSON rewritten after every point):
+#   1. random Llama-3.1-8B bf16: contexts 32K / 64K / 128K x batches 1, 2, 4, 8 for dense, per-head
+#      offloading and PulseInfer under a 33 GiB GPU KV budget (points whose host pool would not fit in the
+#      machine's RAM are recorded as skipped);
+#   2. random Qwen3-14B with its 128K YaRN setting: 32K / 64K / 128K x 1, 2, 4, same systems;
+#   3. a Mooncake-shaped mix (16 requests, prompts x 4, outputs <= 128) on Llama-3.1-8B.
+# All with a real model's selections replayed (bench/results/traces/smollm2_*_b2048.npz).
+#   bench/gpu_sweep.sh OUT_DIR [--smoke]
+set -uo pipefail
+OUT=${1:?usage: bench/gpu_sweep.sh OUT_DIR [--smoke]}
+MODE=${2:-}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+t0=$(date +%s)
+step() {  # step NAME TIMEOUT_S ARGS...: one decode_throughput run
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s, at $(( $(date +%s) - t0 ))s)"
+    timeout -s INT -k 10 "$limit" "$PY" bench/decode_throughput.py "$@" --name "$name" --out "$OUT" > "$OUT/$name.log" 2>&1
+    echo "$name exit $?"
+    grep -v "^WARNING" "$OUT/$name.log" | tail -"${TAIL:-16}"
+}
+SYS=dense,pulseinfer,offload-headwise
+if [ "$MODE" = "--smoke" ]; then
+    step sweep_llama 300 --smoke --systems "$SYS"
+    step sweep_qwen 300 --smoke --systems "$SYS"
+    step sweep_mix 300 --smoke --systems "$SYS" --mix mooncake --mix-only
+else
+    COMMON=(--dtype bfloat16 --budget-tokens 2048 --gpu-kv-budget 33GiB --replay smollm2 --steps 8 --warm 4
+            --systems "$SYS")
+    step sweep_llama "${LLAMA_TIMEOUT:-300}" --model random:llama-3.1-8b "${COMMON[@]}" \
+        --contexts 32768,65536,130816 --batches 1,2,4,8
+    step sweep_qwen "${QWEN_TIMEOUT:-170}" --model random:qwen3-14b-128k "${COMMON[@]}" \
+        --contexts 32768,65536,130816 --batches 1,2,4
+    step sweep_mix "${MIX_TIMEOUT:-110}" --model random:llama-3.1-8b "${COMMON[@]}" \
+        --mix mooncake --mix-only --mix-requests 16 --mix-scale 4 --mix-max-output 128
+fi
+echo "sweep took $(( $(date +%s) - t0 )) s"
