@@ -169,3 +169,32 @@ def test_selection_trace_statistics():
     # heads: {1,2} vs {2,3} -> 1/3 at step 0, {1,2} vs {4,5} -> 0 after; union 3/2 then 4/2
     assert out["head_pairwise_jaccard"] == pytest.approx((2 * (1 / 3)) / 6)
     assert out["head_union_over_one_set"] == pytest.approx((2 * 1.5 + 4 * 2.0) / 6)
+
+
+def test_selection_quality_oracle_bounds_the_engine_selection():
+    """Attention recall: true block masses sum to 1 per head, and the oracle (top blocks by true mass) keeps at
+    least what the engine's Quest selection keeps, per position (SoloHead: summed over heads; headwise: per KV
+    group), with sinks and window always kept."""
+    from bench.selection_quality import oracle_select, quest_select, recall, true_block_mass
+
+    rng = np.random.default_rng(0)
+    t, hkv, g, hd, bs = 200, 2, 3, 16, 8
+    keys = rng.standard_normal((t, hkv, hd)) * 1.5
+    q = rng.standard_normal((6, hkv * g, hd)) * 1.5
+    pos = np.arange(t - 6, t)
+    n_blocks = pos // bs + 1
+    mass = true_block_mass(q, keys, pos, bs)
+    np.testing.assert_allclose(mass.sum(-1), 1.0, rtol=1e-9)
+    budget, sink, window = 8, 1, 2
+    solo_q = quest_select(q.astype(np.float32), keys.astype(np.float32), n_blocks, budget, sink, window, bs, "solohead")
+    head_q = quest_select(q.astype(np.float32), keys.astype(np.float32), n_blocks, budget, sink, window, bs, "headwise")
+    solo_o = oracle_select(mass.sum(1, keepdims=True), n_blocks, budget, sink, window)
+    head_o = oracle_select(mass.reshape(6, hkv, g, -1).sum(2), n_blocks, budget, sink, window)
+    for keep in (solo_q, head_q, solo_o, head_o):
+        assert (keep.sum(-1) == budget).all() and keep[..., 0].all()  # budget filled, the sink always in
+        for i, n in enumerate(n_blocks):
+            assert keep[i, :, n - window:n].all() and not keep[i, :, n:].any()  # window in, nothing past it
+    assert (recall(mass, solo_o, g).sum(1) >= recall(mass, solo_q, g).sum(1) - 1e-12).all()
+    grp = lambda r: r.reshape(6, hkv, g).sum(-1)  # noqa: E731
+    assert (grp(recall(mass, head_o, g)) >= grp(recall(mass, head_q, g)) - 1e-12).all()
+    assert (recall(mass, solo_o, g) < 1).any()  # a budget below the context drops some mass

@@ -1,0 +1,173 @@
+"""How much true attention each block selection keeps (CPU, real model): the engine's policies against an oracle.
+
+    python bench/selection_quality.py                                  # SmolLM2, the accuracy bench's text
+    python bench/selection_quality.py --budgets 512,1024 --queries 64 --smoke
+
+One dense forward over real text (`bench/accuracy.py`'s teacher-forced sequence: the last `--context` +
+`--queries` tokens of the GPL-3) captures every layer's keys and the queries of the last `--queries` positions
+(`pulseinfer_jax.calibration.capture_queries_and_keys`). For each sparse layer, query position and budget it
+computes the true softmax attention of every query head over the blocks its position can see, and the
+fraction of it ("attention recall") that the blocks each policy selects would keep:
+  - quest-solohead / quest-headwise: the engine's selection itself (`pallas_kernels.block_scoring`'s Quest
+    bounds from per-block key min / max, `pulseinfer_jax.sparse.select_blocks` with the same sinks / window;
+    SoloHead normalized_sum: one set for all heads; headwise: each KV head its own set);
+  - oracle-solohead / oracle-headwise: the same budget filled by the true attention mass (the best a
+    selection of that size could keep: SoloHead by the mass summed over heads, headwise per KV head).
+Sparse attention renormalises over what it keeps, so 1 - recall is the softmax mass it drops; the gap between
+quest and oracle is what a better scorer could win, the gap between oracle and 1 is the budget's. Reported per
+policy and budget: mean recall over (layer, position, head) and its 5th percentile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from bench.common import write_result  # noqa: E402
+
+POLICIES = ("quest-solohead", "quest-headwise", "oracle-solohead", "oracle-headwise")
+
+
+def true_block_mass(q: np.ndarray, keys: np.ndarray, pos: np.ndarray, bs: int) -> np.ndarray:
+    """Softmax attention per query head summed per block: q [P, Hq, hd], keys [T, Hkv, hd], pos [P] (causal)
+    -> [P, Hq, NB] (rows sum to 1; blocks past a position get 0)."""
+    p, hq, hd = q.shape
+    t, hkv, _ = keys.shape
+    g = hq // hkv
+    logits = np.einsum("pkgd,tkd->pkgt", q.reshape(p, hkv, g, hd), keys).reshape(p, hq, t) / np.sqrt(hd)
+    logits = np.where(np.arange(t)[None, None, :] <= pos[:, None, None], logits, -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    nb = -(-t // bs)
+    probs = np.pad(probs, ((0, 0), (0, 0), (0, nb * bs - t)))
+    return probs.reshape(p, hq, nb, bs).sum(-1)
+
+
+def oracle_select(mass: np.ndarray, n_blocks: np.ndarray, budget: int, sink: int, window: int) -> np.ndarray:
+    """Top blocks by `mass` [P, S, NB] per row and lane, sinks and window always in: bool [P, S, NB]."""
+    p, s, nb = mass.shape
+    keep = np.zeros((p, s, nb), bool)
+    for i in range(p):
+        n = int(n_blocks[i])
+        fixed = [j for j in range(n) if j < sink or j >= n - window]
+        middle = np.arange(sink, max(sink, n - window))
+        k = max(0, min(budget - len(fixed), len(middle)))
+        for lane in range(s):
+            keep[i, lane, fixed] = True
+            if k:
+                top = middle[np.argsort(-mass[i, lane, middle], kind="stable")[:k]]
+                keep[i, lane, top] = True
+    return keep
+
+
+def quest_select(q: np.ndarray, keys: np.ndarray, n_blocks: np.ndarray, budget: int, sink: int, window: int,
+                 bs: int, mode: str) -> np.ndarray:
+    """The engine's selection (Quest bounds + select_blocks) as bool [P, S, NB]."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.block_scoring import block_scores_reference
+    from pulseinfer_jax.sparse import select_blocks
+
+    p, hq, hd = q.shape
+    t, hkv, _ = keys.shape
+    nb = -(-t // bs)
+    kb = np.pad(keys, ((0, nb * bs - t), (0, 0), (0, 0))).reshape(nb, bs, hkv, hd)
+    kmin, kmax = kb.min(1), kb.max(1)  # only full middle blocks are ever scored (the partial one is in the window)
+    cand = np.full((p, nb), -1, np.int32)
+    for i in range(p):
+        n = int(n_blocks[i])
+        cand[i, sink:max(sink, n - window)] = np.arange(sink, max(sink, n - window))
+    scores = block_scores_reference(jnp.asarray(q), jnp.asarray(kmin), jnp.asarray(kmax), jnp.asarray(cand))
+    sel = np.asarray(select_blocks(scores, jnp.asarray(n_blocks, jnp.int32), budget_blocks=budget, sink_blocks=sink,
+                                   window_blocks=window, mode=mode, score_scale=1.0 / ((hq // hkv) * hd ** 0.5)))
+    keep = np.zeros((p, sel.shape[1], nb), bool)
+    for i, lane, j in zip(*np.nonzero(sel >= 0), strict=True):
+        keep[i, lane, sel[i, lane, j]] = True
+    return keep
+
+
+def recall(mass: np.ndarray, keep: np.ndarray, group: int) -> np.ndarray:
+    """Mass kept per (position, query head): mass [P, Hq, NB], keep [P, S, NB] (S = 1 or Hkv) -> [P, Hq]."""
+    lanes = keep.shape[1]
+    per_head = np.repeat(keep, group, axis=1) if lanes > 1 else np.broadcast_to(keep, mass.shape)
+    return (mass * per_head).sum(-1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--context", type=int, default=4000)
+    ap.add_argument("--queries", type=int, default=128, help="query positions (the last ones of the sequence)")
+    ap.add_argument("--budgets", default="256,512,1024,2048")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--sink-blocks", type=int, default=1)
+    ap.add_argument("--window-tokens", type=int, default=64)
+    ap.add_argument("--dense-layers", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.smoke:
+        args.model, args.context, args.queries, args.budgets = "random:smollm2-135m", 600, 8, "256"
+
+    from bench.accuracy import TEXTS
+    from models.loading import load_model
+    from pulseinfer_jax.calibration import capture_queries_and_keys
+
+    model = load_model(args.model)
+    c = model.cfg
+    need = args.context + args.queries
+    if model.tokenizer is not None:
+        path = next(p for p in TEXTS if p.is_file())
+        ids = model.tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=True)
+        ids = (ids * (need // len(ids) + 1))[-need:]
+        text = str(path)
+    else:
+        ids, text = np.random.default_rng(0).integers(0, c.vocab_size, need).tolist(), "random token ids"
+    t0 = time.perf_counter()
+    qs, ks = capture_queries_and_keys(model, ids, args.queries)
+    qs, ks = np.asarray(qs, np.float64), np.asarray(ks, np.float64)
+    bs, sink, window = args.block_size, args.sink_blocks, args.window_tokens // args.block_size
+    pos = np.arange(need - args.queries, need)
+    n_blocks = pos // bs + 1  # blocks each query position sees (its own, partial, included)
+    rows = []
+    for budget_tokens in [int(b) for b in args.budgets.split(",")]:
+        budget = budget_tokens // bs
+        vals: dict[str, list[np.ndarray]] = {p: [] for p in POLICIES}
+        for layer in range(args.dense_layers, c.num_layers):
+            mass = true_block_mass(qs[layer], ks[layer], pos, bs)  # [P, Hq, NB]
+            solo_mass = mass.sum(1, keepdims=True)
+            kv_mass = mass.reshape(mass.shape[0], c.num_kv_heads, c.group_size, -1).sum(2)
+            picks = {
+                "quest-solohead": quest_select(qs[layer], ks[layer], n_blocks, budget, sink, window, bs, "solohead"),
+                "quest-headwise": quest_select(qs[layer], ks[layer], n_blocks, budget, sink, window, bs, "headwise"),
+                "oracle-solohead": oracle_select(solo_mass, n_blocks, budget, sink, window),
+                "oracle-headwise": oracle_select(kv_mass, n_blocks, budget, sink, window),
+            }
+            for name, keep in picks.items():
+                vals[name].append(recall(mass, keep, c.group_size))
+        row = {"budget_tokens": budget_tokens}
+        for name, v in vals.items():
+            a = np.stack(v)  # [layers, P, Hq]
+            row[name] = {"mean": float(a.mean()), "p5": float(np.percentile(a, 5)),
+                         "per_layer_mean": a.mean((1, 2)).tolist()}
+        rows.append(row)
+        print(f"budget {budget_tokens:5d}: " + ", ".join(
+            f"{n} {row[n]['mean']:.4f} (p5 {row[n]['p5']:.3f})" for n in POLICIES), flush=True)
+    name = "selection_quality_smoke" if args.smoke else "selection_quality_cpu"
+    path = write_result(name, {"kind": "selection_quality", "model": args.model or "SmolLM2-135M-Instruct (GGUF)",
+                               "text": text, "context": args.context, "queries": args.queries,
+                               "block_size": bs, "sink_blocks": sink, "window_tokens": args.window_tokens,
+                               "dense_layers": args.dense_layers, "rows": rows,
+                               "seconds": time.perf_counter() - t0}, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
