@@ -198,3 +198,28 @@ def test_selection_quality_oracle_bounds_the_engine_selection():
     grp = lambda r: r.reshape(6, hkv, g).sum(-1)  # noqa: E731
     assert (grp(recall(mass, head_o, g)) >= grp(recall(mass, head_q, g)) - 1e-12).all()
     assert (recall(mass, solo_o, g) < 1).any()  # a budget below the context drops some mass
+
+
+def test_throughput_plot_from_a_result(tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+
+    from bench import plots
+
+    def point(system, batch, reached, tps):
+        return {"system": system, "context": 32768, "batch_requested": batch, "batch_reached": reached,
+                "decode_tokens_per_s": tps, "step_s_all": [0.02, 0.021, 0.025]}
+
+    points = [point("dense", 1, 1, 50.0), point("dense", 8, 3, 120.0), point("pulseinfer", 1, 1, 50.0),
+              point("pulseinfer", 8, 8, 300.0), {"system": "offload-headwise", "context": 32768,
+                                                 "batch_requested": 8, "error": "OOM"}]
+    data = {"kind": "decode_throughput", "date": "2026-11-30", "machine": {"device": "Test GPU"}, "points": points}
+    series = plots.throughput_series(points)
+    assert series == {32768: {"dense": [(1, 50.0), (3, 120.0)], "pulseinfer": [(1, 50.0), (8, 300.0)]}}
+    src = tmp_path / "decode_throughput_test.json"
+    src.write_text(json.dumps(data))
+    assert plots.main([str(src), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "decode_throughput_test.png").read_bytes()[:4] == b"\x89PNG"
+    src.write_text(json.dumps({**data, "points": points[-1:]}))
+    with pytest.raises(SystemExit, match="no measured point"):
+        plots.main([str(src), "--out", str(tmp_path)])
