@@ -223,3 +223,17 @@ def test_throughput_plot_from_a_result(tmp_path):
     src.write_text(json.dumps({**data, "points": points[-1:]}))
     with pytest.raises(SystemExit, match="no measured point"):
         plots.main([str(src), "--out", str(tmp_path)])
+
+
+def test_throughput_mix_runs_every_request_to_completion(tiny4):
+    from bench.decode_throughput import CompileCounter, run_mix
+
+    base = {k: v for k, v in BASE.items() if k != "mode"}
+    base.update(dense_layers=1, slot_cache_blocks=5, kv_cache_tokens=72 * 4)
+    lengths = [(100, 20), (100, 12), (90, 9)]  # 30 + 28 + 25 dense blocks > 72: IOAA must offload some
+    cache: dict = {}
+    row = run_mix(tiny4, "pulseinfer", lengths, base, None, cache, CompileCounter())
+    assert row["requests"] == 3 and row["tokens"] == 20 + 12 + 9
+    assert sum(row["placements"].values()) == 3 and row["placements"]["offload"] >= 1
+    assert row["tpot_s_p99"] >= row["tpot_s_p50"] > 0 and row["compiles_in_run"] >= 0
+    assert cache["host_pool"].allocator.num_free == cache["host_pool"].allocator.capacity  # kept, all rows back
