@@ -2,8 +2,8 @@
 # The evaluation's full throughput sweep, for a GPU session after bench/gpu_suite.sh has passed (one call,
 # < 10 minutes on an H200; each part under its own timeout, JSON rewritten after every point):
 #   1. random Llama-3.1-8B bf16: contexts 32K / 64K / 128K x batches 1, 2, 4, 8 for dense, per-head
-#      offloading and PulseInfer under a 33 GiB GPU KV budget (points whose host pool would not fit in the
-#      machine's RAM are recorded as skipped);
+#      offloading, PulseInfer and PulseInfer with every request offloaded (TPOT at equal batch) under a 33 GiB
+#      GPU KV budget (points whose host pool would not fit in the machine's RAM are recorded as skipped);
 #   2. random Qwen3-14B with its 128K YaRN setting: 32K / 64K / 128K x 1, 2, 4, same systems;
 #   3. a Mooncake-shaped mix (16 requests, prompts x 4, outputs <= 128) on Llama-3.1-8B.
 # All with a real model's selections replayed (bench/results/traces/smollm2_*_b2048.npz).
@@ -32,8 +32,9 @@ if [ "$MODE" = "--smoke" ]; then
 else
     COMMON=(--dtype bfloat16 --budget-tokens 2048 --gpu-kv-budget 33GiB --replay smollm2 --steps 8 --warm 4
             --systems "$SYS")
+    # pulseinfer-no-ioaa (every request offloaded) gives the offloaded TPOT at the batch dense runs too
     step sweep_llama "${LLAMA_TIMEOUT:-300}" --model random:llama-3.1-8b "${COMMON[@]}" \
-        --contexts 32768,65536,130816 --batches 1,2,4,8
+        --contexts 32768,65536,130816 --batches 1,2,4,8 --systems "$SYS,pulseinfer-no-ioaa"
     step sweep_qwen "${QWEN_TIMEOUT:-170}" --model random:qwen3-14b-128k "${COMMON[@]}" \
         --contexts 32768,65536,130816 --batches 1,2,4
     step sweep_mix "${MIX_TIMEOUT:-110}" --model random:llama-3.1-8b "${COMMON[@]}" \
