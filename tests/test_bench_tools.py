@@ -237,3 +237,16 @@ def test_throughput_mix_runs_every_request_to_completion(tiny4):
     assert sum(row["placements"].values()) == 3 and row["placements"]["offload"] >= 1
     assert row["tpot_s_p99"] >= row["tpot_s_p50"] > 0 and row["compiles_in_run"] >= 0
     assert cache["host_pool"].allocator.num_free == cache["host_pool"].allocator.capacity  # kept, all rows back
+
+
+def test_slot_cache_sweep_reproduces_the_engine_at_its_own_size(tiny4):
+    """Replaying a recorded selection through the LRU at the engine's default size (2x the middle blocks) gives
+    exactly the hits and misses the engine counted; a smaller cache never hits more."""
+    from bench.slot_cache_sweep import replay_lru
+
+    tr = _record(tiny4, _prompts(tiny4.cfg.vocab_size, (70, 75)), 12)
+    at2 = replay_lru(tr, 2.0)
+    hits, misses = int(tr.hits[:, 1:].sum()), int(tr.misses[:, 1:].sum())
+    assert hits > 0 and misses > 0
+    assert at2["hit_rate"] == hits / (hits + misses) and at2["recalled_per_step"] == misses / 11
+    assert replay_lru(tr, 1.0)["hit_rate"] <= at2["hit_rate"] <= replay_lru(tr, 4.0)["hit_rate"]
