@@ -11,9 +11,9 @@ Sections (each runs on its own; a failing or missing one is recorded in the JSON
   [Hkv, pages, page_size, hd] once, outside the timing). Achieved bandwidth = K/V bytes the selected
   blocks hold (B * Hkv * K * bs * hd * 2 * itemsize) / time; q and o are ignored (tiny).
 - scoring: `pallas_kernels.block_scoring.block_scores` over every block of a context (Quest min/max
-  metadata, f32) alone, then fused in one jit with `pulseinfer_jax.sparse.select_blocks` (solohead and
-  headwise modes; `jax.lax.top_k` on the head-summed scores if that module is missing). GB/s counts the
-  metadata rows read (2 * B * K * Hkv * hd * 4 bytes).
+  metadata in the KV dtype, as the engine keeps it) alone, then fused in one jit with
+  `pulseinfer_jax.sparse.select_blocks` (solohead and headwise modes; `jax.lax.top_k` on the head-summed
+  scores if that module is missing). GB/s counts the metadata rows read (2 * B * K * Hkv * hd * itemsize).
 - gather: `pallas_kernels.gather_scatter` whole-block and per-(block, head) gathers and scatters (scatter
   in place, cache donated) against their jnp references; GB/s counts bytes read + written.
 Data are synthetic (random values, random distinct block ids), seeded. Timing: `--warmup` untimed calls
@@ -221,12 +221,14 @@ def bench_scoring(a, tk) -> dict:
         for b in a.batches:
             cfg = f"ctx {ctx} B {b} top{kb}"
             nb = b * kc + 1
+            mdt = jnp.dtype(a.dtype)  # the engine keeps the key bounds in the KV dtype
             lo = rand(ctx + b, (nb, hkv, hd), jnp.float32)
-            hi = lo + jnp.abs(rand(ctx + b + 1, (nb, hkv, hd), jnp.float32))
+            hi = (lo + jnp.abs(rand(ctx + b + 1, (nb, hkv, hd), jnp.float32))).astype(mdt)
+            lo = lo.astype(mdt)
             q = rand(3 + b, (b, hq, hd), jnp.dtype(a.dtype))
             cand = jnp.arange(1, nb, dtype=jnp.int32).reshape(b, kc)
             ntot = jnp.full((b,), kc, jnp.int32)
-            nbytes = b * kc * hkv * hd * 4 * 2  # both bound rows of every candidate, f32
+            nbytes = b * kc * hkv * hd * mdt.itemsize * 2  # both bound rows of every candidate
             entry = {"context": ctx, "batch": b, "candidates": kc, "selected": kb, "meta_bytes": nbytes,
                      "impls": []}
             entry["impls"].append(try_timed("scoring", "block_scores", cfg, nbytes, tk, scores_fn, q, lo, hi, cand))
