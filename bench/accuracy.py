@@ -7,8 +7,9 @@
 Variants: dense, `headwise`, SoloHead `normalized_sum` and SoloHead `retrieval_head` (heads calibrated with
 `pulseinfer_jax.calibration` on the evaluation text before its teacher-forced window, which comes from its
 end), each sparse one at every budget. All sparse runs are offloaded
-(the I/O path is exact, tests/test_offload.py), block size 16, by default 1 sink block, 64-token window, 2 dense
-layers (`--sink-blocks`, `--window-tokens`, `--dense-layers`; `--no-passkey` runs the teacher-forced part only).
+(the I/O path is exact, tests/test_offload.py), by default block size 16, 1 sink block, 64-token window, 2 dense
+layers (`--block-size`, `--sink-blocks`, `--window-tokens`, `--dense-layers`; `--no-passkey` runs the
+teacher-forced part only).
 - passkey: the haystack of `pulseinfer_jax.demo.passkey_prompt` at each length and depth, greedy, 12 new
   tokens; found = the passkey's digits appear in the answer.
 - teacher-forced: `--tf-context` tokens of real text as the prompt, then the next `--tf-tokens` tokens fed
@@ -112,6 +113,7 @@ def main() -> int:
     ap.add_argument("--tf-context", type=int, default=4000)
     ap.add_argument("--tf-tokens", type=int, default=128)
     ap.add_argument("--text", default=None)
+    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--window-tokens", type=int, default=64)
     ap.add_argument("--sink-blocks", type=int, default=1)
     ap.add_argument("--dense-layers", type=int, default=2)
@@ -142,7 +144,7 @@ def main() -> int:
     calib = ids[: min(MAX_CALIBRATION_TOKENS, len(ids) - need)] if len(ids) - need >= 256 else ids[:512]
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
-    base = dict(block_size=16, sink_blocks=args.sink_blocks, window_tokens=args.window_tokens,
+    base = dict(block_size=args.block_size, sink_blocks=args.sink_blocks, window_tokens=args.window_tokens,
                 dense_layers=args.dense_layers, max_batch=8)
 
     runs = [("dense", None)] + [(v, int(b)) for b in args.budgets.split(",") for v in args.variants.split(",")]
