@@ -134,13 +134,18 @@ def host_bytes_needed(model, cfg, total_tokens: list[int]) -> int:
 
 
 def run_point(model, system: str, prompt_len: int, batch: int, steps: int, warm: int, base: dict,
-              replay: dict | None, compiles: CompileCounter, cache: dict | None = None) -> dict:
+              replay: dict | None, compiles: CompileCounter, cache: dict | None = None,
+              profile_dir: str | None = None) -> dict:
+    """One (system, context, batch) point; see the module docstring. With `profile_dir`, two more decode steps
+    run after the timed ones under `jax.profiler.trace` (a Perfetto trace there; the timed steps are not
+    profiled)."""
     from pulseinfer_jax import SamplingParams
     from pulseinfer_jax.scheduler import Status
 
     cache = {} if cache is None else cache
     eng, cfg = engine_for(model, system, base, replay, cache)
-    new = warm + steps + 2 * batch + 4  # prefill steps (one prompt per step) also decode the running requests
+    # prefill steps (one prompt per step) also decode the running requests; 2 more for an optional profile
+    new = warm + steps + 2 * batch + 6
     need = host_bytes_needed(model, cfg, [prompt_len + new] * batch)
     free = free_host_bytes()
     if eng.host_pool is not None and free is not None:
@@ -178,6 +183,12 @@ def run_point(model, system: str, prompt_len: int, batch: int, steps: int, warm:
         batch_seen.append(len(events))
     compiled = compiles.count - c0
     log = list(eng.sparse.step_log)[log0:] if eng.sparse is not None else []
+    if profile_dir is not None:
+        import jax
+
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+            for _ in range(2):
+                list(eng.step())
     counters = [r.sparse.counters for r in running if r.sparse is not None]
     hits = sum(c.reused_blocks for c in counters)
     misses = sum(c.recalled_blocks for c in counters)
@@ -304,6 +315,9 @@ def main() -> int:
     ap.add_argument("--max-context", type=int, default=131072, help="mix prompts are capped here")
     ap.add_argument("--mix-max-output", type=int, default=256, help="mix outputs are capped here (GPU time)")
     ap.add_argument("--name", default=None, help="result file name (default decode_throughput_<platform>)")
+    ap.add_argument("--profile-system", default=None, help="profile 2 extra decode steps of this system's first "
+                    "point (jax.profiler, Perfetto trace) into --profile-dir")
+    ap.add_argument("--profile-dir", default=None, help="default: OUT/profile")
     ap.add_argument("--smoke", action="store_true", help="tiny random model and sizes (CPU check of the script)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -340,11 +354,21 @@ def main() -> int:
             "selection_source": f"replayed traces {args.replay}" if replay else "the engine's own (over random KV)",
             "gpu_kv_budget_note": "GPU KV capped by gpu_kv_budget (an emulated smaller GPU)" if args.gpu_kv_budget
             else "GPU KV: 85% of free device memory", "points": [], "mix": None}
+    if args.profile_system is not None and args.profile_system not in systems:
+        ap.error(f"--profile-system {args.profile_system} is not among --systems")
+    profiled = False
     for ctx in contexts:
         for b in batches:
             for system in systems:
                 try:
-                    row = run_point(model, system, ctx, b, args.steps, args.warm, base, replay, compiles, cache)
+                    prof = None
+                    if system == args.profile_system and not profiled:
+                        prof = args.profile_dir or str(pathlib.Path(args.out or RESULTS) / "profile")
+                        profiled = True
+                    row = run_point(model, system, ctx, b, args.steps, args.warm, base, replay, compiles, cache,
+                                    profile_dir=prof)
+                    if prof is not None:
+                        row["profile_dir"] = prof
                 except Exception as e:  # noqa: BLE001 - record and go on: GPU time is scarce
                     row = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
                     gc.collect()

@@ -2,9 +2,10 @@
 # One-call GPU suite (< 8 minutes on an H200): environment, the kernel and offload tests compiled for the GPU
 # (no interpret mode), bench/kernels.py, bench/io_sweep.py, one representative point of every system of
 # bench/decode_throughput.py (random Llama-3.1-8B, bf16, synthetic KV with a real model's selections replayed),
-# then a 128K-context point and the dense decode bench if time is left. Every step has its own timeout and
-# every bench rewrites its JSON after each measurement, so a timeout keeps what ran. Everything goes to OUT_DIR
-# (ready to copy into bench/results/).
+# then a 128K-context point and the dense decode bench if time is left. Two extra PulseInfer decode steps of
+# point A are profiled (jax.profiler: OUT/profile/.../perfetto_trace.json.gz, for ui.perfetto.dev). Every
+# step has its own timeout and every bench rewrites its JSON after each measurement, so a timeout keeps what
+# ran. Everything goes to OUT_DIR (ready to copy into bench/results/).
 #   bench/gpu_suite.sh OUT_DIR              on a GPU machine (python3 with jax[cuda] 0.11.2 + flax + transformers)
 #   bench/gpu_suite.sh OUT_DIR --smoke      tiny sizes on CPU, the whole script end to end (~6 min on 2 cores)
 #   bench/gpu_suite.sh OUT_DIR --tests-only just the tests (TEST_TIMEOUT seconds)
@@ -46,7 +47,7 @@ if [ "$MODE" = "--smoke" ]; then
     TEST_TIMEOUT=300
     SMOKE=(--smoke)
     TRACE="$OUT/traces/smoke"
-    DT_A=(--smoke --replay "$TRACE" --name decode_throughput_a)
+    DT_A=(--smoke --replay "$TRACE" --name decode_throughput_a --profile-system pulseinfer --profile-dir "$OUT/profile")
     DT_B=(--smoke --contexts 3000 --batches 2 --systems dense,pulseinfer,offload-headwise --name decode_throughput_b)
     DENSE=(--smoke)
 else
@@ -57,6 +58,7 @@ else
     # point A: 8 requests of 32K tokens under a 16 GiB GPU KV budget (dense fits 3 of 4.0 GiB), every system
     DT_A=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 32768 --batches 8 --steps 12 --warm 6
           --budget-tokens 2048 --gpu-kv-budget 16GiB --replay "$TRACE" --name decode_throughput_a
+          --profile-system pulseinfer --profile-dir "$OUT/profile"
           --systems dense,pulseinfer,offload-headwise,pulseinfer-no-ioaa,pulseinfer-no-solohead,pulseinfer-no-coalescing,pulseinfer-no-interrupt,pulseinfer-min-reuse)
     # point B: 4 requests of 128K (130,816 prompt tokens: Llama-3.1 stops at 131,072 positions) under 33 GiB
     # (dense fits 2 of 16.0 GiB; the 128 GiB host holds ~6 offloaded)
