@@ -52,3 +52,25 @@ def write_result(name: str, payload: dict, out_dir: pathlib.Path | None = None) 
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def sparse_io_stats(eng, log0: int, reqs) -> dict:
+    """What an engine's sparse decoder moved since its step-log entry `log0` (means per decode step: host-to-device
+    bytes and copies, recall wait), the slot-cache hit rate of `reqs` (their counters: every decode step so far)
+    and the GPU KV bytes in use (allocated blocks + key bounds)."""
+    import statistics
+
+    sparse = eng.sparse
+    log = list(sparse.step_log)[log0:] if sparse is not None else []
+
+    def per_step(key: str) -> float:
+        return statistics.mean(e[key] for e in log) if log else 0.0
+
+    counters = [r.sparse.counters for r in reqs if r.sparse is not None]
+    hits = sum(c.reused_blocks for c in counters)
+    misses = sum(c.recalled_blocks for c in counters)
+    used = eng.allocator.capacity - eng.allocator.num_free
+    return {"h2d_bytes_per_step": per_step("h2d_bytes"), "h2d_copies_per_step": per_step("h2d_copies"),
+            "recall_wait_s_per_step": per_step("recall_wait_s"),
+            "slot_hit_rate": hits / (hits + misses) if hits + misses else None,
+            "gpu_kv_bytes_in_use": used * eng.spec.bytes_per_block + (sparse.metadata_bytes if sparse else 0)}

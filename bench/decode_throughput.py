@@ -41,7 +41,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from bench.common import RESULTS, write_result  # noqa: E402
+from bench.common import RESULTS, sparse_io_stats, write_result  # noqa: E402
 
 SYSTEMS = {
     "dense": dict(mode="dense"),
@@ -182,34 +182,24 @@ def run_point(model, system: str, prompt_len: int, batch: int, steps: int, warm:
         tokens += len(events)
         batch_seen.append(len(events))
     compiled = compiles.count - c0
-    log = list(eng.sparse.step_log)[log0:] if eng.sparse is not None else []
+    io = sparse_io_stats(eng, log0, running)
     if profile_dir is not None:
         import jax
 
         with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
             for _ in range(2):
                 list(eng.step())
-    counters = [r.sparse.counters for r in running if r.sparse is not None]
-    hits = sum(c.reused_blocks for c in counters)
-    misses = sum(c.recalled_blocks for c in counters)
-    used = eng.allocator.capacity - eng.allocator.num_free
     meta_bytes = eng.sparse.metadata_bytes if eng.sparse is not None else 0
-    h2d = statistics.mean(e["h2d_bytes"] for e in log) if log else 0.0
     p50 = float(np.percentile(times, 50))
     row = {
         "system": system, "config": SYSTEMS[system], "context": prompt_len, "batch_requested": batch,
         "batch_reached": statistics.mean(batch_seen), "placements": {
             p: sum(r.placement == p for r in running) for p in ("dense", "offload")},
         "steps": steps, "step_s_all": times, "tpot_s_p50": p50, "tpot_s_p99": float(np.percentile(times, 99)),
-        "decode_tokens_per_s": tokens / sum(times), "fill_s": fill_s,
-        "gpu_kv_bytes_in_use": used * eng.spec.bytes_per_block + meta_bytes,
+        "decode_tokens_per_s": tokens / sum(times), "fill_s": fill_s, **io,
         "gpu_kv_bytes_allocated": eng.spec.total_bytes + meta_bytes,
         "host_kv_bytes": eng.host_pool.pool.nbytes if eng.host_pool is not None else 0,
-        "h2d_bytes_per_step": h2d,
-        "h2d_copies_per_step": statistics.mean(e["h2d_copies"] for e in log) if log else 0.0,
-        "h2d_gb_per_s_implied": h2d / p50 / 1e9,
-        "recall_wait_s_per_step": statistics.mean(e["recall_wait_s"] for e in log) if log else 0.0,
-        "slot_hit_rate": hits / (hits + misses) if hits + misses else None,
+        "h2d_gb_per_s_implied": io["h2d_bytes_per_step"] / p50 / 1e9,
         "compiles_in_timed_steps": compiled,
     }
     for r in reqs:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from bench.common import write_result  # noqa: E402
+from bench.common import sparse_io_stats, write_result  # noqa: E402
 
 SYSTEMS = {
     "dense": dict(mode="dense"),
@@ -93,12 +93,7 @@ def _run_once(model, name: str, prompts: list, steps: int, base: dict) -> dict:
         times.append(time.perf_counter() - t)
         if len(events) != len(reqs) or any(e.finish_reason for e in events):
             raise RuntimeError(f"{name}: a timed step decoded {len(events)} of {len(reqs)} requests")
-    log = list(eng.sparse.step_log)[log0:] if eng.sparse is not None else []
-    used = eng.allocator.capacity - eng.allocator.num_free
-    gpu_kv = used * eng.spec.bytes_per_block + (eng.sparse.metadata_bytes if eng.sparse is not None else 0)
-    counters = [r.sparse.counters for r in reqs if r.sparse is not None]
-    hits = sum(c.reused_blocks for c in counters)
-    misses = sum(c.recalled_blocks for c in counters)
+    io = sparse_io_stats(eng, log0, reqs)
     outputs = [list(r.output) for r in reqs]
     for r in reqs:
         if r.status is not Status.FINISHED:
@@ -109,11 +104,9 @@ def _run_once(model, name: str, prompts: list, steps: int, base: dict) -> dict:
         "system": name, "config": SYSTEMS[name], "batch": len(prompts), "steps": steps,
         "step_s_median": med, "step_s_p90": float(np.percentile(times, 90)), "step_s_all": times,
         "decode_tokens_per_s": len(prompts) / med, "prefill_s": prefill_s,
-        "h2d_bytes_per_step": statistics.mean(e["h2d_bytes"] for e in log) if log else 0.0,
-        "h2d_copies_per_step": statistics.mean(e["h2d_copies"] for e in log) if log else 0.0,
-        "recall_wait_s_per_step": statistics.mean(e["recall_wait_s"] for e in log) if log else 0.0,
-        "slot_hit_rate": hits / (hits + misses) if hits + misses else None,
-        "gpu_kv_bytes": gpu_kv, "outputs": outputs,
+        "h2d_bytes_per_step": io["h2d_bytes_per_step"], "h2d_copies_per_step": io["h2d_copies_per_step"],
+        "recall_wait_s_per_step": io["recall_wait_s_per_step"], "slot_hit_rate": io["slot_hit_rate"],
+        "gpu_kv_bytes": io["gpu_kv_bytes_in_use"], "outputs": outputs,
     }
 
 
