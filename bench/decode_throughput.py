@@ -123,6 +123,21 @@ def _release(eng, cache: dict) -> None:
     gc.collect()
 
 
+def _host_pool_skip(eng, cache: dict, need: int) -> dict | None:
+    """A "skipped" row (and the engine released) if a host pool of `need` bytes would not fit in 80% of the
+    free RAM, else None. The pool the engine took from the cache is reused or freed before a new one is
+    pinned, so it counts as free."""
+    free = free_host_bytes()
+    if free is None:
+        return None
+    if eng.host_pool is not None:
+        free += eng.host_pool.pool.nbytes
+    if need <= 0.8 * free:
+        return None
+    _release(eng, cache)
+    return {"skipped": f"host KV pool {need / 2**30:.1f} GiB > 80% of free RAM ({free / 2**30:.1f} GiB)"}
+
+
 def host_bytes_needed(model, cfg, total_tokens: list[int]) -> int:
     if cfg.mode == "dense":
         return 0
@@ -146,13 +161,9 @@ def run_point(model, system: str, prompt_len: int, batch: int, steps: int, warm:
     eng, cfg = engine_for(model, system, base, replay, cache)
     # prefill steps (one prompt per step) also decode the running requests; 2 more for an optional profile
     new = warm + steps + 2 * batch + 6
-    need = host_bytes_needed(model, cfg, [prompt_len + new] * batch)
-    free = free_host_bytes()
-    if eng.host_pool is not None and free is not None:
-        free += eng.host_pool.pool.nbytes  # the cached pool is reused or freed before a new one is pinned
-    if free is not None and need > 0.8 * free:
-        _release(eng, cache)
-        return {"skipped": f"host KV pool {need / 2**30:.1f} GiB > 80% of free RAM ({free / 2**30:.1f} GiB)"}
+    skip = _host_pool_skip(eng, cache, host_bytes_needed(model, cfg, [prompt_len + new] * batch))
+    if skip is not None:
+        return skip
     sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
     rng = np.random.default_rng(batch)
     reqs = [eng.make_request(i, rng.integers(1, model.cfg.vocab_size, prompt_len).tolist(), sp)
@@ -228,13 +239,9 @@ def run_mix_once(model, system: str, lengths: list[tuple[int, int]], base: dict,
     from pulseinfer_jax import SamplingParams
 
     eng, cfg = engine_for(model, system, base, replay, cache)
-    need = host_bytes_needed(model, cfg, [p + o for p, o in lengths])
-    free = free_host_bytes()
-    if eng.host_pool is not None and free is not None:
-        free += eng.host_pool.pool.nbytes
-    if free is not None and need > 0.8 * free:
-        _release(eng, cache)
-        return {"skipped": f"host KV pool {need / 2**30:.1f} GiB > 80% of free RAM ({free / 2**30:.1f} GiB)"}
+    skip = _host_pool_skip(eng, cache, host_bytes_needed(model, cfg, [p + o for p, o in lengths]))
+    if skip is not None:
+        return skip
     rng = np.random.default_rng(0)
     reqs = [eng.make_request(i, rng.integers(1, model.cfg.vocab_size, p).tolist(),
                              SamplingParams(max_new_tokens=o, ignore_eos=True)) for i, (p, o) in enumerate(lengths)]
