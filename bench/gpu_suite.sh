@@ -2,7 +2,9 @@
 # One-call GPU suite (< 8 minutes on an H200): environment, the kernel and offload tests compiled for the GPU
 # (no interpret mode), bench/kernels.py, bench/io_sweep.py, one representative point of every system of
 # bench/decode_throughput.py (random Llama-3.1-8B, bf16, synthetic KV with a real model's selections replayed),
-# then a 128K-context point and the dense decode bench if time is left. Two extra PulseInfer decode steps of
+# then a 128K-context point and the dense decode bench (scan vs layer-wise layer loop, jnp vs Pallas
+# attention) if time is left. On a GPU the engine probes its pinned-host transfers and Pallas kernels first
+# and falls back (host_io numpy, jnp attention) with a warning in the logs. Two extra PulseInfer decode steps of
 # point A are profiled (jax.profiler: OUT/profile/.../perfetto_trace.json.gz, for ui.perfetto.dev). Every
 # step has its own timeout and every bench rewrites its JSON after each measurement, so a timeout keeps what
 # ran. Everything goes to OUT_DIR (ready to copy into bench/results/).
@@ -49,7 +51,7 @@ if [ "$MODE" = "--smoke" ]; then
     TRACE="$OUT/traces/smoke"
     DT_A=(--smoke --replay "$TRACE" --name decode_throughput_a --profile-system pulseinfer --profile-dir "$OUT/profile")
     DT_B=(--smoke --contexts 3000 --batches 2 --systems dense,pulseinfer,offload-headwise --name decode_throughput_b)
-    DENSE=(--smoke)
+    DENSE=(--smoke --layer-loop layerwise,scan)
 else
     TESTS=("${KERNEL_TESTS[@]}")
     TEST_TIMEOUT=${TEST_TIMEOUT:-110}
@@ -59,14 +61,15 @@ else
     DT_A=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 32768 --batches 8 --steps 12 --warm 6
           --budget-tokens 2048 --gpu-kv-budget 16GiB --replay "$TRACE" --name decode_throughput_a
           --profile-system pulseinfer --profile-dir "$OUT/profile"
-          --systems dense,pulseinfer,offload-headwise,pulseinfer-no-ioaa,pulseinfer-no-solohead,pulseinfer-no-coalescing,pulseinfer-no-interrupt,pulseinfer-min-reuse)
+          --systems dense,pulseinfer,offload-headwise,dense-scan,pulseinfer-no-ioaa,pulseinfer-no-solohead,pulseinfer-no-coalescing,pulseinfer-no-interrupt,pulseinfer-min-reuse)
     # point B: 4 requests of 128K (130,816 prompt tokens: Llama-3.1 stops at 131,072 positions) under 33 GiB
     # (dense fits 2 of 16.0 GiB; the 128 GiB host holds ~6 offloaded)
     DT_B=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 130816 --batches 4 --steps 8 --warm 4
           --budget-tokens 2048 --gpu-kv-budget 33GiB --replay "$TRACE" --name decode_throughput_b
           --systems dense,pulseinfer,offload-headwise)
-    DENSE=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8,32
-           --max-kv-tokens 300000 --steps 8 --attention jnp,pallas --engine-prompt 8192 --engine-batch 4)
+    DENSE=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8
+           --max-kv-tokens 300000 --steps 8 --attention pallas,jnp --layer-loop layerwise,scan
+           --engine-prompt 8192 --engine-batch 4)
 fi
 XDIST=()
 if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${TEST_WORKERS:-8}"); fi
@@ -83,7 +86,7 @@ step io_sweep "${IO_TIMEOUT:-40}" "$PY" bench/io_sweep.py "${IO[@]}" --out "$OUT
 if [ "$MODE" = "--smoke" ]; then  # the smoke replays a trace recorded here (same budget and shapes)
     step selection_trace 300 "$PY" bench/selection_trace.py --smoke --no-synthetic --trace-dir "$OUT/traces" --out "$OUT"
 fi
-step decode_throughput_a "${THROUGHPUT_TIMEOUT:-150}" "$PY" bench/decode_throughput.py "${DT_A[@]}" --out "$OUT"
-step decode_throughput_b "${LONG_TIMEOUT:-60}" "$PY" bench/decode_throughput.py "${DT_B[@]}" --out "$OUT"
-step dense_decode "${DENSE_TIMEOUT:-25}" "$PY" bench/dense_decode.py "${DENSE[@]}" --out "$OUT"
+step decode_throughput_a "${THROUGHPUT_TIMEOUT:-145}" "$PY" bench/decode_throughput.py "${DT_A[@]}" --out "$OUT"
+step decode_throughput_b "${LONG_TIMEOUT:-55}" "$PY" bench/decode_throughput.py "${DT_B[@]}" --out "$OUT"
+step dense_decode "${DENSE_TIMEOUT:-40}" "$PY" bench/dense_decode.py "${DENSE[@]}" --out "$OUT"
 echo "suite took $(( $(date +%s) - t0 )) s"

@@ -3,31 +3,35 @@
     python bench/io_sweep.py                                # 4 KB .. 64 MB copies, 256 MB per size on GPU
     python bench/io_sweep.py --max-bytes 16777216 --repeats 3 --modes per_block,coalesced --out DIR
     python bench/io_sweep.py --smoke --out /tmp/io_smoke    # tiny sizes: a CPU check of the script (< 30 s)
+    python bench/io_sweep.py --host-io numpy                # the pageable-RAM fallback backend instead
     python bench/plots.py DIR/io_sweep_gpu.json --out DIR   # the curves as a PNG
 
-Runs on `jax.devices()[0]`. On a GPU "host" is pinned (page-locked) DRAM and the copies cross PCIe; on the
-CPU backend both memory kinds are the same RAM, so the numbers are memcpy and say nothing about PCIe (the
-JSON says so in `pcie_meaningful` / `note`). Every measurement is warmed up once (compiles, first-touch
-allocations), then timed `--repeats` times with `time.perf_counter` from issuing the first copy until every
-result is `jax.block_until_ready`; rows keep the best and the median, and GB/s is traffic / best time.
+Runs on `jax.devices()[0]`, through one host I/O backend of the pool (`--host-io`, host_offload/host_pool.py):
+"xla" (the default; `auto` = "xla" unless its probe fails on a GPU): "host" is pinned (page-locked) DRAM and
+host gathers are XLA host computations; "numpy": "host" is pageable RAM, gathers are numpy. On a GPU the
+copies cross PCIe; on the CPU backend host and device are the same RAM, so the numbers are memcpy and say
+nothing about PCIe (the JSON says so in `pcie_meaningful` / `note`). Every measurement is warmed up once
+(compiles, first-touch allocations), then timed `--repeats` times with `time.perf_counter` from issuing the
+first copy until every result is `jax.block_until_ready`; rows keep the best and the median, and GB/s is
+traffic / best time.
 
 Modes (KV shapes are Llama-3.1-8B's: head_dim 128, 8 KV heads, block size 16, bf16, so one (block, head)
 unit of one layer is 2*16*128*2 = 8 KB and one whole block of one layer is 64 KB):
   - per_block: a volume V (`--volume`, shrunk so no size issues more than `--max-copies` copies) moved as
     V/S separate Python `jax.device_put(host slice -> device)` calls of S bytes each, S = 4 KB .. 64 MB in
-    powers of two. The S-byte source arrays are created on pinned_host before timing; only the copies are
-    timed. The raw bandwidth-vs-transfer-size curve.
+    powers of two. The S-byte source arrays are created in host memory (pinned_host, or numpy) before
+    timing; only the copies are timed. The raw bandwidth-vs-transfer-size curve.
   - per_block_head: n (block, head) units (8 KB) through `HostKVPool.fragment_units`: one H2D copy per unit,
     issued by XLA from a loop of dynamic slices of the host pool (the per-head offloading baseline).
-  - per_block_head_python: the same n units pre-sliced into separate pinned_host arrays, then one Python
+  - per_block_head_python: the same n units pre-sliced into separate host arrays, then one Python
     `jax.device_put` per unit (what per_block measures at 8 KB, with units cut from the pool).
   - per_block_gather: n whole blocks (64 KB) as n calls of `HostKVPool.gather_blocks(layer, [row])`: one
     host gather + one device_put per block.
   - coalesced: n shuffled whole blocks in ONE `HostKVPool.gather_blocks(layer, rows)` call: a host gather into
     one pinned staging buffer + one copy of n * 64 KB (n = 1 .. 1024, i.e. 64 KB .. 64 MB). Includes the
     gather and the index uploads, as the engine pays them.
-  - coalesced_host_gather: the host gather of `coalesced` alone (the pool's compiled gather, indices already
-    on the host); no copy.
+  - coalesced_host_gather: the host gather of `coalesced` alone (`HostKVPool.stage_blocks`, with its index
+    upload); no copy.
   - coalesced_copy: the copy of `coalesced` alone (device_put of the already-gathered staging buffer).
   - device_copy: device-to-device bandwidth of a jitted `x + 1` on a float32 device array of S bytes (reads S
     and writes S: traffic 2S), S = 1 MB .. 1 GB on GPU in powers of four.
@@ -55,8 +59,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
-from host_offload.host_pool import HostKVPool  # noqa: E402
-from host_offload.memory import device_sharding, host_sharding  # noqa: E402
+from host_offload.host_pool import HOST_IO, HostKVPool, probe_host_io  # noqa: E402
+from host_offload.memory import device_sharding  # noqa: E402
 
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
 RUNNABLE = ("per_block", "per_block_head", "per_block_head_python", "per_block_gather", "coalesced", "device_copy")
@@ -78,6 +82,7 @@ class SweepConfig:
     head_dim: int = 128
     dtype: str = "bfloat16"
     seed: int = 0
+    host_io: str = "xla"  # the pool's I/O backend: "xla" (pinned_host) or "numpy" (pageable RAM)
 
     @classmethod
     def smoke(cls) -> SweepConfig:
@@ -124,13 +129,13 @@ def pow2_range(lo: int, hi: int) -> list[int]:
 # ---- mode 1: raw per-copy curve ----------------------------------------------------------------
 
 def sweep_per_block(cfg: SweepConfig, device: jax.Device) -> list[dict]:
-    """V/S Python device_puts of S-byte pinned_host arrays, S = min_bytes .. max_bytes."""
-    host, dev = host_sharding(device), device_sharding(device)
+    """V/S Python device_puts of S-byte host arrays (the backend's host memory), S = min_bytes .. max_bytes."""
+    io, dev = HOST_IO[cfg.host_io](device, 0), device_sharding(device)
     rows = []
     for size in pow2_range(cfg.min_bytes, cfg.max_bytes):
         copies = max(1, min(cfg.max_copies, cfg.volume // size))
         base = np.arange(copies * size, dtype=np.uint8)  # [copies * S] (values wrap; content is irrelevant)
-        srcs = jax.block_until_ready([jax.device_put(base[i * size:(i + 1) * size], host) for i in range(copies)])
+        srcs = jax.block_until_ready([io.load(base[i * size:(i + 1) * size]) for i in range(copies)])
         del base
         timing = time_fn(lambda srcs=srcs: [jax.device_put(s, dev) for s in srcs], cfg.repeats)
         rows.append(make_row("per_block", size, copies, timing))
@@ -143,10 +148,11 @@ def sweep_per_block(cfg: SweepConfig, device: jax.Device) -> list[dict]:
 def make_pool(cfg: SweepConfig, device: jax.Device, num_rows: int) -> tuple[HostKVPool, np.ndarray]:
     """One-layer HostKVPool (+ its contents as numpy [1, num_rows, 2, bs, Hkv, hd]) filled with random values."""
     pool = HostKVPool(num_rows=num_rows, first_layer=0, num_layers=1, block_size=cfg.block_size,
-                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype, device=device)
+                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype, device=device,
+                      io=cfg.host_io)
     data = np.random.default_rng(cfg.seed).standard_normal(pool.shape, np.float32).astype(pool.dtype)
     data[:, 0] = 0  # the null row stays zero
-    pool.pool = jax.block_until_ready(jax.device_put(data, pool.host))
+    pool.load(data)
     return pool, data
 
 
@@ -173,9 +179,8 @@ def draw_units(pool: HostKVPool, n: int, rng: np.random.Generator) -> tuple[list
 
 
 def host_units(pool: HostKVPool, data: np.ndarray, rows: list[int], heads: list[int]) -> list[jax.Array]:
-    """The units as separate pinned_host arrays [2, bs, hd] (cut from the pool's contents)."""
-    return [jax.device_put(np.ascontiguousarray(data[0, r, :, :, h]), pool.host)
-            for r, h in zip(rows, heads, strict=True)]
+    """The units as separate host arrays [2, bs, hd] of the pool's backend (cut from the pool's contents)."""
+    return [pool.io.load(np.ascontiguousarray(data[0, r, :, :, h])) for r, h in zip(rows, heads, strict=True)]
 
 
 def check_paths_agree(pool: HostKVPool, data: np.ndarray, rows: list[int], heads: list[int]) -> None:
@@ -188,8 +193,7 @@ def check_paths_agree(pool: HostKVPool, data: np.ndarray, rows: list[int], heads
     np.testing.assert_array_equal(coalesced.view(np.uint8), want_blocks)
     np.testing.assert_array_equal(per_block.view(np.uint8), want_blocks)
     want_units = np.stack([data[0, r, :, :, h] for r, h in zip(rows, heads, strict=True)]).view(np.uint8)
-    dev = pool.dev
-    python_units = np.stack([np.asarray(jax.device_put(u, dev)) for u in host_units(pool, data, rows, heads)])
+    python_units = np.stack([np.asarray(pool.to_device(u)) for u in host_units(pool, data, rows, heads)])
     np.testing.assert_array_equal(np.asarray(pool.fragment_units(0, rows, heads))[:n].view(np.uint8), want_units)
     np.testing.assert_array_equal(np.asarray(pool.gather_units(0, rows, heads))[:n].view(np.uint8), want_units)
     np.testing.assert_array_equal(python_units.view(np.uint8), want_units)
@@ -206,7 +210,7 @@ def sweep_per_block_head(cfg: SweepConfig, pool: HostKVPool, data: np.ndarray, p
         r, h = draw_units(pool, n, rng)
         if python:
             srcs = jax.block_until_ready(host_units(pool, data, r, h))
-            timing = time_fn(lambda srcs=srcs: [jax.device_put(s, pool.dev) for s in srcs], cfg.repeats)
+            timing = time_fn(lambda srcs=srcs: [pool.to_device(s) for s in srcs], cfg.repeats)
             rows.append(make_row("per_block_head_python", unit, n, timing))
         else:
             timing = time_fn(lambda r=r, h=h: pool.fragment_units(0, r, h), cfg.repeats)
@@ -230,19 +234,16 @@ def sweep_coalesced(cfg: SweepConfig, pool: HostKVPool) -> list[dict]:
     """n shuffled whole blocks in one gather_blocks (gather + one copy); the gather alone; the copy alone."""
     rng = np.random.default_rng(cfg.seed + 3)
     block = pool.layer_block_bytes
-    gather = pool._gather_blocks  # the pool's own compiled host gather (no public staging-only call)
-    layer_h = jax.device_put(np.int32(0), pool.host)
     out = []
     for n in pow2_range(1, max(1, cfg.max_bytes // block)):
         r = draw_rows(pool, n, rng)
         size = n * block  # n is a power of two: gather_blocks pads nothing
         out.append(make_row("coalesced", size, 1, time_fn(lambda r=r: pool.gather_blocks(0, r), cfg.repeats)))
-        rows_h = jax.device_put(np.asarray(r, np.int32), pool.host)
-        t_gather = time_fn(lambda rows_h=rows_h: gather(pool.pool, layer_h, rows_h), cfg.repeats)
+        t_gather = time_fn(lambda r=r: pool.stage_blocks(0, r), cfg.repeats)
         out.append(make_row("coalesced_host_gather", size, 1, t_gather))
-        staging = jax.block_until_ready(gather(pool.pool, layer_h, rows_h))  # [n, 2, bs, Hkv, hd] pinned_host
+        staging = jax.block_until_ready(pool.stage_blocks(0, r))  # [n, 2, bs, Hkv, hd] in host memory
         out.append(make_row("coalesced_copy", size, 1,
-                            time_fn(lambda staging=staging: jax.device_put(staging, pool.dev), cfg.repeats)))
+                            time_fn(lambda staging=staging: pool.to_device(staging), cfg.repeats)))
     return out
 
 
@@ -324,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--volume", type=int, default=None, help="per_block bytes moved per transfer size")
     ap.add_argument("--max-copies", type=int, default=None, help="most copies one measurement issues")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats after the warm-up")
+    ap.add_argument("--host-io", default="auto", choices=("auto", *HOST_IO),
+                    help="the pool's I/O backend; auto = xla unless its probe fails on a GPU (default auto)")
     ap.add_argument("--modes", default=",".join(RUNNABLE),
                     help=f"comma list of {', '.join(RUNNABLE)} (coalesced includes its host-gather and copy parts)")
     args = ap.parse_args(argv)
@@ -332,15 +335,26 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"max_bytes": args.max_bytes, "volume": args.volume, "max_copies": args.max_copies,
                  "repeats": args.repeats}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    host_io, probe = args.host_io, None
+    if host_io == "auto":
+        probe = probe_host_io(device, block_size=cfg.block_size, num_kv_heads=cfg.num_kv_heads,
+                              head_dim=cfg.head_dim, dtype=cfg.dtype) if device.platform == "gpu" else None
+        host_io = "xla" if probe is None else "numpy"
+        if probe is not None:
+            print(f"host_io xla failed its probe ({probe}); sweeping host_io numpy", flush=True)
+    cfg = dataclasses.replace(cfg, host_io=host_io)
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in RUNNABLE]
     if unknown:
         ap.error(f"unknown modes {unknown}; choose from {', '.join(RUNNABLE)}")
 
     name = "io_sweep_smoke" if args.smoke else f"io_sweep_{device.platform}"
+    name += "_numpy" if host_io == "numpy" else ""
     pcie = device.platform == "gpu"
-    meta = {"kind": "io_sweep", "device": str(device), "pcie_meaningful": pcie,
-            "note": "pinned_host -> device copies over PCIe" if pcie else
+    src = "pinned_host" if host_io == "xla" else "pageable numpy"
+    meta = {"kind": "io_sweep", "device": str(device), "pcie_meaningful": pcie, "host_io": host_io,
+            "xla_probe_error": probe,
+            "note": f"{src} -> device copies over PCIe" if pcie else
             f"{device.platform} backend: host and device memory are the same RAM; these are memcpy numbers, "
             "meaningless for PCIe", "config": dataclasses.asdict(cfg), "modes": modes}
     print(f"io sweep on {device} ({device.platform}); {meta['note']}", flush=True)

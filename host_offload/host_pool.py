@@ -1,42 +1,44 @@
-"""Pinned host KV pool: where an offloaded request's sparse-layer KV lives, plus the transfers in and out.
+"""Host KV pool: where an offloaded request's sparse-layer KV lives, plus the transfers in and out.
 
 Layout (the GPU cache's, minus the dense layers):
 
-    pool: [Ls, NHB, 2, bs, Hkv, hd]   on `pinned_host`;  Ls = num_layers - dense_layers (the sparse layers)
+    pool: [Ls, R, 2, bs, Hkv, hd]   in host memory;  Ls = num_layers - dense_layers (the sparse layers)
 
-Row 0 is the null row (never allocated): padded entries of a transfer read or write it, so transfers keep
-a few bucketed shapes without masking. Rows are handed out by a `BlockAllocator`, one row per logical block
-of an offloaded request (all Ls layers of it).
+Row 0 is the null row (never allocated): padded entries of a transfer read it, so transfers keep a few
+bucketed shapes without masking. Rows are handed out by a `BlockAllocator`, one row per logical block of an
+offloaded request (all Ls layers of it).
 
 Transfers (all asynchronous: they return arrays whose copies may still be in flight):
-  - `write_back(kv, gpu_blocks, rows)`: device -> host, sparse layers of whole GPU blocks into rows
-    (a block leaving the GPU window, or a prompt spilled after prefill): one gather on the device, one
-    device-to-host copy, then a dynamic-update-slice loop computed on the host (XLA's host scatter has
-    crashed on pinned_host, openxla/xla#34565; DUS is the supported path). The pool is donated.
-  - `gather_blocks(layer, rows)`: host -> device, coalesced whole blocks: gather on the host into one
-    contiguous pinned staging buffer `[n, 2, bs, Hkv, hd]`, then ONE host-to-device copy.
+  - `write_back(kv, gpu_blocks, rows)`: device -> host, sparse layers of whole GPU blocks into rows (a block
+    leaving the GPU window, or a prompt spilled after prefill): one device gather, one device-to-host copy.
+  - `gather_blocks(layer, rows)`: host -> device, coalesced whole blocks: a host gather into one contiguous
+    staging buffer `[n, 2, bs, Hkv, hd]` (`stage_blocks`), then ONE host-to-device copy.
   - `gather_units(layer, rows, heads)`: host -> device, coalesced (block, head) units `[n, 2, bs, hd]`
     (headwise selection with the coalesced I/O path): one staging buffer, one copy.
   - `fragment_units(layer, rows, heads)`: host -> device, the per-head offloading baseline: one copy per
-    (block, head) unit, issued by XLA from a loop of dynamic slices of the host pool; `[n, 2, bs, hd]`.
-Index vectors are padded to powers of two (entries past the real ones point at the null row) so the
-number of compiled variants stays logarithmic.
+    (block, head) unit; `[n, 2, bs, hd]`.
+Index vectors are padded to powers of two so the number of compiled variants stays logarithmic.
+
+Two backends move the bytes (the accounting above is the pool's, the same for both):
+  - "xla" (`xla_io.py`): the pool on `pinned_host`, host gathers as XLA host computations: the intended path;
+  - "numpy" (`numpy_io.py`): the pool in pageable RAM, numpy gathers, plain `device_put`s: the fallback for
+    a device whose XLA rejects the first (`probe_host_io` finds out at start-up; the engine's
+    `host_io="auto"` uses it).
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compute_on import compute_on
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
-from host_offload.memory import device_sharding, host_sharding
+from host_offload.numpy_io import NumpyHostIO
+from host_offload.xla_io import XlaHostIO
 from pulseinfer_jax.kv_cache import BlockAllocator, OutOfBlocksError, bucket
 
 NULL_ROW = 0
+HOST_IO = {"xla": XlaHostIO, "numpy": NumpyHostIO}
 
 
 def _pad_pow2(*vectors: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -46,33 +48,36 @@ def _pad_pow2(*vectors: np.ndarray) -> tuple[np.ndarray, ...]:
 
 
 class HostKVPool:
-    """Pinned host rows for offloaded KV blocks (see the module docstring for layout and transfers).
+    """Host rows for offloaded KV blocks (see the module docstring for layout, transfers and backends).
 
     Contract: rows are allocated per request (`allocate`/`free`, never shared); `write_back` is the only
     writer; reads never modify the pool. `check_integrity()` checks the allocator.
     """
 
     def __init__(self, *, num_rows: int, first_layer: int, num_layers: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype, device: jax.Device):
+                 head_dim: int, dtype, device: jax.Device, io: str = "xla"):
         if num_rows < 2:
             raise ValueError(f"host pool num_rows={num_rows} must be >= 2 (row 0 is the null row)")
+        if io not in HOST_IO:
+            raise ValueError(f"host pool io={io!r}; use one of {', '.join(HOST_IO)}")
         self.first_layer = first_layer  # GPU layer of pool layer 0
         self.shape = (num_layers - first_layer, num_rows, 2, block_size, num_kv_heads, head_dim)
         self.dtype = jnp.dtype(dtype)
         self.device = device
-        self.host = host_sharding(device)
-        self.dev = device_sharding(device)
+        self.io = HOST_IO[io](device, first_layer)
         self.allocator = BlockAllocator(num_rows)
         # transfers issued (real entries only, padding excluded): the I/O accounting every path shares
         self.h2d_copies = 0
         self.h2d_bytes = 0
         self.d2h_copies = 0
         self.d2h_bytes = 0
-        self.pool: Array = jax.jit(lambda: jnp.zeros(self.shape, self.dtype), out_shardings=self.host)()
-        # shared by every pool on this device (engines reuse the compiled transfers)
-        self._write, self._gather_blocks, self._gather_units, self._fragment = _transfers(device, first_layer)
+        self.pool = self.io.zeros(self.shape, self.dtype)  # the backend's storage (jax array or numpy)
 
     # ---- sizes ---------------------------------------------------------------------------------
+    @property
+    def io_name(self) -> str:
+        return self.io.name
+
     @property
     def num_rows(self) -> int:
         return self.shape[1]
@@ -114,84 +119,89 @@ class HostKVPool:
         blocks, dst = _pad_pow2(gpu_blocks, rows)
         self.d2h_copies += 1
         self.d2h_bytes += len(rows) * self.shape[0] * self.layer_block_bytes
-        self.pool = self._write(self.pool, kv, jnp.asarray(blocks), jax.device_put(dst, self.host),
-                                jnp.int32(len(rows)))
+        self.pool = self.io.write_back(self.pool, kv, blocks, dst, len(rows))
+
+    def stage_blocks(self, layer: int, rows: list[int]):
+        """The host half of `gather_blocks`: the blocks gathered into one host staging buffer, padded
+        [n, 2, bs, Hkv, hd] (a jax array on pinned_host, or numpy); nothing is counted."""
+        (r,) = _pad_pow2(rows)
+        return self.io.stage_blocks(self.pool, layer, r)
+
+    def to_device(self, staging) -> Array:
+        """One host-to-device copy of a staging buffer (the other half of `gather_blocks`; not counted)."""
+        return self.io.to_device(staging)
 
     def gather_blocks(self, layer: int, rows: list[int]) -> Float[Array, "n 2 bs Hkv hd"]:
         """Whole blocks of pool layer `layer`, padded to a power of two: one host gather + one H2D copy."""
-        (r,) = _pad_pow2(rows)
         self.h2d_copies += 1
         self.h2d_bytes += len(rows) * self.layer_block_bytes
-        staging = self._gather_blocks(self.pool, jax.device_put(np.int32(layer), self.host),
-                                      jax.device_put(r, self.host))
-        return jax.device_put(staging, self.dev)
+        return self.io.to_device(self.stage_blocks(layer, rows))
 
     def gather_units(self, layer: int, rows: list[int], heads: list[int]) -> Float[Array, "n 2 bs hd"]:
         """(block, head) units of pool layer `layer`, padded: one host gather + one H2D copy."""
         r, h = _pad_pow2(rows, heads)
         self.h2d_copies += 1
         self.h2d_bytes += len(rows) * self.unit_bytes
-        staging = self._gather_units(self.pool, jax.device_put(np.int32(layer), self.host),
-                                     jax.device_put(r, self.host), jax.device_put(h, self.host))
-        return jax.device_put(staging, self.dev)
+        return self.io.to_device(self.io.stage_units(self.pool, layer, r, h))
 
     def fragment_units(self, layer: int, rows: list[int], heads: list[int]) -> Float[Array, "n 2 bs hd"]:
         """(block, head) units of pool layer `layer`, padded: one host-to-device copy per real unit."""
         r, h = _pad_pow2(rows, heads)
         self.h2d_copies += len(rows)
         self.h2d_bytes += len(rows) * self.unit_bytes
-        return self._fragment(self.pool, jnp.int32(layer), jnp.asarray(r), jnp.asarray(h), jnp.int32(len(rows)))
+        return self.io.fragment_units(self.pool, layer, r, h, len(rows))
+
+    # ---- whole-pool access (tests, benchmarks; synchronous) ------------------------------------
+    def contents(self) -> Float[np.ndarray, "Ls R 2 bs Hkv hd"]:
+        """The whole pool as numpy, every write-back landed."""
+        return self.io.to_numpy(self.pool)
 
     def read(self, layer: int, row: int) -> np.ndarray:
-        """One row of pool layer `layer` as numpy [2, bs, Hkv, hd] (tests, debugging; synchronous)."""
-        return np.asarray(jax.device_get(self.pool))[layer, row]
+        """One row of pool layer `layer` as numpy [2, bs, Hkv, hd]."""
+        return self.contents()[layer, row]
+
+    def load(self, data: Float[np.ndarray, "Ls R 2 bs Hkv hd"]) -> None:
+        """Replace the whole pool's contents (benchmarks filling it with known values)."""
+        if data.shape != self.shape or data.dtype != self.dtype:
+            raise ValueError(f"load: need {self.shape} {self.dtype}, got {data.shape} {data.dtype}")
+        self.pool = self.io.load(data)
+
+    @property
+    def nbytes(self) -> int:
+        return self.total_bytes
+
+    def measure_h2d(self, nbytes: int = 64 << 20, repeats: int = 3) -> float:
+        """Host-to-device bytes/s of one large copy from this backend's host memory (best of `repeats`)."""
+        import time
+
+        src = self.io.zeros((nbytes,), np.uint8)
+        jax.block_until_ready(self.io.to_device(src))  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(self.io.to_device(src))
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best
 
 
-
-@functools.cache
-def _transfers(device: jax.Device, first_layer: int) -> tuple:
-    """The jitted transfer functions for pools on `device` (write_back, gather_blocks, gather_units, fragment)."""
-    host, dev = host_sharding(device), device_sharding(device)
-
-    @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-    @jax.jit
-    def scatter_rows(pool, staged, rows, count):
-        def body(i, p):
-            blk = jax.lax.dynamic_slice_in_dim(staged, i, 1, axis=1)
-            return jax.lax.dynamic_update_slice(p, blk, (0, rows[i], 0, 0, 0, 0))
-
-        return jax.lax.fori_loop(0, count, body, pool)
-
-    def write_back(pool: Array, kv: Array, blocks: Int[Array, " n"], rows: Int[Array, " n"],
-                   count: Int[Array, ""]) -> Array:
-        staged = jax.device_put(kv[first_layer:, blocks], host)  # [Ls, n, 2, bs, Hkv, hd]: one D2H copy
-        # the pool already lives on pinned_host; the explicit put gives its traced value the host memory space,
-        # which compute_on's dynamic_update_slice requires of all operands (it fails without)
-        return scatter_rows(jax.device_put(pool, host), staged, jax.device_put(rows, host),
-                            jax.device_put(count, host))
-
-    @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-    @jax.jit
-    def gather_blocks(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"]) -> Array:
-        return jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False).at[rows].get(mode="clip")
-
-    @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-    @jax.jit
-    def gather_units(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"], heads: Int[Array, " n"]) -> Array:
-        p = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)  # [NHB, 2, bs, Hkv, hd]
-        return p.at[rows, :, :, heads].get(mode="clip")  # [n, 2, bs, hd]
-
-    def fragment(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"], heads: Int[Array, " n"],
-                 count: Int[Array, ""]) -> Array:
-        _, _, _, bs, _, hd = pool.shape
-        n = rows.shape[0]
-
-        def body(i, out):
-            unit = jax.lax.dynamic_slice(pool, (layer, rows[i], 0, 0, heads[i], 0), (1, 1, 2, bs, 1, hd))
-            return out.at[i].set(jax.device_put(unit, dev).reshape(2, bs, hd))  # one H2D copy per unit
-
-        out = jnp.zeros((n, 2, bs, hd), pool.dtype, device=dev)
-        return jax.lax.fori_loop(0, count, body, out)
-
-    return (jax.jit(write_back, donate_argnums=0, out_shardings=host), jax.jit(gather_blocks, out_shardings=host),
-            jax.jit(gather_units, out_shardings=host), jax.jit(fragment, out_shardings=dev))
+def probe_host_io(device: jax.Device, *, block_size: int, num_kv_heads: int, head_dim: int, dtype,
+                  io: str = "xla") -> str | None:
+    """Run every transfer of backend `io` once on `device` with a tiny pool of the real block shape and
+    dtype, checked bit for bit against numpy. None if all of it works, else what failed (one line)."""
+    shape = (2, 4, 2, block_size, num_kv_heads, head_dim)  # [L, NB, 2, bs, Hkv, hd]: layer 0 dense, 1 sparse
+    kv_np = np.random.default_rng(0).standard_normal(shape, np.float32).astype(jnp.dtype(dtype))
+    try:
+        pool = HostKVPool(num_rows=4, first_layer=1, num_layers=2, block_size=block_size,
+                          num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device, io=io)
+        pool.write_back(jax.device_put(kv_np, device), [1, 3], [1, 3])
+        h = num_kv_heads - 1
+        got = [np.asarray(pool.gather_blocks(0, [3, 1]))[:2], np.asarray(pool.gather_units(0, [1, 3], [h, 0]))[:2],
+               np.asarray(pool.fragment_units(0, [3], [h]))[:1], pool.contents()[0, [1, 2, 3]]]
+    except Exception as e:  # noqa: BLE001 - any lowering / runtime failure of the backend on this device
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    want = [kv_np[1, [3, 1]], np.stack([kv_np[1, 1, :, :, h], kv_np[1, 3, :, :, 0]]), kv_np[1, 3, :, :, h][None],
+            np.stack([kv_np[1, 1], np.zeros_like(kv_np[1, 1]), kv_np[1, 3]])]
+    for name, g, w in zip(("gather_blocks", "gather_units", "fragment_units", "write_back"), got, want, strict=True):
+        if g.shape != w.shape or g.tobytes() != w.tobytes():
+            return f"{name} returned wrong values on {device.platform}"
+    return None

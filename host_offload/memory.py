@@ -21,23 +21,6 @@ def host_sharding(device: jax.Device) -> SingleDeviceSharding:
     """Pinned host memory attached to `device`; a clear error where the backend has none."""
     kinds = {m.kind for m in device.addressable_memories()}
     if HOST_KIND not in kinds:
-        raise RuntimeError(f"device {device} has no {HOST_KIND!r} memory (it has {sorted(kinds)}); KV offloading "
-                           "needs a backend with pinned host memory (CUDA GPUs, or the CPU backend for tests)")
+        raise RuntimeError(f"device {device} has no {HOST_KIND!r} memory (it has {sorted(kinds)}); the 'xla' host I/O "
+                           "needs pinned host memory: use host_io='numpy' (pageable host RAM) on this backend")
     return SingleDeviceSharding(device, memory_kind=HOST_KIND)
-
-
-def measure_h2d_bandwidth(device: jax.Device, nbytes: int = 64 << 20, repeats: int = 3) -> float:
-    """Host-to-device bytes/s of one large copy from pinned host memory (best of `repeats`)."""
-    import time
-
-    import numpy as np
-
-    src = jax.device_put(np.zeros(nbytes // 4, np.float32), host_sharding(device))
-    dev = device_sharding(device)
-    jax.block_until_ready(jax.device_put(src, dev))  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(jax.device_put(src, dev))
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best

@@ -121,6 +121,7 @@ def _stats(r: Request, t_start: float, engine: Engine) -> dict[str, Any]:
         "total_s": r.t_done - t_start,
         "mode": r.placement or "dense",
         "decode_attention": engine.decode_attention,
+        "layer_loop": engine.layer_loop,
         "offloaded": r.sparse is not None and engine.config.offload_placement == "host",
         **_io_stats(r, engine),
     }
@@ -140,7 +141,7 @@ def _io_stats(r: Request, engine: Engine) -> dict[str, Any]:
     if c is not None:
         cfg = engine.config
         out.update(selection=cfg.selection, io=cfg.io, recall=cfg.recall, budget_tokens=cfg.budget_tokens,
-                   decode_attention=engine.sparse_attention)
+                   decode_attention=engine.sparse_attention, host_io=engine.host_io)
     return out
 
 

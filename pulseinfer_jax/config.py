@@ -12,6 +12,8 @@ CHOICES = {
     "io": ("coalesced", "fragmented"),
     "recall": ("interruptible", "sync"),
     "offload_placement": ("host", "device"),
+    "host_io": ("auto", "xla", "numpy"),
+    "layer_loop": ("auto", "scan", "layerwise"),
 }
 
 
@@ -47,12 +49,22 @@ class EngineConfig:
     ioaa_slack: float = 0.8  # fraction of a decode step recall may take (IOAA)
     ioaa_step_time_s: float = 0.02  # decode step time IOAA assumes before it has measured one
     offload_placement: str = "host"  # "device" keeps the KV of sparse requests on the GPU (no I/O; ablation)
+    # how the host pool's bytes move (host_offload/host_pool.py): "xla" = pool on pinned_host, XLA host gathers
+    # (the fast path); "numpy" = pool in pageable RAM, numpy gathers + plain device_put (portable, slower);
+    # "auto" = "xla" after a start-up probe on a GPU, "numpy" with a warning if the probe fails; "xla" elsewhere
+    host_io: str = "auto"
     progress: bool | None = None  # progress bar over long prefills; None = only when stderr is a terminal
     progress_min_tokens: int = 2048  # prompts at least this long get a progress bar
     # decode attention: "pallas" (pallas_kernels.sparse_decode_attention, every block listed), "jnp" (XLA), or
     # "auto": Pallas on a GPU, falling back to jnp with a warning if the kernel fails to compile there; jnp
     # elsewhere (off-GPU the kernel runs in Pallas interpret mode: correct but slow, for tests)
     decode_attention: str = "auto"
+    # how a dense decode step runs the layers (runner.py): "scan" = one jitted call scanning the stacked
+    # weights; "layerwise" = one jitted call per layer on that layer's own weight arrays (what the sparse
+    # pipeline does: no per-step weight slicing, one dispatch per layer; costs a second copy of the layer
+    # weights); "auto" = layerwise on a GPU (dense and offloaded requests then read weights the same way),
+    # scan elsewhere (XLA:CPU: fewer dispatches)
+    layer_loop: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch", "prefill_chunk", "key_chunk"):

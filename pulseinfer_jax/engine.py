@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.loading import LoadedModel
+from pulseinfer_jax import layer_ops
 from pulseinfer_jax.config import EngineConfig, resolve_decode_attention
 from pulseinfer_jax.ioaa import IOAAConfig
 from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for, bucket
-from pulseinfer_jax.runner import decode_step, prefill_step
+from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step
 from pulseinfer_jax.sampling import SamplingParams, greedy_sample, sample
 from pulseinfer_jax.scheduler import FixedStepTime, Request, Scheduler, Status
 
@@ -54,9 +55,15 @@ class Engine:
         self.seed = 0
         self.steps = 0  # engine steps taken in the current run
         self.decode_attention = resolve_decode_attention(config.decode_attention, self.device.platform)
+        self.layer_loop = config.layer_loop
+        if self.layer_loop == "auto":
+            self.layer_loop = "layerwise" if self.on_gpu else "scan"
+        self._layer_params: list[dict] | None = None
+        self._layer_ids: list[jax.Array] | None = None
         self._attention_proven = self.decode_attention == "jnp"  # pallas: not yet compiled in this engine
         self._bars: dict = {}
         self.host_pool = None  # host_offload.HostKVPool (modes offload / auto)
+        self.host_io: str | None = None  # its I/O backend, resolved on first use (config.host_io)
         self.scratch: list[int] = []  # GPU blocks outside the allocator that offloaded prompts prefill into
         self.sparse = None  # pipeline.SparseDecoder
         self.sparse_attention: str | None = None  # attention of the sparse pipeline, resolved on first use
@@ -70,6 +77,15 @@ class Engine:
         return self.device.platform in GPU_PLATFORMS
 
     # ---- KV pool -------------------------------------------------------------------------------
+    @property
+    def layer_params(self) -> list[dict]:
+        """One weight pytree per layer (layer_ops.split_layers), split on first use and shared by the layer-wise
+        dense step and the sparse pipeline: a second copy of the layer weights, paid only by engines that run
+        layer by layer."""
+        if self._layer_params is None:
+            self._layer_params = layer_ops.split_layers(self.model.params)
+        return self._layer_params
+
     def _spec(self, num_blocks: int) -> CacheSpec:
         c = self.model.cfg
         return CacheSpec(c.num_layers, num_blocks, c.num_kv_heads, self.config.block_size, c.head_dim,
@@ -137,12 +153,14 @@ class Engine:
         from pulseinfer_jax.pipeline import PipelineConfig, SparseDecoder
 
         cfg, c = self.config, self.model.cfg
-        if self.host_pool is None or self.host_pool.num_rows != rows or self.host_pool.first_layer != plan.dense_layers:
+        io = self._resolve_host_io()
+        pool = self.host_pool
+        if pool is None or (pool.num_rows, pool.first_layer, pool.io_name) != (rows, plan.dense_layers, io):
             self.sparse = None
             self.host_pool = None
             self.host_pool = HostKVPool(num_rows=rows, first_layer=plan.dense_layers, num_layers=c.num_layers,
                                         block_size=cfg.block_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                        dtype=self.model.dtype, device=self.device)
+                                        dtype=self.model.dtype, device=self.device, io=io)
         else:
             self.host_pool.allocator = BlockAllocator(rows)
         if self.sparse_attention is None:
@@ -160,13 +178,32 @@ class Engine:
         if self.sparse is None or self.sparse.plan != plan or self.sparse.nb != num_blocks:
             cls = self.decoder_class or SparseDecoder
             self.sparse = cls(self.model.transformer, self.model.params, plan, pcfg, self.host_pool, num_blocks,
-                              self.device)
+                              self.device, split_weights=lambda: self.layer_params)
+
+    def _resolve_host_io(self) -> str:
+        """The host pool's I/O backend: host_io as configured; under "auto" on a GPU, "xla" if its start-up probe
+        passes, else "numpy" with a warning (probed once per engine)."""
+        if self.host_io is None:
+            choice = self.config.host_io
+            if choice == "auto":
+                choice = "xla"
+                if self.on_gpu:
+                    from host_offload.host_pool import probe_host_io
+
+                    c = self.model.cfg
+                    err = probe_host_io(self.device, block_size=self.config.block_size, num_kv_heads=c.num_kv_heads,
+                                        head_dim=c.head_dim, dtype=self.model.dtype)
+                    if err is not None:
+                        warnings.warn(f"pinned-host KV transfers failed on {self.device.platform} ({err}); the host "
+                                      "KV pool falls back to host_io='numpy' (pageable RAM, slower copies)",
+                                      RuntimeWarning, stacklevel=4)
+                        choice = "numpy"
+            self.host_io = choice
+        return self.host_io
 
     def _h2d_bandwidth(self) -> float:
         if self.h2d_bytes_per_s is None:
-            from host_offload.memory import measure_h2d_bandwidth
-
-            self.h2d_bytes_per_s = measure_h2d_bandwidth(self.device) if self.on_gpu else CPU_NOMINAL_H2D
+            self.h2d_bytes_per_s = self.host_pool.measure_h2d() if self.on_gpu else CPU_NOMINAL_H2D
         return self.h2d_bytes_per_s
 
     # ---- request intake ------------------------------------------------------------------------
@@ -306,18 +343,26 @@ class Engine:
         """decode_step with the configured attention; under "auto", a Pallas kernel that fails to compile on
         this device falls back to the jnp attention once, with a warning (the cache is untouched: compile
         errors are raised before the donated cache is consumed; if it was, the error is re-raised)."""
-        model = self.model
         try:
-            out = decode_step(model.transformer, model.params, self.kv, *args, attention=self.decode_attention)
+            out = self._run_decode(self.decode_attention, *args)
         except Exception as e:  # noqa: BLE001 - any lowering/compile error of the kernel
             if self._attention_proven or self.config.decode_attention != "auto" or self.kv.is_deleted():
                 raise
             warnings.warn(f"Pallas decode attention failed on {self.device.platform} ({type(e).__name__}: "
                           f"{str(e)[:300]}); falling back to the jnp attention", RuntimeWarning, stacklevel=2)
             self.decode_attention = "jnp"
-            out = decode_step(model.transformer, model.params, self.kv, *args, attention="jnp")
+            out = self._run_decode("jnp", *args)
         self._attention_proven = True
         return out
+
+    def _run_decode(self, attention: str, *args: jax.Array) -> tuple[jax.Array, jax.Array]:
+        model = self.model
+        if self.layer_loop == "scan":
+            return decode_step(model.transformer, model.params, self.kv, *args, attention=attention)
+        if self._layer_ids is None:
+            self._layer_ids = [jax.device_put(np.int32(i), self.device) for i in range(model.cfg.num_layers)]
+        return decode_step_layerwise(model.transformer, model.params, self.layer_params, self._layer_ids, self.kv,
+                                     *args, attention=attention)
 
     # ---- postprocess ---------------------------------------------------------------------------
     def _sample(self, logits: jax.Array, reqs: list[Request]) -> list[int]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import jax
 import jax.numpy as jnp
@@ -72,13 +72,17 @@ class SparseDecoder:
     """Decode steps and prompt spills of sparse requests over the shared GPU cache (see module docstring)."""
 
     def __init__(self, model: Transformer, params: dict, plan: SparsePlan, config: PipelineConfig,
-                 pool: HostKVPool, num_gpu_blocks: int, device: jax.Device):
+                 pool: HostKVPool, num_gpu_blocks: int, device: jax.Device,
+                 split_weights: Callable[[], list[dict]] | None = None):
         c = model.cfg
         if config.solohead == "retrieval_head" and (config.retrieval_heads is None
                                                     or len(config.retrieval_heads) != plan.sparse_layers):
             raise ValueError(f"solohead='retrieval_head' needs retrieval_heads: one KV head per sparse layer "
                              f"({plan.sparse_layers}); calibrate them with sparse.calibrate_retrieval_head")
         self.model, self.params, self.plan, self.config = model, params, plan, config
+        # one weight pytree per layer, made on first use: by `split_weights` (the engine's, shared with its
+        # layer-wise dense step) or split here
+        self._split_weights = split_weights or (lambda: layer_ops.split_layers(params))
         self._layer_params: list[dict] | None = None
         self.pool = pool
         self.nb = num_gpu_blocks
@@ -98,7 +102,7 @@ class SparseDecoder:
         """One weight pytree per layer (see layer_ops), split on first use: it costs a second copy of the
         layer weights, so an engine that never decodes a sparse request never pays it."""
         if self._layer_params is None:
-            self._layer_params = layer_ops.split_layers(self.params)
+            self._layer_params = self._split_weights()
         return self._layer_params
 
     @property

@@ -1,6 +1,14 @@
 """Jitted model steps over the paged cache: one prefill chunk of one request, one decode step of a batch.
 
-Both donate the cache, so the per-layer K/V writes update it in place. The model (a frozen, hashable
+A decode step runs its layers one of two ways (`EngineConfig.layer_loop`): `decode_step` is one jitted call
+that scans the layers over the stacked weights; `decode_step_layerwise` dispatches one jitted call per layer
+with that layer's own weight arrays (`layer_ops.split_layers`), as the sparse pipeline does. A scan reads
+layer i's weights by slicing the stacked arrays, which XLA may materialise as a copy of the layer's weights
+every step (on CPU it does: `layer_ops` measured 0.31 vs 0.89 ms for one MLP block); the layer-wise loop
+never slices, at the price of one dispatch per layer. Which is faster on a GPU is measured by
+`bench/dense_decode.py --layer-loop scan,layerwise`.
+
+All steps donate the cache, so the per-layer K/V writes update it in place. The model (a frozen, hashable
 `Transformer`) is a static argument: engines over equal configs share compiled code. Shapes are
 bucketed by the caller (batch and block-table width to powers of two, prefill chunks to powers of two
 up to the chunk size) so the number of compiled variants stays small.
@@ -14,7 +22,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from models.rope import rope_tables
 from models.transformer import Transformer
+from pulseinfer_jax import layer_ops
 from pulseinfer_jax.attention import (
     chunked_prefill_attention,
     paged_decode_attention,
@@ -64,6 +74,30 @@ def _decode_step(
     return kv, model.logits(params, x[:, 0])
 
 
+def _decode_layer(
+    model: Transformer,
+    lp: dict,
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    x: Float[Array, "B 1 D"],
+    positions: Int[Array, " B"],
+    block_tables: Int[Array, "B MB"],
+    layer: Int[Array, ""],
+    *,
+    attention: str = "jnp",
+) -> tuple[Array, Float[Array, "B 1 D"]]:
+    """Layer `layer` of `_decode_step`, with that layer's own weights `lp` (one compile serves every layer)."""
+    lengths = positions + 1
+    attend_fn = DECODE_ATTENTION[attention]
+    cos, sin = rope_tables(model.cfg, positions[:, None])
+
+    def attend(q, k, v, cache):
+        cache = write_decode_kv(cache, layer, k[:, 0], v[:, 0], block_tables, positions)
+        return attend_fn(q[:, 0], cache, layer, block_tables, lengths)[:, None], cache
+
+    x, kv = model.layer(lp, x, cos, sin, attend, kv)
+    return kv, x
+
+
 def _prefill_step(
     model: Transformer,
     params: dict,
@@ -111,6 +145,18 @@ def decode_step(model: Transformer, params: dict, kv: jax.Array, *args: jax.Arra
                 attention: str = "jnp") -> tuple[Array, Array]:
     """See `_decode_step`; compiled for the platform the cache lives on."""
     return _compiled(_decode_step, _platform(kv))(model, params, kv, *args, attention=attention)
+
+
+def decode_step_layerwise(model: Transformer, params: dict, layer_params: list[dict], layer_ids: list[jax.Array],
+                          kv: jax.Array, tokens: jax.Array, positions: jax.Array, block_tables: jax.Array, *,
+                          attention: str = "jnp") -> tuple[Array, Array]:
+    """`decode_step` driven layer by layer from Python (asynchronous dispatch): the same arithmetic, each layer
+    with its own weights `layer_params[i]` and index `layer_ids[i]` (an int32 scalar on the device)."""
+    layer = _compiled(_decode_layer, _platform(kv))
+    x = layer_ops.embed(model, params, tokens)
+    for lp, idx in zip(layer_params, layer_ids, strict=True):
+        kv, x = layer(model, lp, kv, x, positions, block_tables, idx, attention=attention)
+    return kv, layer_ops.logits(model, params, x)
 
 
 def prefill_step(model: Transformer, params: dict, kv: jax.Array, *args: jax.Array,

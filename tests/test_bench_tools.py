@@ -107,7 +107,7 @@ def test_synthetic_prefill_offloads_the_same_kv_dense_would_hold(tiny4):
         list(eng.step())  # admit + the whole synthetic prefill in one step
         assert r.prefilled == len(prompt)
     kv = np.asarray(dense.kv)
-    host = np.asarray(off.host_pool.pool)  # [Ls, rows, 2, bs, Hkv, hd]
+    host = off.host_pool.contents()  # [Ls, rows, 2, bs, Hkv, hd]
     for j in range(blocks_for(len(prompt), 4) - 1):  # full blocks
         np.testing.assert_array_equal(host[:, ro.sparse.host_rows[j]], kv[2:, rd.blocks[j]])
 

@@ -76,6 +76,7 @@ def test_stats_fields(tiny):
         assert key in r.stats
     assert r.stats["prompt_tokens"] == 3 and r.stats["generated_tokens"] == 4 and len(r.token_ids) == 4
     assert r.stats["ttft_s"] > 0 and r.stats["tpot_s"] >= 0
+    assert r.stats["layer_loop"] == "scan" and r.stats["decode_attention"] == "jnp"  # the CPU defaults
 
 
 def test_positions_cap_generation():
@@ -153,6 +154,56 @@ def test_pallas_decode_step_logits_match_jnp(tiny):
     _, ref = decode_step(tiny.transformer, tiny.params, kv, *args, attention="jnp")
     _, got = decode_step(tiny.transformer, tiny.params, kv2, *args, attention="pallas")
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["jnp", "pallas"])
+def test_layerwise_decode_step_equals_scan(tiny, attention):
+    """decode_step_layerwise (one call per layer, per-layer weights) computes decode_step's logits and cache
+    writes; shuffled tables, a row exactly at a block boundary."""
+    import jax.numpy as jnp
+
+    from pulseinfer_jax import layer_ops
+    from pulseinfer_jax.kv_cache import CacheSpec
+    from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step
+
+    c = tiny.cfg
+    spec = CacheSpec(c.num_layers, 12, c.num_kv_heads, 8, c.head_dim, jnp.float32)
+    tables = jnp.asarray([[4, 9, 2, 0], [7, 1, 3, 0]], jnp.int32)  # shuffled, 0-padded
+    kv = spec.allocate()
+    rng = np.random.default_rng(1)
+    for row, n in ((0, 21), (1, 16)):
+        toks = jnp.asarray(rng.integers(3, c.vocab_size, 32), jnp.int32)
+        kv, _ = prefill_step(tiny.transformer, tiny.params, kv, toks, jnp.int32(0), jnp.int32(n), tables[row],
+                             key_chunk=32)
+    args = (jnp.asarray([5, 6], jnp.int32), jnp.asarray([21, 16], jnp.int32), tables)
+    kv2 = jnp.array(kv)
+    kv_ref, ref = decode_step(tiny.transformer, tiny.params, kv, *args, attention=attention)
+    ids = [jnp.int32(i) for i in range(c.num_layers)]
+    kv_got, got = decode_step_layerwise(tiny.transformer, tiny.params, layer_ops.split_layers(tiny.params), ids,
+                                        kv2, *args, attention=attention)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    kv_got, kv_ref = np.asarray(kv_got), np.asarray(kv_ref)
+    np.testing.assert_allclose(kv_got, kv_ref, atol=1e-5, rtol=1e-5)
+    written = np.zeros(kv_ref.shape, bool)
+    written[:, 2, :, 5] = written[:, 3, :, 0] = True  # position 21 -> block 2 slot 5; 16 -> block 3 slot 0
+    assert (kv_got[written] != 0).all()
+    np.testing.assert_array_equal(kv_got[~written], kv_ref[~written])  # nothing else touched
+    assert kv2.is_deleted()  # the cache was donated, as in the scan step
+
+
+def test_engine_layer_loop_layerwise_same_tokens_as_scan(tiny):
+    prompts = _prompts(3, tiny.cfg.vocab_size, seed=5)
+    kw = dict(max_new_tokens=6, ignore_eos=True)
+    scan = Engine(tiny, EngineConfig(block_size=8, prefill_chunk=16))
+    assert scan.layer_loop == "scan"  # auto off-GPU
+    ref = generate_long(prompts, scan, **kw, engine_config=scan.config)
+    eng = Engine(tiny, EngineConfig(block_size=8, prefill_chunk=16, layer_loop="layerwise"))
+    got = generate_long(prompts, eng, **kw, engine_config=eng.config)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert eng.layer_loop == "layerwise" and len(eng.layer_params) == tiny.cfg.num_layers
+    assert scan._layer_params is None  # the scan engine never split the weights
+    with pytest.raises(ValueError, match="layer_loop='unrolled'; use one of auto, scan, layerwise"):
+        EngineConfig(layer_loop="unrolled")
 
 
 def test_decode_attention_auto_resolution():

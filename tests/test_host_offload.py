@@ -1,20 +1,22 @@
-"""host_offload: pinned host pool transfers (bit-exact, counted), slot cache LRU, per-request block roles."""
+"""host_offload: host pool transfers of both I/O backends (bit-exact, counted), the backend probe, slot cache
+LRU, per-request block roles."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from host_offload.host_pool import HostKVPool
+from host_offload import host_pool as host_pool_mod
+from host_offload.host_pool import NULL_ROW, HostKVPool, probe_host_io
 from host_offload.placement import SparseKV, SparsePlan
 from host_offload.slot_cache import SlotCache
 
 L, NB, BS, HKV, HD = 4, 9, 4, 2, 8
 
 
-def _pool(rows=12, first_layer=1, dtype=jnp.float32):
+def _pool(rows=12, first_layer=1, dtype=jnp.float32, io="xla"):
     return HostKVPool(num_rows=rows, first_layer=first_layer, num_layers=L, block_size=BS, num_kv_heads=HKV,
-                      head_dim=HD, dtype=dtype, device=jax.devices()[0])
+                      head_dim=HD, dtype=dtype, device=jax.devices()[0], io=io)
 
 
 def _kv(seed, dtype=np.float32):
@@ -23,10 +25,15 @@ def _kv(seed, dtype=np.float32):
     return kv
 
 
+@pytest.mark.parametrize("io", ["xla", "numpy"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_host_pool_round_trip_bit_exact(dtype):
-    pool = _pool(dtype=dtype)
-    assert pool.pool.sharding.memory_kind == "pinned_host"
+def test_host_pool_round_trip_bit_exact(dtype, io):
+    pool = _pool(dtype=dtype, io=io)
+    assert pool.io_name == io
+    if io == "xla":
+        assert pool.pool.sharding.memory_kind == "pinned_host"
+    else:
+        assert isinstance(pool.pool, np.ndarray)
     kv_np = _kv(0).astype(dtype)
     kv = jnp.asarray(kv_np)
     rows = pool.allocate(3, owner=5)
@@ -51,9 +58,38 @@ def test_host_pool_round_trip_bit_exact(dtype):
     assert pool.h2d_copies == 1 + 1 + 3
     assert pool.h2d_bytes == 3 * pool.layer_block_bytes + 2 * 3 * pool.unit_bytes
     assert pool.unit_bytes * HKV == pool.layer_block_bytes
+    # a later write-back of the same row wins, and a write is visible to the very next gather
+    kv2 = jnp.asarray(_kv(1).astype(dtype))
+    pool.write_back(kv2, [3], [rows[1]])
+    np.testing.assert_array_equal(np.asarray(pool.gather_blocks(2, [rows[1]]))[0].view(np.uint8),
+                                  np.asarray(kv2)[3, 3].view(np.uint8))
+    assert not pool.contents()[:, NULL_ROW].any()  # padding never lands in the null row's data
+
+
+@pytest.mark.parametrize("io", ["xla", "numpy"])
+def test_probe_host_io_passes_where_the_backend_works(io):
+    assert probe_host_io(jax.devices()[0], block_size=BS, num_kv_heads=HKV, head_dim=HD, dtype=jnp.bfloat16,
+                         io=io) is None
+
+
+def test_probe_host_io_reports_failures_and_wrong_bits(monkeypatch):
+    dev = jax.devices()[0]
+    kw = dict(block_size=BS, num_kv_heads=HKV, head_dim=HD, dtype=jnp.float32)
+
+    def boom(*a, **k):
+        raise RuntimeError("UNIMPLEMENTED: host compute\nsecond line")
+
+    monkeypatch.setattr(host_pool_mod.XlaHostIO, "stage_units", boom)
+    assert probe_host_io(dev, **kw) == "RuntimeError: UNIMPLEMENTED: host compute"
+    monkeypatch.undo()
+    real = host_pool_mod.NumpyHostIO.stage_blocks
+    monkeypatch.setattr(host_pool_mod.NumpyHostIO, "stage_blocks", lambda self, *a: real(self, *a)[::-1].copy())
+    assert probe_host_io(dev, io="numpy", **kw) == f"gather_blocks returned wrong values on {dev.platform}"
 
 
 def test_host_pool_rows_and_errors():
+    with pytest.raises(ValueError, match="io='cuda'; use one of xla, numpy"):
+        _pool(io="cuda")
     pool = _pool(rows=4)
     rows = pool.allocate(3, owner=1)
     assert 0 not in rows

@@ -1,5 +1,6 @@
 """bench/io_sweep.py and bench/plots.py: row accounting, every mode measured, the paths move the same bits."""
 
+import dataclasses
 import json
 
 import jax
@@ -15,9 +16,11 @@ TINY = SweepConfig(min_bytes=256, max_bytes=2048, volume=4096, max_copies=8, rep
 DEV = jax.devices()[0]
 
 
-def test_sweep_rows_account_bytes_and_cover_every_mode():
+@pytest.mark.parametrize("host_io", ["xla", "numpy"])
+def test_sweep_rows_account_bytes_and_cover_every_mode(host_io):
     snapshots = []
-    out = io_sweep.sweep(TINY, DEV, list(io_sweep.RUNNABLE), lambda rows: snapshots.append(len(rows)))
+    cfg = dataclasses.replace(TINY, host_io=host_io)
+    out = io_sweep.sweep(cfg, DEV, list(io_sweep.RUNNABLE), lambda rows: snapshots.append(len(rows)))
     rows = out["rows"]
     assert out["paths_agree"] is True
     assert {r["mode"] for r in rows} == set(io_sweep.MODES)
@@ -47,20 +50,21 @@ def test_sweep_rows_account_bytes_and_cover_every_mode():
     assert [r["transfer_bytes"] for r in by["device_copy"]] == [4096, 16384]
 
 
-def _tiny_pool(rows=9):
-    pool, data = io_sweep.make_pool(TINY, DEV, rows)
+def _tiny_pool(rows=9, host_io="xla"):
+    pool, data = io_sweep.make_pool(dataclasses.replace(TINY, host_io=host_io), DEV, rows)
     data[0, 3, 1, 2, 1, 5] = np.nan  # NaN payloads must survive every path
-    pool.pool = jax.device_put(data, pool.host)
+    pool.load(data)
     return pool, data
 
 
-def test_coalesced_moves_the_same_bits_as_per_block():
-    pool, data = _tiny_pool()
+@pytest.mark.parametrize("host_io", ["xla", "numpy"])
+def test_coalesced_moves_the_same_bits_as_per_block(host_io):
+    pool, data = _tiny_pool(host_io=host_io)
     rows = [int(r) for r in np.random.default_rng(1).permutation(np.arange(1, 9))]  # shuffled, all rows
     coalesced = np.asarray(pool.gather_blocks(0, rows))  # [8, 2, bs, Hkv, hd]: one copy
     per_block = np.stack([np.asarray(pool.gather_blocks(0, [r]))[0] for r in rows])  # 8 copies
-    host = io_sweep.host_sharding(DEV)  # per_block mode's way: Python device_put of host slices
-    python = np.stack([np.asarray(jax.device_put(jax.device_put(data[0, r], host), pool.dev)) for r in rows])
+    # per_block mode's way: host slices in the backend's memory, one Python device_put each
+    python = np.stack([np.asarray(pool.to_device(pool.io.load(data[0, r]))) for r in rows])
     assert coalesced.shape == per_block.shape == (8, 2, 4, 2, 8)
     assert np.isnan(coalesced).any()
     np.testing.assert_array_equal(coalesced.view(np.uint8), per_block.view(np.uint8))
@@ -78,12 +82,15 @@ def test_check_paths_agree_catches_a_wrong_bit():
         io_sweep.check_paths_agree(pool, bad, [2, 5], [0, 1])
 
 
-def test_main_writes_partial_then_complete_json(tmp_path):
+@pytest.mark.parametrize("host_io", ["auto", "numpy"])
+def test_main_writes_partial_then_complete_json(tmp_path, host_io):
     args = ["--max-bytes", "8192", "--volume", "16384", "--max-copies", "4", "--repeats", "1",
-            "--modes", "per_block,coalesced", "--out", str(tmp_path)]
+            "--modes", "per_block,coalesced", "--out", str(tmp_path), "--host-io", host_io]
     assert io_sweep.main(args) == 0
-    data = json.loads((tmp_path / f"io_sweep_{DEV.platform}.json").read_text())
+    suffix = "_numpy" if host_io == "numpy" else ""
+    data = json.loads((tmp_path / f"io_sweep_{DEV.platform}{suffix}.json").read_text())
     assert data["kind"] == "io_sweep" and data["complete"] is True
+    assert data["host_io"] == ("xla" if host_io == "auto" else "numpy")
     assert data["pcie_meaningful"] is (DEV.platform == "gpu")
     assert {r["mode"] for r in data["rows"]} == {"per_block", "coalesced", "coalesced_host_gather", "coalesced_copy"}
     assert "machine" in data and "date" in data

@@ -21,6 +21,8 @@ def _prompts(vocab, lengths=(61, 38, 47), seed=0):
     ("tiny", dict(dense_layers=1)),
     ("tiny4", dict(dense_layers=2)),
     ("tiny4", dict(dense_layers=2, selection="headwise", io="fragmented", recall="sync", micro_batches=1)),
+    ("tiny4", dict(dense_layers=2, host_io="numpy", micro_batches=2)),
+    ("tiny4", dict(dense_layers=2, host_io="numpy", selection="headwise", io="fragmented")),
 ])
 def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extra):
     """Budget covering the whole context: same greedy tokens as dense, logits within 1e-5 (f32) of the logit
@@ -48,15 +50,17 @@ def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extr
         assert s["written_back_blocks"] > 0 and s["reused_blocks"] > 0
 
 
-@pytest.mark.parametrize("selection", ["solohead", "headwise"])
-def test_offloaded_sparse_equals_on_device_sparse(tiny4, selection):
+@pytest.mark.parametrize("selection,host_io", [("solohead", "xla"), ("headwise", "xla"), ("solohead", "numpy")])
+def test_offloaded_sparse_equals_on_device_sparse(tiny4, selection, host_io):
     """Same selection with the KV offloaded and with every block on the GPU: token for token, while the
     budget (6 of up to 22 blocks) really drops blocks."""
     prompts = _prompts(tiny4.cfg.vocab_size)
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, selection=selection)
     dev = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True,
                         engine_config=EngineConfig(**kw, offload_placement="device"))
-    host = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True, engine_config=EngineConfig(**kw))
+    host = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True,
+                         engine_config=EngineConfig(**kw, host_io=host_io))
+    assert all(r.stats["host_io"] == host_io for r in host)
     assert [r.token_ids for r in host] == [r.token_ids for r in dev]
     assert all(r.stats["offloaded"] and r.stats["recall_bytes"] > 0 for r in host)
     assert all(not r.stats["offloaded"] and r.stats["recall_bytes"] == 0 for r in dev)
@@ -76,13 +80,14 @@ def _run_until_last_token(engine, prompts, max_new):
     return reqs
 
 
-def test_host_pool_holds_what_the_gpu_would(tiny4):
+@pytest.mark.parametrize("host_io", ["xla", "numpy"])
+def test_host_pool_holds_what_the_gpu_would(tiny4, host_io):
     """After a long sparse generation, every block that left the GPU window is in the host pool, equal to what
     on-device sparse decoding (same tokens, every block kept on the GPU) holds for it (to f32 rounding: the
     host path splits attention into resident + recalled partials and merges them)."""
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(45, 30))
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, micro_batches=2)
-    host = Engine(tiny4, EngineConfig(**kw))
+    host = Engine(tiny4, EngineConfig(**kw, host_io=host_io))
     dev = Engine(tiny4, EngineConfig(**kw, offload_placement="device"))
     hreqs = _run_until_last_token(host, prompts, 40)
     dreqs = _run_until_last_token(dev, prompts, 40)
@@ -250,3 +255,36 @@ def test_retrieval_head_calibration_and_decode(tiny4):
     b = generate_long([prompt[:60]], tiny4, max_new_tokens=12, ignore_eos=True,
                       engine_config=EngineConfig(**cfg, offload_placement="device"))
     assert a[0].token_ids == b[0].token_ids and a[0].stats["recall_bytes"] > 0
+
+
+def test_auto_host_io_falls_back_to_numpy_when_the_probe_fails(tiny4, monkeypatch):
+    """On a GPU, host_io="auto" probes the pinned-host (xla) transfers once; if they fail there, the engine
+    warns, moves the host pool to numpy and still decodes the same tokens (emulated: on_gpu forced, probe
+    failing)."""
+    from host_offload import host_pool
+
+    prompts = _prompts(tiny4.cfg.vocab_size, lengths=(45, 30))
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, h2d_bytes_per_s=16e9)
+    want = generate_long(prompts, tiny4, max_new_tokens=12, ignore_eos=True, engine_config=EngineConfig(**kw))
+    calls = []
+
+    def failing_probe(device, **kw):
+        calls.append(kw)
+        return "RuntimeError: no host compute here"
+
+    monkeypatch.setattr(host_pool, "probe_host_io", failing_probe)
+    monkeypatch.setattr(Engine, "on_gpu", property(lambda self: True))
+    eng = Engine(tiny4, EngineConfig(**kw))
+    with pytest.warns(RuntimeWarning, match="no host compute here.*host_io='numpy'"):
+        got = generate_long(prompts, eng, max_new_tokens=12, ignore_eos=True, engine_config=eng.config)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert eng.host_io == "numpy" and eng.host_pool.io_name == "numpy"
+    assert eng.layer_loop == "layerwise" and eng.sparse.layer_params is eng.layer_params  # one split, shared
+    assert all(r.stats["host_io"] == "numpy" and r.stats["recall_bytes"] > 0 for r in got)
+    assert len(calls) == 1 and calls[0]["dtype"] == tiny4.dtype  # probed once, in the KV dtype
+    generate_long(prompts, eng, max_new_tokens=4, ignore_eos=True, engine_config=eng.config)
+    assert len(calls) == 1  # not again for the next run of the same engine
+    # configured explicitly: no probe
+    eng2 = Engine(tiny4, EngineConfig(**kw, host_io="xla"))
+    generate_long(prompts[:1], eng2, max_new_tokens=4, ignore_eos=True, engine_config=eng2.config)
+    assert len(calls) == 1 and eng2.host_pool.io_name == "xla"

@@ -1,0 +1,93 @@
+"""Host I/O backend "numpy": the pool is a numpy array in ordinary (pageable) host RAM.
+
+The fallback where the "xla" backend (pinned_host memory + XLA host computations) does not compile or run
+on a device: the same transfers, counted the same way, through the most portable JAX calls there are.
+
+  - write_back: one gather of the blocks on the device, `copy_to_host_async()` (one device-to-host copy),
+    queued; queued writes land in the numpy pool (numpy assignment) before the next read of the pool, so a
+    block written back this step can be recalled this step.
+  - stage_blocks / stage_units: numpy fancy indexing gathers the selected blocks into one fresh contiguous
+    staging array; `to_device`: ONE `jax.device_put` of it (PJRT copies pageable memory through its own
+    pinned bounce buffer: expect a lower bandwidth than from pinned memory, which `bench/io_sweep.py
+    --host-io` measures).
+  - fragment_units: one `jax.device_put` per (block, head) unit, stacked on the device.
+
+Every staging array is freshly allocated and never written again: on the CPU backend `device_put` of a numpy
+array may alias its memory, so nothing handed to it may change afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from host_offload.memory import device_sharding
+
+MAX_QUEUED_WRITES = 64  # queued write-backs are landed at the latest after this many (bounds their memory)
+
+
+class NumpyHostIO:
+    name = "numpy"
+
+    def __init__(self, device: jax.Device, first_layer: int):
+        self.dev = device_sharding(device)
+        self._stage_on_device = _device_gather(first_layer)
+        self._queued: list[tuple[jax.Array, np.ndarray, np.ndarray]] = []  # (staged [Ls, n, ...], rows, pool)
+
+    # ---- storage -------------------------------------------------------------------------------
+    def zeros(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        return np.zeros(shape, jnp.dtype(dtype))  # calloc: pages are touched only when written
+
+    def load(self, data: np.ndarray) -> np.ndarray:
+        self._queued.clear()
+        return np.array(data, copy=True)
+
+    def to_numpy(self, pool: np.ndarray) -> np.ndarray:
+        self.land()
+        return pool
+
+    def land(self) -> None:
+        """Write every queued write-back into its pool (waits for their device-to-host copies)."""
+        queued, self._queued = self._queued, []
+        for staged, rows, pool in queued:
+            pool[:, rows] = np.asarray(staged)[:, : len(rows)]
+
+    # ---- transfers -----------------------------------------------------------------------------
+    def write_back(self, pool: Float[np.ndarray, "Ls R 2 bs Hkv hd"], kv: Float[Array, "L NB 2 bs Hkv hd"],
+                   blocks: np.ndarray, rows: np.ndarray, count: int) -> np.ndarray:
+        """blocks / rows: [n] int32 padded past `count` (padding is not written)."""
+        staged = self._stage_on_device(kv, jnp.asarray(blocks))  # [Ls, n, 2, bs, Hkv, hd] on the device
+        staged.copy_to_host_async()
+        self._queued.append((staged, np.array(rows[:count]), pool))
+        if len(self._queued) >= MAX_QUEUED_WRITES:
+            self.land()
+        return pool
+
+    def stage_blocks(self, pool: np.ndarray, layer: int, rows: np.ndarray) -> np.ndarray:
+        self.land()
+        return pool[layer][rows]  # [n, 2, bs, Hkv, hd], a fresh contiguous array
+
+    def stage_units(self, pool: np.ndarray, layer: int, rows: np.ndarray, heads: np.ndarray) -> np.ndarray:
+        self.land()
+        return pool[layer][rows, :, :, heads]  # [n, 2, bs, hd], a fresh contiguous array
+
+    def to_device(self, staging: np.ndarray) -> Array:
+        return jax.device_put(staging, self.dev)
+
+    def fragment_units(self, pool: np.ndarray, layer: int, rows: np.ndarray, heads: np.ndarray,
+                       count: int) -> Float[Array, "n 2 bs hd"]:
+        self.land()
+        units = [jax.device_put(np.array(pool[layer, r, :, :, h], copy=True), self.dev)
+                 for r, h in zip(rows[:count], heads[:count], strict=True)]  # one copy per unit
+        if len(rows) > count:
+            units += [jnp.zeros(pool.shape[2:4] + pool.shape[5:], pool.dtype, device=self.dev)] * (len(rows) - count)
+        return jnp.stack(units)
+
+
+@functools.cache
+def _device_gather(first_layer: int):
+    return jax.jit(lambda kv, blocks: kv[first_layer:, blocks])
