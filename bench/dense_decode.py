@@ -33,7 +33,7 @@ from bench.common import write_result  # noqa: E402
 
 def step_times(model, ctx: int, batch: int, steps: int, block_size: int, attention: str = "jnp",
                layer_loop: str = "scan", split: list[dict] | None = None) -> dict:
-    """split: the per-layer weights (layer_ops.split_layers) for layer_loop="layerwise"."""
+    """split: the per-layer weights (LoadedModel.layer_params) for layer_loop="layerwise"."""
     from pulseinfer_jax.kv_cache import CacheSpec, blocks_for, bucket
     from pulseinfer_jax.runner import decode_step, decode_step_layerwise
 
@@ -120,9 +120,7 @@ def main() -> int:
     loops = args.layer_loop.split(",")
     split = None
     if "layerwise" in loops:
-        from pulseinfer_jax.layer_ops import split_layers
-
-        split = jax.block_until_ready(split_layers(model.params))
+        split = jax.block_until_ready(model.layer_params)
     grid = []
     for ctx in map(int, args.contexts.split(",")):  # contexts outermost: a timeout keeps every variant of the first
         for b in map(int, args.batches.split(",")):

@@ -10,6 +10,7 @@ Specs:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 from collections.abc import Iterator, Mapping
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.presets import PRESETS
-from models.transformer import Transformer, resolve_dtype
+from models.transformer import Transformer, resolve_dtype, split_layers
 from models.weights import CheckpointError, params_from_hf
 
 if TYPE_CHECKING:
@@ -38,6 +39,12 @@ class LoadedModel:
     @property
     def transformer(self) -> Transformer:
         return Transformer(self.cfg, self.dtype)
+
+    @functools.cached_property
+    def layer_params(self) -> list[dict]:
+        """One weight pytree per layer (`split_layers`), made on first use and kept: every engine over this
+        model that runs layer by layer shares it. Costs a second copy of the layer weights."""
+        return split_layers(self.params)
 
 
 class _SafetensorsDir(Mapping[str, Any]):

@@ -3,8 +3,8 @@
 Params pytree (arrays; `L` = num_layers):
     {"embedder": {"embed": {"embedding": [V, D]}, "final_norm": {"weight": [D]}, "lm_head"?: {"kernel": [D, V]}},
      "layers": {"wq": {"kernel": [L, D, Hq*hd], "bias"?: [L, Hq*hd]}, ..., "attn_norm": {"weight": [L, D]}, ...}}
-Stacking lets the dense step scan over layers (one compiled layer body, fast compiles) and lets the
-layer-wise offload driver slice layer i.
+Stacking lets the dense step scan over layers (one compiled layer body, fast compiles); the layer-wise
+drivers use `split_layers` (one pytree per layer, so no call slices weights out of the stack).
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ from models.qwen3 import Qwen3DecoderLayer
 from models.rope import rope_tables
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def split_layers(params: dict) -> list[dict]:
+    """The stacked layer weights as one pytree per layer (copies: a second copy of the layer weights)."""
+    n = jax.tree.leaves(params["layers"])[0].shape[0]
+    return [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(n)]
 
 
 def resolve_dtype(dtype: str | Any) -> Any:

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.loading import LoadedModel
-from pulseinfer_jax import layer_ops
 from pulseinfer_jax.config import EngineConfig, resolve_decode_attention
 from pulseinfer_jax.ioaa import IOAAConfig
 from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for, bucket
@@ -58,7 +57,6 @@ class Engine:
         self.layer_loop = config.layer_loop
         if self.layer_loop == "auto":
             self.layer_loop = "layerwise" if self.on_gpu else "scan"
-        self._layer_params: list[dict] | None = None
         self._layer_ids: list[jax.Array] | None = None
         self._attention_proven = self.decode_attention == "jnp"  # pallas: not yet compiled in this engine
         self._bars: dict = {}
@@ -79,12 +77,10 @@ class Engine:
     # ---- KV pool -------------------------------------------------------------------------------
     @property
     def layer_params(self) -> list[dict]:
-        """One weight pytree per layer (layer_ops.split_layers), split on first use and shared by the layer-wise
-        dense step and the sparse pipeline: a second copy of the layer weights, paid only by engines that run
-        layer by layer."""
-        if self._layer_params is None:
-            self._layer_params = layer_ops.split_layers(self.model.params)
-        return self._layer_params
+        """The model's per-layer weights (LoadedModel.layer_params, split on first use), read by the layer-wise
+        dense step and the sparse pipeline: a second copy of the layer weights, paid only when a step runs layer
+        by layer, and once per model however many engines use it."""
+        return self.model.layer_params
 
     def _spec(self, num_blocks: int) -> CacheSpec:
         c = self.model.cfg

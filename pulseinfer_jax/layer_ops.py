@@ -37,12 +37,6 @@ def _flat(kv: Array) -> Array:
     return kv.reshape(kv.shape[0] * kv.shape[1], *kv.shape[2:])
 
 
-def split_layers(params: dict) -> list[dict]:
-    """The stacked layer weights as one pytree per layer (copies: the caller keeps them for the run)."""
-    n = jax.tree.leaves(params["layers"])[0].shape[0]
-    return [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(n)]
-
-
 def _attend(attention: str, q: Array, kv: Array, ids: Array, lens: Array) -> Partial:
     fn = sparse_decode_attention if attention == "pallas" else sparse_decode_attention_reference
     return fn(q, _flat(kv), ids, lens)

@@ -43,7 +43,7 @@ import numpy as np
 
 from host_offload.host_pool import HostKVPool
 from host_offload.placement import SparseKV, SparsePlan
-from models.transformer import Transformer
+from models.transformer import Transformer, split_layers
 from pulseinfer_jax import layer_ops
 from pulseinfer_jax.kv_cache import blocks_for, bucket
 
@@ -82,7 +82,7 @@ class SparseDecoder:
         self.model, self.params, self.plan, self.config = model, params, plan, config
         # one weight pytree per layer, made on first use: by `split_weights` (the engine's, shared with its
         # layer-wise dense step) or split here
-        self._split_weights = split_weights or (lambda: layer_ops.split_layers(params))
+        self._split_weights = split_weights or (lambda: split_layers(params))
         self._layer_params: list[dict] | None = None
         self.pool = pool
         self.nb = num_gpu_blocks

@@ -2,7 +2,7 @@
 
 A decode step runs its layers one of two ways (`EngineConfig.layer_loop`): `decode_step` is one jitted call
 that scans the layers over the stacked weights; `decode_step_layerwise` dispatches one jitted call per layer
-with that layer's own weight arrays (`layer_ops.split_layers`), as the sparse pipeline does. A scan reads
+with that layer's own weight arrays (`models.transformer.split_layers`), as the sparse pipeline does. A scan reads
 layer i's weights by slicing the stacked arrays, which XLA may materialise as a copy of the layer's weights
 every step (on CPU it does: `layer_ops` measured 0.31 vs 0.89 ms for one MLP block); the layer-wise loop
 never slices, at the price of one dispatch per layer. Which is faster on a GPU is measured by

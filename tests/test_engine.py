@@ -162,7 +162,7 @@ def test_layerwise_decode_step_equals_scan(tiny, attention):
     writes; shuffled tables, a row exactly at a block boundary."""
     import jax.numpy as jnp
 
-    from pulseinfer_jax import layer_ops
+    from models.transformer import split_layers
     from pulseinfer_jax.kv_cache import CacheSpec
     from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step
 
@@ -179,7 +179,7 @@ def test_layerwise_decode_step_equals_scan(tiny, attention):
     kv2 = jnp.array(kv)
     kv_ref, ref = decode_step(tiny.transformer, tiny.params, kv, *args, attention=attention)
     ids = [jnp.int32(i) for i in range(c.num_layers)]
-    kv_got, got = decode_step_layerwise(tiny.transformer, tiny.params, layer_ops.split_layers(tiny.params), ids,
+    kv_got, got = decode_step_layerwise(tiny.transformer, tiny.params, split_layers(tiny.params), ids,
                                         kv2, *args, attention=attention)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-5)
     kv_got, kv_ref = np.asarray(kv_got), np.asarray(kv_ref)
@@ -201,7 +201,7 @@ def test_engine_layer_loop_layerwise_same_tokens_as_scan(tiny):
     got = generate_long(prompts, eng, **kw, engine_config=eng.config)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     assert eng.layer_loop == "layerwise" and len(eng.layer_params) == tiny.cfg.num_layers
-    assert scan._layer_params is None  # the scan engine never split the weights
+    assert Engine(tiny, eng.config).layer_params is eng.layer_params is tiny.layer_params  # one split per model
     with pytest.raises(ValueError, match="layer_loop='unrolled'; use one of auto, scan, layerwise"):
         EngineConfig(layer_loop="unrolled")
 
