@@ -1,0 +1,67 @@
+"""bench/oracle_accuracy.py: its Quest re-implementation is the engine's, a budget covering everything is dense,
+the oracle keeps more attention than Quest, the script runs end to end."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench import oracle_accuracy as oa
+from pallas_kernels.block_scoring import block_scores_reference
+
+
+def test_quest_scores_beta_one_is_the_engines_bound():
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((5, 6, 16)), jnp.float32)  # [R, Hq, hd], 3 KV heads of 2
+    a, b = rng.standard_normal((2, 7, 3, 16))
+    kmin, kmax = jnp.asarray(np.minimum(a, b), jnp.float32), jnp.asarray(np.maximum(a, b), jnp.float32)
+    cand = jnp.tile(jnp.arange(7, dtype=jnp.int32), (5, 1))
+    want = block_scores_reference(q, kmin, kmax, cand)
+    np.testing.assert_allclose(oa._quest_scores(q, kmin, kmax, 1.0, False), want, rtol=1e-5, atol=1e-5)
+    per_head = block_scores_reference(q, kmin, kmax, cand, per_head=True)
+    np.testing.assert_allclose(oa._quest_scores(q, kmin, kmax, 1.0, True), per_head, rtol=1e-5, atol=1e-5)
+
+
+def test_parse_policy():
+    assert oa.parse_policy("quest-solohead:perhead:beta=0.5:temp=2") == (
+        "quest-solohead", {"perhead": True, "beta": 0.5, "temp": 2.0})
+    for bad in ("quest", "oracle-solohead:beta=1", "quest-headwise:perhead", "quest-solohead:gamma=1"):
+        with pytest.raises(ValueError):
+            oa.parse_policy(bad)
+
+
+def _rows(model, n_prompt=70, n_rows=12, seed=0):
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(3, model.cfg.vocab_size, n_prompt + n_rows).tolist()
+    k, v, first = oa.prompt_pass(model, toks[:n_prompt])
+    return k, v, first, jnp.asarray(toks[n_prompt:], jnp.int32), toks
+
+
+def test_full_budget_is_dense_and_the_prompt_pass_is_the_model(tiny4):
+    k, v, first, rows, toks = _rows(tiny4)
+    kw = dict(bs=4, sink=1, window=2, dense_layers=1)
+    dense = oa.rows_pass(tiny4.transformer, tiny4.params, k, v, rows, policy="dense", budget=1, **kw)
+    ref = tiny4.transformer.forward(tiny4.params, jnp.asarray(toks)[None])[0]  # plain causal forward
+    np.testing.assert_allclose(first, ref[69], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dense, ref[70:], rtol=1e-4, atol=1e-4)
+    for policy in ("quest-solohead", "oracle-headwise", "quest-solohead:perhead:beta=0.5"):
+        full = oa.rows_pass(tiny4.transformer, tiny4.params, k, v, rows, policy=policy, budget=32, **kw)
+        np.testing.assert_allclose(full, dense, rtol=1e-6, atol=1e-6)  # 32 blocks cover all 21 blocks
+        small = oa.rows_pass(tiny4.transformer, tiny4.params, k, v, rows, policy=policy, budget=4, **kw)
+        assert np.abs(np.asarray(small) - np.asarray(dense)).max() > 1e-3  # 4 of 18-21 blocks: it drops some
+
+
+def test_main_smoke_writes_json(tmp_path):
+    pytest.importorskip("gguf")
+    from models.default_model import ModelNotFoundError, default_model_path
+
+    try:
+        default_model_path()  # the smoke runs the embedded SmolLM2 (it needs a tokenizer and a text)
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    assert oa.main(["--smoke", "--out", str(tmp_path), "--policies", "quest-solohead,oracle-solohead"]) == 0
+    data = json.loads((tmp_path / "oracle_accuracy_smoke.json").read_text())
+    assert data["complete"] is True and [r["policy"] for r in data["results"]] == ["quest-solohead",
+                                                                                 "oracle-solohead"]
+    assert all(0 <= r["top1"] <= 1 and r["kl"] >= 0 for r in data["results"])
