@@ -8,8 +8,8 @@ Variants: dense, `headwise`, SoloHead `normalized_sum` and SoloHead `retrieval_h
 `pulseinfer_jax.calibration` on the evaluation text before its teacher-forced window, which comes from its
 end), each sparse one at every budget. All sparse runs are offloaded
 (the I/O path is exact, tests/test_offload.py), by default block size 16, 1 sink block, 64-token window, 2 dense
-layers (`--block-size`, `--sink-blocks`, `--window-tokens`, `--dense-layers`; `--no-passkey` runs the
-teacher-forced part only).
+layers (`--block-size`, `--sink-blocks`, `--window-tokens`, `--dense-layers`, `--score-beta` for the block
+scores' key-range weight; `--no-passkey` runs the teacher-forced part only).
 - passkey: the haystack of `pulseinfer_jax.demo.passkey_prompt` at each length and depth, greedy, 12 new
   tokens; found = the passkey's digits appear in the answer.
 - teacher-forced: `--tf-context` tokens of real text as the prompt, then the next `--tf-tokens` tokens fed
@@ -117,6 +117,7 @@ def main() -> int:
     ap.add_argument("--window-tokens", type=int, default=64)
     ap.add_argument("--sink-blocks", type=int, default=1)
     ap.add_argument("--dense-layers", type=int, default=2)
+    ap.add_argument("--score-beta", type=float, default=None, help="EngineConfig.score_beta (default: the engine's)")
     ap.add_argument("--no-passkey", action="store_true", help="teacher-forced agreement only (quick exploration)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="accuracy_cpu", help="result file name (bench/results/NAME.json)")
@@ -146,6 +147,8 @@ def main() -> int:
     depths = [float(x) for x in args.depths.split(",")]
     base = dict(block_size=args.block_size, sink_blocks=args.sink_blocks, window_tokens=args.window_tokens,
                 dense_layers=args.dense_layers, max_batch=8)
+    if args.score_beta is not None:
+        base["score_beta"] = args.score_beta
 
     runs = [("dense", None)] + [(v, int(b)) for b in args.budgets.split(",") for v in args.variants.split(",")]
     rows, dense_logits = [], None

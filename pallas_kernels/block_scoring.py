@@ -16,6 +16,16 @@ so a program first folds its G query rows into two [hd] vectors and then does on
 reduction over a gathered [TK, hd] tile of each bound: no matmul (so no TF32 and no >= 16 dot-shape rule),
 and the metadata, the only large operand, is read once per (sequence, KV head).
 
+`beta` (default 1) weighs the bound's optimism. Writing the bound with the block's key midpoint and half range,
+mid = (kmax + kmin) / 2, half = (kmax - kmin) / 2:
+
+    score_beta = sum_d q_d mid_d + beta |q_d| half_d          (beta = 1: the bound above; 0: q . mid)
+
+which is still two dot products, score = a . kmax + c . kmin with a = ((1+beta) q+ + (1-beta) q-) / 2 and
+c = ((1-beta) q+ + (1+beta) q-) / 2 (folded the same way; at beta = 1, a = q+ and c = q- exactly). A bound
+is an upper estimate of a block's best logit; SoloHead turns scores into estimated attention shares, where
+the full range overrates wide blocks (measured: beta 0.5 drops the KL to dense by 25-50%, bench/RESULTS.md).
+
 Kernel (Triton lowering through `pl.pallas_call`; ids are an ordinary input, no scalar prefetch):
     grid = (B, Hkv, Kp // TK)            Kp = K rounded up to the tile TK (a power of two)
     program (b, h, t):
@@ -48,6 +58,13 @@ from pallas_kernels.common import next_pow2, resolve_interpret, triton_params
 _TILE_ELEMS = 8192
 
 
+def _fold(qpos: Array, qneg: Array, beta: float) -> tuple[Array, Array]:
+    """(q+, q-) -> the weights (a, c) of kmax and kmin for score_beta (see the module docstring)."""
+    if beta == 1.0:
+        return qpos, qneg
+    return ((1 + beta) * qpos + (1 - beta) * qneg) * 0.5, ((1 - beta) * qpos + (1 + beta) * qneg) * 0.5
+
+
 def _block_scores_kernel(
     q_ref,  # [G, hd]      the query heads of one KV head group, any float dtype
     ids_ref,  # [TK]       int32 physical block ids of this candidate tile (-1 = padding)
@@ -58,6 +75,7 @@ def _block_scores_kernel(
     group: int,
     num_blocks: int,
     per_head: bool,
+    beta: float,
 ):
     ids = ids_ref[...]
     valid = (ids >= 0) & (ids < num_blocks)
@@ -66,7 +84,8 @@ def _block_scores_kernel(
     kmax = max_ref[safe].astype(jnp.float32)
 
     def bound(qpos, qneg):  # [hd], [hd] -> [TK]
-        s = jnp.sum(kmax * qpos[None, :] + kmin * qneg[None, :], axis=1)
+        a, c = _fold(qpos, qneg, beta)
+        s = jnp.sum(kmax * a[None, :] + kmin * c[None, :], axis=1)
         return jnp.where(valid, s, -jnp.inf)
 
     if per_head:
@@ -90,6 +109,7 @@ def _block_scores_pallas(
     *,
     tile_k: int,
     per_head: bool,
+    beta: float,
     num_warps: int,
     interpret: bool,
 ) -> Float[Array, "B Hkv R Kp"]:
@@ -99,7 +119,7 @@ def _block_scores_pallas(
     kp = cand_ids.shape[1]
     rows = g if per_head else 1
     q4 = q.reshape(b, hkv, g, hd)
-    kernel = functools.partial(_block_scores_kernel, group=g, num_blocks=nb, per_head=per_head)
+    kernel = functools.partial(_block_scores_kernel, group=g, num_blocks=nb, per_head=per_head, beta=beta)
     meta_spec = pl.BlockSpec((nb, None, hd), lambda i, h, t: (0, h, 0))
     return pl.pallas_call(
         kernel,
@@ -114,7 +134,7 @@ def _block_scores_pallas(
         out_shape=jax.ShapeDtypeStruct((b, hkv, rows, kp), jnp.float32),
         interpret=interpret,
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
-        name=f"block_scores_{tile_k=}_{per_head=}",
+        name=f"block_scores_{tile_k=}_{per_head=}",  # beta is folded into q: same kernel shape
     )(q4, cand_ids, meta_min, meta_max)
 
 
@@ -135,7 +155,12 @@ def _check_inputs(q: Array, meta_min: Array, meta_max: Array, cand_ids: Array) -
         raise ValueError(f"cand_ids must be an integer array of block ids (-1 = padding), got {cand_ids.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("per_head", "tile_k", "num_warps", "interpret"))
+def _check_beta(beta: float) -> None:
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta={beta!r} must be in [0, 1] (1 = Quest's upper bound, 0 = the block midpoint)")
+
+
+@functools.partial(jax.jit, static_argnames=("per_head", "beta", "tile_k", "num_warps", "interpret"))
 def block_scores(
     q: Float[Array, "B Hq hd"],
     meta_min: Float[Array, "NB Hkv hd"],
@@ -143,6 +168,7 @@ def block_scores(
     cand_ids: Int[Array, "B K"],
     *,
     per_head: bool = False,
+    beta: float = 1.0,
     tile_k: int | None = None,
     num_warps: int = 4,
     interpret: bool | None = None,
@@ -152,11 +178,12 @@ def block_scores(
     Returns float32 [B, Hkv, K] (group sums; the default) or [B, Hq, K] with `per_head=True` (one bound
     per query head; summing each group's G rows gives the default up to rounding). Requires
     meta_min <= meta_max element-wise on the listed rows (true by construction). Scores are raw q.k
-    bounds (no 1/sqrt(hd)). `tile_k` (a power of two, default 8192 // hd capped at 128) is the number of
-    candidates per program; the head dim must be a power of two on GPU (Triton loads need power-of-two
-    sizes).
+    bounds (no 1/sqrt(hd)); `beta` < 1 shrinks the key-range term (module docstring). `tile_k` (a power of
+    two, default 8192 // hd capped at 128) is the number of candidates per program; the head dim must be a
+    power of two on GPU (Triton loads need power-of-two sizes).
     """
     _check_inputs(q, meta_min, meta_max, cand_ids)
+    _check_beta(beta)
     interpret = resolve_interpret(interpret)
     b, hq, hd = q.shape
     k = cand_ids.shape[1]
@@ -170,7 +197,7 @@ def block_scores(
     tile_k = min(tile_k, next_pow2(max(k, 1)))
     kp = -(-max(k, 1) // tile_k) * tile_k
     ids = jnp.pad(cand_ids.astype(jnp.int32), ((0, 0), (0, kp - k)), constant_values=-1)
-    out = _block_scores_pallas(q, meta_min, meta_max, ids, tile_k=tile_k, per_head=per_head,
+    out = _block_scores_pallas(q, meta_min, meta_max, ids, tile_k=tile_k, per_head=per_head, beta=float(beta),
                                num_warps=num_warps, interpret=interpret)  # [B, Hkv, R, Kp]
     return out.reshape(b, -1, kp)[:, :, :k]
 
@@ -182,9 +209,12 @@ def block_scores_reference(
     cand_ids: Int[Array, "B K"],
     *,
     per_head: bool = False,
+    beta: float = 1.0,
 ) -> Float[Array, "B S K"]:
-    """Plain jnp: the literal formula sum_g sum_d max(q_d * kmax_d, q_d * kmin_d) on gathered rows."""
+    """Plain jnp: the literal formulas on gathered rows: sum_g sum_d max(q_d * kmax_d, q_d * kmin_d) at beta = 1,
+    else sum_g sum_d q_d mid_d + beta |q_d| half_d."""
     _check_inputs(q, meta_min, meta_max, cand_ids)
+    _check_beta(beta)
     b, hq, hd = q.shape
     nb, hkv, _ = meta_min.shape
     g = hq // hkv
@@ -193,7 +223,11 @@ def block_scores_reference(
     kmin = meta_min[safe].astype(jnp.float32)  # [B, K, Hkv, hd]
     kmax = meta_max[safe].astype(jnp.float32)
     q5 = q.astype(jnp.float32).reshape(b, 1, hkv, g, hd)  # [B, 1, Hkv, G, hd]
-    prod = jnp.maximum(q5 * kmax[:, :, :, None], q5 * kmin[:, :, :, None])  # [B, K, Hkv, G, hd]
+    if beta == 1.0:
+        prod = jnp.maximum(q5 * kmax[:, :, :, None], q5 * kmin[:, :, :, None])  # [B, K, Hkv, G, hd]
+    else:
+        mid, half = ((kmax + kmin) / 2)[:, :, :, None], ((kmax - kmin) / 2)[:, :, :, None]
+        prod = q5 * mid + beta * jnp.abs(q5) * half
     s = jnp.sum(prod, axis=-1)  # [B, K, Hkv, G]
     s = s.reshape(b, -1, hq) if per_head else jnp.sum(s, axis=-1)  # [B, K, S]
     s = jnp.where(valid[:, :, None], s, -jnp.inf)

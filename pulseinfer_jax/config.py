@@ -35,6 +35,9 @@ class EngineConfig:
     selection: str = "solohead"  # one block set per layer for all KV heads, or "headwise" (one per head)
     solohead: str = "normalized_sum"  # SoloHead aggregate, or "retrieval_head" (needs retrieval_heads)
     retrieval_heads: tuple[int, ...] | None = None  # KV head per sparse layer (sparse.calibrate_retrieval_head)
+    # block score = q.mid + score_beta * |q|.half of the block's key bounds: 1 = Quest's upper bound, 0 = the
+    # midpoint dot product (pallas_kernels/block_scoring.py; bench/RESULTS.md measures the choice)
+    score_beta: float = 1.0
     io: str = "coalesced"  # one gathered copy per layer and step, or "fragmented" (one per (block, head))
     recall: str = "interruptible"  # attend resident blocks while recall is in flight, or "sync" (wait first)
     # offloaded batch split; the driver runs whichever has its data ready. None = 2 on a GPU (a copy engine
@@ -114,6 +117,9 @@ class EngineConfig:
             raise ValueError(f"host_kv_tokens={self.host_kv_tokens} must be >= block_size={bs}")
         if self.h2d_bytes_per_s is not None and not self.h2d_bytes_per_s > 0:
             raise ValueError(f"h2d_bytes_per_s={self.h2d_bytes_per_s!r} must be > 0")
+        if isinstance(self.score_beta, bool) or not isinstance(self.score_beta, (int, float)) or \
+                not 0 <= self.score_beta <= 1:
+            raise ValueError(f"score_beta={self.score_beta!r} must be a number in [0, 1] (1 = Quest's bound)")
         if not 0 < self.ioaa_slack <= 1:
             raise ValueError(f"ioaa_slack={self.ioaa_slack!r} must be in (0, 1]")
 

@@ -169,7 +169,7 @@ class Engine:
                     self.sparse_attention = "jnp"
         mbs = cfg.micro_batches or (2 if self.on_gpu else 1)
         pcfg = PipelineConfig(io=cfg.io, recall=cfg.recall, micro_batches=mbs,
-                              attention=self.sparse_attention, solohead=cfg.solohead,
+                              attention=self.sparse_attention, solohead=cfg.solohead, score_beta=cfg.score_beta,
                               retrieval_heads=cfg.retrieval_heads)
         if self.sparse is None or self.sparse.plan != plan or self.sparse.nb != num_blocks:
             cls = self.decoder_class or SparseDecoder

@@ -92,7 +92,7 @@ def dense_layer(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "budget", "sink", "window", "mode", "solohead", "attention"),
+    static_argnames=("model", "budget", "sink", "window", "mode", "solohead", "attention", "beta"),
     donate_argnames=("kv",),
 )
 def sparse_pre(
@@ -115,6 +115,7 @@ def sparse_pre(
     mode: str,
     solohead: str,
     attention: str,
+    beta: float = 1.0,
 ) -> tuple[Array, Float[Array, "B Hq hd"], Int[Array, "B S N"]]:
     """A sparse layer up to attention: write the new token into its window block, score every candidate
     block from its key bounds (metadata rows `meta_offset + cand_rows`, -1 = none) and select.
@@ -123,7 +124,7 @@ def sparse_pre(
     kv, q = _qkv_and_write(model, lp, kv, x, positions, write_unit)
     cand = jnp.where(cand_rows >= 0, cand_rows + meta_offset, -1)
     score_fn = block_scores if attention == "pallas" else block_scores_reference
-    scores = score_fn(q, meta_min, meta_max, cand)  # [B, Hkv, K] group sums
+    scores = score_fn(q, meta_min, meta_max, cand, beta=beta)  # [B, Hkv, K] group sums
     c = model.cfg
     sel = select_blocks(scores, num_blocks, budget_blocks=budget, sink_blocks=sink, window_blocks=window, mode=mode,
                         solohead=solohead, retrieval_head=retrieval_head,

@@ -57,6 +57,7 @@ class PipelineConfig:
     micro_batches: int = 2
     attention: str = "jnp"  # "jnp" | "pallas"
     solohead: str = "normalized_sum"  # "normalized_sum" | "retrieval_head"
+    score_beta: float = 1.0  # weight of the key-range term of block scores (pallas_kernels/block_scoring.py)
     retrieval_heads: tuple[int, ...] | None = None  # per sparse layer, for solohead="retrieval_head"
 
 
@@ -262,7 +263,7 @@ class SparseDecoder:
                 model, lp, self.kv, self.meta_min, self.meta_max, jnp.int32(sl * self.pool.num_rows), x,
                 positions_d, jnp.asarray(write), cand_d, nblk_d, jnp.int32(rh), budget=p.budget_blocks,
                 sink=p.sink_blocks, window=p.window_blocks, mode=p.selection, solohead=cfg.solohead,
-                attention=cfg.attention)
+                attention=cfg.attention, beta=cfg.score_beta)
             yield "select", sel, None
             res, late, recall = self._plan_layer(np.asarray(sel), sparse, lengths, layer, sl)
             staging = self._issue_recall(sl, recall, sparse)

@@ -137,6 +137,39 @@ def test_block_scores_matches_reference_and_bounds_true_scores(bs, group, hd, k,
             assert (out[b, :, c] >= best.sum(-1) - slack.sum(-1)).all()
 
 
+@pytest.mark.parametrize("group,beta,per_head", [(2, 0.5, False), (3, 0.0, True), (1, 0.25, False)])
+def test_block_scores_beta_matches_reference_and_interpolates(group, beta, per_head):
+    """score_beta = q.mid + beta |q|.half: the kernel's folded form equals the literal reference; beta = 0 is the
+    midpoint dot product; the score grows with beta from it to Quest's bound (beta = 1, bit-identical to the
+    default call), and each beta < 1 score is at most the bound."""
+    q, meta_min, meta_max, cand, _ = _scoring_case(100 + group, 16, group, 64, 11)
+    args = (jnp.asarray(q), meta_min, meta_max, jnp.asarray(cand))
+    out = np.asarray(block_scores(*args, per_head=per_head, beta=beta, tile_k=4))
+    ref = np.asarray(block_scores_reference(*args, per_head=per_head, beta=beta))
+    fin = np.isfinite(ref)
+    assert (np.isfinite(out) == fin).all() and fin.any()
+    atol = 1e-4 * np.abs(ref[fin]).max()
+    np.testing.assert_allclose(out[fin], ref[fin], rtol=1e-5, atol=atol)
+    quest = np.asarray(block_scores(*args, per_head=per_head, tile_k=4))
+    np.testing.assert_array_equal(np.asarray(block_scores(*args, per_head=per_head, beta=1.0, tile_k=4)), quest)
+    assert (out[fin] <= quest[fin] + atol).all()
+    if beta == 0.0:
+        lo, hi = np.asarray(meta_min, np.float64), np.asarray(meta_max, np.float64)
+        b, hq, hd = q.shape
+        hkv = lo.shape[1]
+        for i in range(b):
+            for c in range(cand.shape[1]):
+                if cand[i, c] < 0:
+                    continue
+                mid = (lo[cand[i, c]] + hi[cand[i, c]]) / 2  # [Hkv, hd]
+                want = np.einsum("hgd,hd->hg", q[i].reshape(hkv, group, hd).astype(np.float64), mid).reshape(-1)
+                np.testing.assert_allclose(out[i, :, c], want, rtol=1e-4, atol=atol)
+    with pytest.raises(ValueError, match="beta=1.5 must be in"):
+        block_scores(*args, beta=1.5)
+    with pytest.raises(ValueError, match="beta=-0.1 must be in"):
+        block_scores_reference(*args, beta=-0.1)
+
+
 def test_block_scores_bf16_query_and_tight_bound():
     """bf16 queries are read as f32; a one-token block's bound is exactly its q.k (min = max = k)."""
     rng = np.random.default_rng(3)
@@ -200,13 +233,15 @@ def test_block_scores_lowers_to_triton_ir():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            for group, hd, k, per_head, meta_dtype in [(3, 64, 300, True, jnp.float32),
-                                                       (8, 128, 37, False, jnp.float32),
-                                                       (4, 128, 64, False, jnp.bfloat16)]:
+            for group, hd, k, per_head, meta_dtype, beta in [(3, 64, 300, True, jnp.float32, 1.0),
+                                                             (8, 128, 37, False, jnp.float32, 1.0),
+                                                             (4, 128, 64, False, jnp.bfloat16, 1.0),
+                                                             (4, 128, 64, True, jnp.bfloat16, 0.5)]:
                 q = jax.ShapeDtypeStruct((2, 2 * group, hd), jnp.bfloat16)
                 meta = jax.ShapeDtypeStruct((24, 2, hd), meta_dtype)
                 ids = jax.ShapeDtypeStruct((2, k), jnp.int32)
-                fn = jax.jit(lambda q, a, b, i, ph=per_head: block_scores(q, a, b, i, per_head=ph, interpret=False))
+                fn = jax.jit(lambda q, a, b, i, ph=per_head, be=beta: block_scores(q, a, b, i, per_head=ph, beta=be,
+                                                                                   interpret=False))
                 text = fn.trace(q, meta, meta, ids).lower(lowering_platforms=("cuda",)).as_text()
                 assert "__gpu$xla.gpu.triton" in text
     finally:

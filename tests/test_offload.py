@@ -237,6 +237,31 @@ def test_pallas_sparse_pipeline_matches_jnp(tiny4):
     assert b[0].stats["decode_attention"] == "pallas"
 
 
+def test_score_beta_reaches_both_scoring_paths(tiny4, monkeypatch):
+    """EngineConfig.score_beta is what the pipeline's block scoring uses (jnp reference and Pallas kernel
+    alike: same tokens), and it is validated."""
+    from pulseinfer_jax import layer_ops
+
+    seen = []
+    real = layer_ops.block_scores_reference
+
+    def spy(*a, **k):
+        seen.append(k.get("beta"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(layer_ops, "block_scores_reference", spy)
+    prompts = _prompts(tiny4.cfg.vocab_size, lengths=(37,))
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_beta=0.5)
+    a = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True, engine_config=EngineConfig(**kw))
+    assert seen and set(seen) == {0.5}
+    b = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True,
+                      engine_config=EngineConfig(**kw, decode_attention="pallas"))
+    assert a[0].token_ids == b[0].token_ids
+    for bad in (1.5, -0.5, True, "0.5"):
+        with pytest.raises(ValueError, match="score_beta"):
+            EngineConfig(score_beta=bad)
+
+
 def test_retrieval_head_calibration_and_decode(tiny4):
     """Calibration picks a valid KV head per sparse layer, refuses a prompt the budget covers (every head
     would tie), and solohead="retrieval_head" decodes with the heads (offloaded == on device)."""
