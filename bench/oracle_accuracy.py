@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-tokens", type=int, default=64)
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
+    ap.add_argument("--name", default=None, help="result file name (default oracle_accuracy_<platform>)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": model.source, "text": str(text_path), "context": args.context, "tokens": args.tokens,
             "block_size": bs, "sink_blocks": args.sink_blocks, "window_tokens": args.window_tokens,
             "dense_layers": args.dense_layers, "dtype": str(jnp.dtype(model.dtype))}
-    name = "oracle_accuracy_smoke" if args.smoke else f"oracle_accuracy_{jax.devices()[0].platform}"
+    name = args.name or ("oracle_accuracy_smoke" if args.smoke else f"oracle_accuracy_{jax.devices()[0].platform}")
     for budget in map(int, args.budgets.split(",")):
         for policy in args.policies.split(","):
             try:

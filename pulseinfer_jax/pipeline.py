@@ -57,7 +57,7 @@ class PipelineConfig:
     micro_batches: int = 2
     attention: str = "jnp"  # "jnp" | "pallas"
     solohead: str = "normalized_sum"  # "normalized_sum" | "retrieval_head"
-    score_beta: float = 1.0  # weight of the key-range term of block scores (pallas_kernels/block_scoring.py)
+    score_beta: float = 0.5  # weight of the key-range term of block scores (EngineConfig.score_beta)
     retrieval_heads: tuple[int, ...] | None = None  # per sparse layer, for solohead="retrieval_head"
 
 

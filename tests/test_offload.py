@@ -251,9 +251,9 @@ def test_score_beta_reaches_both_scoring_paths(tiny4, monkeypatch):
 
     monkeypatch.setattr(layer_ops, "block_scores_reference", spy)
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(37,))
-    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_beta=0.5)
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_beta=0.25)  # not the default
     a = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True, engine_config=EngineConfig(**kw))
-    assert seen and set(seen) == {0.5}
+    assert seen and set(seen) == {0.25}
     b = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True,
                       engine_config=EngineConfig(**kw, decode_attention="pallas"))
     assert a[0].token_ids == b[0].token_ids
