@@ -306,6 +306,8 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--gpu-kv-budget", type=parse_bytes, default=None, help="e.g. 24GiB (emulates a smaller GPU)")
+    ap.add_argument("--host-io", default="auto", choices=("auto", "xla", "numpy"),
+                    help="host KV pool backend of every system (EngineConfig.host_io; default auto)")
     ap.add_argument("--replay", default=None, help="trace name (e.g. smollm2) or path prefix; see bench/traces.py")
     ap.add_argument("--mix", default=None, choices=["mooncake"], help="also run a trace-shaped request mix")
     ap.add_argument("--mix-only", action="store_true", help="skip the fixed (context, batch) points")
@@ -346,7 +348,7 @@ def main() -> int:
     batches = [int(x) for x in args.batches.split(",")]
     base = dict(block_size=args.block_size, budget_tokens=args.budget_tokens, dense_layers=args.dense_layers,
                 max_batch=max(batches + [args.mix_requests]), gpu_kv_budget=args.gpu_kv_budget, progress=False,
-                prefill_chunk=max(512, args.block_size))
+                prefill_chunk=max(512, args.block_size), host_io=args.host_io)
     name = args.name or ("decode_throughput_smoke" if args.smoke else f"decode_throughput_{jax.devices()[0].platform}")
     meta = {"kind": "decode_throughput", "model": args.model, "dtype": args.dtype, "engine": base,
             "kv": "synthetic random KV (not prefilled)",

@@ -67,8 +67,9 @@ def oracle_select(mass: np.ndarray, n_blocks: np.ndarray, budget: int, sink: int
 
 
 def quest_select(q: np.ndarray, keys: np.ndarray, n_blocks: np.ndarray, budget: int, sink: int, window: int,
-                 bs: int, mode: str) -> np.ndarray:
-    """The engine's selection (Quest bounds + select_blocks) as bool [P, S, NB]."""
+                 bs: int, mode: str, beta: float = 1.0) -> np.ndarray:
+    """The engine's selection (Quest bounds weighted by `beta` (EngineConfig.score_beta) + select_blocks) as bool
+    [P, S, NB]."""
     import jax.numpy as jnp
 
     from pallas_kernels.block_scoring import block_scores_reference
@@ -83,7 +84,8 @@ def quest_select(q: np.ndarray, keys: np.ndarray, n_blocks: np.ndarray, budget: 
     for i in range(p):
         n = int(n_blocks[i])
         cand[i, sink:max(sink, n - window)] = np.arange(sink, max(sink, n - window))
-    scores = block_scores_reference(jnp.asarray(q), jnp.asarray(kmin), jnp.asarray(kmax), jnp.asarray(cand))
+    scores = block_scores_reference(jnp.asarray(q), jnp.asarray(kmin), jnp.asarray(kmax), jnp.asarray(cand),
+                                    beta=beta)
     sel = np.asarray(select_blocks(scores, jnp.asarray(n_blocks, jnp.int32), budget_blocks=budget, sink_blocks=sink,
                                    window_blocks=window, mode=mode, score_scale=1.0 / ((hq // hkv) * hd ** 0.5)))
     keep = np.zeros((p, sel.shape[1], nb), bool)
@@ -109,7 +111,10 @@ def main() -> int:
     ap.add_argument("--sink-blocks", type=int, default=1)
     ap.add_argument("--window-tokens", type=int, default=64)
     ap.add_argument("--dense-layers", type=int, default=2)
+    ap.add_argument("--score-beta", type=float, default=None,
+                    help="block-score range weight of the quest policies (default: EngineConfig's)")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--name", default=None, help="result file name (default selection_quality_cpu)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.smoke:
@@ -118,6 +123,9 @@ def main() -> int:
     from bench.accuracy import TEXTS
     from models.loading import load_model
     from pulseinfer_jax.calibration import capture_queries_and_keys
+    from pulseinfer_jax.config import EngineConfig
+
+    beta = EngineConfig().score_beta if args.score_beta is None else args.score_beta
 
     model = load_model(args.model)
     c = model.cfg
@@ -144,8 +152,10 @@ def main() -> int:
             solo_mass = mass.sum(1, keepdims=True)
             kv_mass = mass.reshape(mass.shape[0], c.num_kv_heads, c.group_size, -1).sum(2)
             picks = {
-                "quest-solohead": quest_select(qs[layer], ks[layer], n_blocks, budget, sink, window, bs, "solohead"),
-                "quest-headwise": quest_select(qs[layer], ks[layer], n_blocks, budget, sink, window, bs, "headwise"),
+                "quest-solohead": quest_select(qs[layer], ks[layer], n_blocks, budget, sink, window, bs, "solohead",
+                                               beta),
+                "quest-headwise": quest_select(qs[layer], ks[layer], n_blocks, budget, sink, window, bs, "headwise",
+                                               beta),
                 "oracle-solohead": oracle_select(solo_mass, n_blocks, budget, sink, window),
                 "oracle-headwise": oracle_select(kv_mass, n_blocks, budget, sink, window),
             }
@@ -159,11 +169,11 @@ def main() -> int:
         rows.append(row)
         print(f"budget {budget_tokens:5d}: " + ", ".join(
             f"{n} {row[n]['mean']:.4f} (p5 {row[n]['p5']:.3f})" for n in POLICIES), flush=True)
-    name = "selection_quality_smoke" if args.smoke else "selection_quality_cpu"
+    name = "selection_quality_smoke" if args.smoke else (args.name or "selection_quality_cpu")
     path = write_result(name, {"kind": "selection_quality", "model": args.model or "SmolLM2-135M-Instruct (GGUF)",
                                "text": text, "context": args.context, "queries": args.queries,
                                "block_size": bs, "sink_blocks": sink, "window_tokens": args.window_tokens,
-                               "dense_layers": args.dense_layers, "rows": rows,
+                               "dense_layers": args.dense_layers, "score_beta": beta, "rows": rows,
                                "seconds": time.perf_counter() - t0}, args.out)
     print(f"wrote {path}")
     return 0
