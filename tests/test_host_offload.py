@@ -64,6 +64,7 @@ def test_host_pool_round_trip_bit_exact(dtype, io):
     np.testing.assert_array_equal(np.asarray(pool.gather_blocks(2, [rows[1]]))[0].view(np.uint8),
                                   np.asarray(kv2)[3, 3].view(np.uint8))
     assert not pool.contents()[:, NULL_ROW].any()  # padding never lands in the null row's data
+    assert pool.measure_h2d(nbytes=1 << 16, repeats=1) > 0  # IOAA's bandwidth, from this backend's memory
 
 
 @pytest.mark.parametrize("io", ["xla", "numpy"])
