@@ -162,7 +162,7 @@ class Engine:
         if self.sparse_attention is None:
             self.sparse_attention = self.decode_attention
             if self.sparse_attention == "pallas" and cfg.decode_attention == "auto":
-                err = probe_pallas(self.device, self.model.dtype)
+                err = probe_pallas(self.device, self.model.dtype, cfg.score_beta)
                 if err is not None:
                     warnings.warn(f"Pallas sparse kernels failed on {self.device.platform} ({err}); the sparse "
                                   "pipeline uses the jnp attention", RuntimeWarning, stacklevel=3)

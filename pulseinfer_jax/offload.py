@@ -105,9 +105,9 @@ class OffloadPlacer:
         self.pool.free(req.sparse.host_rows, owner=req.index)
 
 
-def probe_pallas(device: jax.Device, dtype=None) -> str | None:
+def probe_pallas(device: jax.Device, dtype=None, score_beta: float = 1.0) -> str | None:
     """Compile and run the sparse decode kernels once on tiny shapes in the KV dtype (default bfloat16; the key
-    bounds use it too); None if fine, else the error text."""
+    bounds use it too) and with the engine's score_beta; None if fine, else the error text."""
     import jax.numpy as jnp
 
     from pallas_kernels.block_scoring import block_scores
@@ -121,7 +121,7 @@ def probe_pallas(device: jax.Device, dtype=None) -> str | None:
             ids = jnp.array([[[1, 2]]], jnp.int32)
             jax.block_until_ready(sparse_decode_attention(q, pool, ids, jnp.full_like(ids, 16)))
             meta = jnp.ones((4, 2, 64), dtype)
-            jax.block_until_ready(block_scores(q, meta, meta, ids[:, 0]))
+            jax.block_until_ready(block_scores(q, meta, meta, ids[:, 0], beta=score_beta))
     except Exception as e:  # noqa: BLE001 - any lowering/compile error
         return f"{type(e).__name__}: {str(e)[:300]}"
     return None

@@ -237,6 +237,25 @@ def test_pallas_sparse_pipeline_matches_jnp(tiny4):
     assert b[0].stats["decode_attention"] == "pallas"
 
 
+def test_probe_pallas_runs_the_kernels_and_reports_failures(monkeypatch):
+    import jax
+
+    from pallas_kernels import block_scoring
+    from pulseinfer_jax.offload import probe_pallas
+
+    dev = jax.devices()[0]
+    assert probe_pallas(dev, "float32", 0.5) is None  # interpret mode here; compiled on a GPU
+    seen = []
+
+    def rejecting(*a, beta=1.0, **k):
+        seen.append(beta)
+        raise NotImplementedError("Triton rejected the kernel")
+
+    monkeypatch.setattr(block_scoring, "block_scores", rejecting)
+    assert probe_pallas(dev, "float32", 0.25) == "NotImplementedError: Triton rejected the kernel"
+    assert seen == [0.25]  # probed with the engine's score_beta
+
+
 def test_score_beta_reaches_both_scoring_paths(tiny4, monkeypatch):
     """EngineConfig.score_beta is what the pipeline's block scoring uses (jnp reference and Pallas kernel
     alike: same tokens), and it is validated."""
