@@ -38,6 +38,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--gpu-kv-budget", type=int, default=None, help="cap on GPU KV bytes (emulates a smaller GPU)")
     o.add_argument("--host-kv-tokens", type=int, default=None, help="pinned host pool size in tokens")
     o.add_argument("--dense-layers", type=int, default=2, help="first layers that attend densely (default 2)")
+    o.add_argument("--score-beta", type=float, default=None,
+                   help="block scores' key-range weight: 1 = Quest's bound, 0 = block midpoint (default: the engine's)")
     o.add_argument("--host-io", default="auto",
                    help="auto | xla (pinned host pool) | numpy (pageable, the fallback); default auto")
 
@@ -49,7 +51,7 @@ def engine_config(args: argparse.Namespace, **extra):
     return EngineConfig(block_size=args.block_size, mode=args.mode, budget_tokens=args.budget_tokens,
                         selection=args.selection, io=args.io, recall=args.recall, gpu_kv_budget=args.gpu_kv_budget,
                         host_kv_tokens=args.host_kv_tokens, dense_layers=args.dense_layers, host_io=args.host_io,
-                        **extra)
+                        **({} if args.score_beta is None else {"score_beta": args.score_beta}), **extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
