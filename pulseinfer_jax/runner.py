@@ -47,6 +47,19 @@ CPU_FAST_MATH = {
 }
 
 
+def _paged_attend(attention: str, block_tables: Int[Array, "B MB"], positions: Int[Array, " B"]):
+    """The decode attention of one layer over the paged cache: attend(layer, q, k, v, cache) -> (o, cache) writes
+    each row's new K/V at `positions`, then attends over its first `positions + 1` tokens."""
+    lengths = positions + 1
+    attend_fn = DECODE_ATTENTION[attention]
+
+    def attend(layer, q, k, v, cache):
+        cache = write_decode_kv(cache, layer, k[:, 0], v[:, 0], block_tables, positions)
+        return attend_fn(q[:, 0], cache, layer, block_tables, lengths)[:, None], cache
+
+    return attend
+
+
 def _decode_step(
     model: Transformer,
     params: dict,
@@ -62,15 +75,8 @@ def _decode_step(
     Inactive (padding) rows carry an all-null block table and write into the null block.
     `attention` picks the decode attention: "jnp" (XLA) or "pallas" (the sparse decode kernel).
     """
-    lengths = positions + 1
-    attend_fn = DECODE_ATTENTION[attention]
-
-    def attend(layer, q, k, v, cache):
-        cache = write_decode_kv(cache, layer, k[:, 0], v[:, 0], block_tables, positions)
-        return attend_fn(q[:, 0], cache, layer, block_tables, lengths)[:, None], cache
-
     x = model.embed(params, tokens[:, None])
-    x, kv = model.layers(params, x, positions[:, None], attend, kv)
+    x, kv = model.layers(params, x, positions[:, None], _paged_attend(attention, block_tables, positions), kv)
     return kv, model.logits(params, x[:, 0])
 
 
@@ -86,15 +92,9 @@ def _decode_layer(
     attention: str = "jnp",
 ) -> tuple[Array, Float[Array, "B 1 D"]]:
     """Layer `layer` of `_decode_step`, with that layer's own weights `lp` (one compile serves every layer)."""
-    lengths = positions + 1
-    attend_fn = DECODE_ATTENTION[attention]
+    attend = _paged_attend(attention, block_tables, positions)
     cos, sin = rope_tables(model.cfg, positions[:, None])
-
-    def attend(q, k, v, cache):
-        cache = write_decode_kv(cache, layer, k[:, 0], v[:, 0], block_tables, positions)
-        return attend_fn(q[:, 0], cache, layer, block_tables, lengths)[:, None], cache
-
-    x, kv = model.layer(lp, x, cos, sin, attend, kv)
+    x, kv = model.layer(lp, x, cos, sin, lambda q, k, v, cache: attend(layer, q, k, v, cache), kv)
     return kv, x
 
 

@@ -134,22 +134,31 @@ def test_pallas_decode_attention_backend_matches_jnp(tiny):
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
 
 
-def test_pallas_decode_step_logits_match_jnp(tiny):
+def _prefilled_cache(model, tables: list[list[int]], lengths: list[int], seed: int):
+    """A 12-block, block-size-8 f32 cache with random prompts of `lengths` prefilled into `tables` (one row per
+    sequence), plus the decode-step args (tokens, positions = lengths, tables)."""
     import jax.numpy as jnp
 
     from pulseinfer_jax.kv_cache import CacheSpec
-    from pulseinfer_jax.runner import decode_step, prefill_step
+    from pulseinfer_jax.runner import prefill_step
 
-    c = tiny.cfg
-    spec = CacheSpec(c.num_layers, 12, c.num_kv_heads, 8, c.head_dim, jnp.float32)
-    tables = jnp.asarray([[4, 9, 2, 0], [7, 1, 0, 0]], jnp.int32)  # shuffled, 0-padded
-    kv = spec.allocate()
-    rng = np.random.default_rng(0)
-    for row, n in ((0, 21), (1, 9)):
+    c = model.cfg
+    kv = CacheSpec(c.num_layers, 12, c.num_kv_heads, 8, c.head_dim, jnp.float32).allocate()
+    tables = jnp.asarray(tables, jnp.int32)
+    rng = np.random.default_rng(seed)
+    for row, n in enumerate(lengths):
         toks = jnp.asarray(rng.integers(3, c.vocab_size, 32), jnp.int32)
-        kv, _ = prefill_step(tiny.transformer, tiny.params, kv, toks, jnp.int32(0), jnp.int32(n), tables[row],
+        kv, _ = prefill_step(model.transformer, model.params, kv, toks, jnp.int32(0), jnp.int32(n), tables[row],
                              key_chunk=32)
-    args = (jnp.asarray([5, 6], jnp.int32), jnp.asarray([21, 9], jnp.int32), tables)
+    return kv, (jnp.asarray([5, 6], jnp.int32), jnp.asarray(lengths, jnp.int32), tables)
+
+
+def test_pallas_decode_step_logits_match_jnp(tiny):
+    import jax.numpy as jnp
+
+    from pulseinfer_jax.runner import decode_step
+
+    kv, args = _prefilled_cache(tiny, [[4, 9, 2, 0], [7, 1, 0, 0]], [21, 9], seed=0)  # shuffled, 0-padded
     kv2 = jnp.array(kv)
     _, ref = decode_step(tiny.transformer, tiny.params, kv, *args, attention="jnp")
     _, got = decode_step(tiny.transformer, tiny.params, kv2, *args, attention="pallas")
@@ -163,19 +172,10 @@ def test_layerwise_decode_step_equals_scan(tiny, attention):
     import jax.numpy as jnp
 
     from models.transformer import split_layers
-    from pulseinfer_jax.kv_cache import CacheSpec
-    from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step
+    from pulseinfer_jax.runner import decode_step, decode_step_layerwise
 
     c = tiny.cfg
-    spec = CacheSpec(c.num_layers, 12, c.num_kv_heads, 8, c.head_dim, jnp.float32)
-    tables = jnp.asarray([[4, 9, 2, 0], [7, 1, 3, 0]], jnp.int32)  # shuffled, 0-padded
-    kv = spec.allocate()
-    rng = np.random.default_rng(1)
-    for row, n in ((0, 21), (1, 16)):
-        toks = jnp.asarray(rng.integers(3, c.vocab_size, 32), jnp.int32)
-        kv, _ = prefill_step(tiny.transformer, tiny.params, kv, toks, jnp.int32(0), jnp.int32(n), tables[row],
-                             key_chunk=32)
-    args = (jnp.asarray([5, 6], jnp.int32), jnp.asarray([21, 16], jnp.int32), tables)
+    kv, args = _prefilled_cache(tiny, [[4, 9, 2, 0], [7, 1, 3, 0]], [21, 16], seed=1)  # shuffled, 0-padded
     kv2 = jnp.array(kv)
     kv_ref, ref = decode_step(tiny.transformer, tiny.params, kv, *args, attention=attention)
     ids = [jnp.int32(i) for i in range(c.num_layers)]
