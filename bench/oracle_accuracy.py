@@ -103,19 +103,6 @@ def parse_policy(policy: str) -> tuple[str, dict]:
     return base, out
 
 
-def _quest_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, beta: float, perhead: bool) -> jax.Array:
-    """q [R, Hq, hd], bounds [NB, Hkv, hd] -> [R, S, NB] (S = Hq if perhead else Hkv group sums):
-    sum_d q_d mid_d + beta |q_d| half_d (beta = 1: Quest's bound)."""
-    r, hq, hd = q.shape
-    hkv = kmin.shape[1]
-    mid, half = (kmax + kmin) / 2, (kmax - kmin) / 2
-    qg = q.reshape(r, hkv, hq // hkv, hd)
-    hi = jax.lax.Precision.HIGHEST
-    s = jnp.einsum("rhgd,nhd->rhgn", qg, mid, precision=hi) + beta * jnp.einsum("rhgd,nhd->rhgn", jnp.abs(qg), half,
-                                                                              precision=hi)
-    return s.reshape(r, hq, -1) if perhead else s.sum(2)
-
-
 def _bounds(keys: jax.Array, bs: int) -> tuple[jax.Array, jax.Array]:
     """Per-block element-wise key min / max [NB, Hkv, hd] of keys [T, Hkv, hd] (the partial last block from its
     own tokens only: padded by repeating its last key)."""
@@ -159,11 +146,9 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
                 scores, scale = jnp.log(mass), 1.0  # normalized_sum: softmax(log mass) = the mass shares
             else:
                 kmin, kmax = _bounds(keys.astype(jnp.float32), bs)
-                if opt == {"perhead": False, "beta": 1.0, "temp": 1.0}:  # the engine's own scoring code
-                    cand = jnp.where(jnp.arange(nbk)[None] < nb_row[:, None], jnp.arange(nbk)[None], -1)
-                    scores = block_scores_reference(qf, kmin, kmax, cand.astype(jnp.int32))  # [R, Hkv, NB]
-                else:
-                    scores = _quest_scores(qf, kmin, kmax, opt["beta"], opt["perhead"])  # [R, S, NB]
+                cand = jnp.where(jnp.arange(nbk)[None] < nb_row[:, None], jnp.arange(nbk)[None], -1)
+                scores = block_scores_reference(qf, kmin, kmax, cand.astype(jnp.int32), per_head=opt["perhead"],
+                                                beta=opt["beta"])  # the engine's scoring code: [R, S, NB]
                 scale = opt["temp"] / ((1 if opt["perhead"] else g) * hd ** 0.5)
             sel = select_blocks(scores, nb_row, budget_blocks=budget, sink_blocks=sink, window_blocks=window,
                                 mode="solohead" if solo else "headwise", score_scale=scale)  # [R, S, N]
