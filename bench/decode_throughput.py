@@ -132,7 +132,7 @@ def _host_pool_skip(eng, cache: dict, need: int) -> dict | None:
     if free is None:
         return None
     if eng.host_pool is not None:
-        free += eng.host_pool.nbytes
+        free += eng.host_pool.total_bytes
     if need <= 0.8 * free:
         return None
     _release(eng, cache)
@@ -210,7 +210,7 @@ def run_point(model, system: str, prompt_len: int, batch: int, steps: int, warm:
         "steps": steps, "step_s_all": times, "tpot_s_p50": p50, "tpot_s_p99": float(np.percentile(times, 99)),
         "decode_tokens_per_s": tokens / sum(times), "fill_s": fill_s, **io,
         "gpu_kv_bytes_allocated": eng.spec.total_bytes + meta_bytes,
-        "host_kv_bytes": eng.host_pool.nbytes if eng.host_pool is not None else 0,
+        "host_kv_bytes": eng.host_pool.total_bytes if eng.host_pool is not None else 0,
         "host_io": eng.host_io, "layer_loop": eng.layer_loop, "decode_attention": eng.decode_attention,
         "h2d_gb_per_s_implied": io["h2d_bytes_per_step"] / p50 / 1e9,
         "compiles_in_timed_steps": compiled,

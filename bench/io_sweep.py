@@ -59,7 +59,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
-from host_offload.host_pool import HOST_IO, HostKVPool, probe_host_io  # noqa: E402
+from host_offload.host_pool import HOST_IO, HostKVPool, resolve_host_io  # noqa: E402
 from host_offload.memory import device_sharding  # noqa: E402
 
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
@@ -335,13 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"max_bytes": args.max_bytes, "volume": args.volume, "max_copies": args.max_copies,
                  "repeats": args.repeats}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-    host_io, probe = args.host_io, None
-    if host_io == "auto":
-        probe = probe_host_io(device, block_size=cfg.block_size, num_kv_heads=cfg.num_kv_heads,
-                              head_dim=cfg.head_dim, dtype=cfg.dtype) if device.platform == "gpu" else None
-        host_io = "xla" if probe is None else "numpy"
-        if probe is not None:
-            print(f"host_io xla failed its probe ({probe}); sweeping host_io numpy", flush=True)
+    host_io, probe = resolve_host_io(args.host_io, device, on_gpu=device.platform == "gpu", block_size=cfg.block_size,
+                                     num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype)
+    if probe is not None:
+        print(f"host_io xla failed its probe ({probe}); sweeping host_io numpy", flush=True)
     cfg = dataclasses.replace(cfg, host_io=host_io)
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in RUNNABLE]

@@ -166,10 +166,6 @@ class HostKVPool:
             raise ValueError(f"load: need {self.shape} {self.dtype}, got {data.shape} {data.dtype}")
         self.pool = self.io.load(data)
 
-    @property
-    def nbytes(self) -> int:
-        return self.total_bytes
-
     def measure_h2d(self, nbytes: int = 64 << 20, repeats: int = 3) -> float:
         """Host-to-device bytes/s of one large copy from this backend's host memory (best of `repeats`)."""
         import time
@@ -182,6 +178,17 @@ class HostKVPool:
             jax.block_until_ready(self.io.to_device(src))
             best = min(best, time.perf_counter() - t0)
         return nbytes / best
+
+
+def resolve_host_io(choice: str, device: jax.Device, *, on_gpu: bool, block_size: int, num_kv_heads: int,
+                    head_dim: int, dtype) -> tuple[str, str | None]:
+    """The backend `choice` ("auto" | "xla" | "numpy") means on `device`: (backend, probe error or None). "auto"
+    is "xla" off-GPU (the emulated memory kinds); on a GPU, "xla" if `probe_host_io` passes, else "numpy"."""
+    if choice != "auto":
+        return choice, None
+    err = probe_host_io(device, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        dtype=dtype) if on_gpu else None
+    return ("xla" if err is None else "numpy"), err
 
 
 def probe_host_io(device: jax.Device, *, block_size: int, num_kv_heads: int, head_dim: int, dtype,

@@ -180,21 +180,16 @@ class Engine:
         """The host pool's I/O backend: host_io as configured; under "auto" on a GPU, "xla" if its start-up probe
         passes, else "numpy" with a warning (probed once per engine)."""
         if self.host_io is None:
-            choice = self.config.host_io
-            if choice == "auto":
-                choice = "xla"
-                if self.on_gpu:
-                    from host_offload.host_pool import probe_host_io
+            from host_offload import host_pool
 
-                    c = self.model.cfg
-                    err = probe_host_io(self.device, block_size=self.config.block_size, num_kv_heads=c.num_kv_heads,
-                                        head_dim=c.head_dim, dtype=self.model.dtype)
-                    if err is not None:
-                        warnings.warn(f"pinned-host KV transfers failed on {self.device.platform} ({err}); the host "
-                                      "KV pool falls back to host_io='numpy' (pageable RAM, slower copies)",
-                                      RuntimeWarning, stacklevel=4)
-                        choice = "numpy"
-            self.host_io = choice
+            c = self.model.cfg
+            self.host_io, err = host_pool.resolve_host_io(
+                self.config.host_io, self.device, on_gpu=self.on_gpu, block_size=self.config.block_size,
+                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.model.dtype)
+            if err is not None:
+                warnings.warn(f"pinned-host KV transfers failed on {self.device.platform} ({err}); the host KV pool "
+                              "falls back to host_io='numpy' (pageable RAM, slower copies)", RuntimeWarning,
+                              stacklevel=4)
         return self.host_io
 
     def _h2d_bandwidth(self) -> float:
