@@ -21,6 +21,7 @@ scores' key-range weight; `--no-passkey` runs the teacher-forced part only).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import statistics
 import sys
@@ -118,6 +119,9 @@ def main() -> int:
     ap.add_argument("--sink-blocks", type=int, default=1)
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--score-beta", type=float, default=None, help="EngineConfig.score_beta (default: the engine's)")
+    ap.add_argument("--score-per-kv-head", action="store_true",
+                    help="EngineConfig.score_per_query_head=False (SoloHead scores per KV head, the old default)")
+    ap.add_argument("--score-sub-blocks", type=int, default=None, help="EngineConfig.score_sub_blocks (default: 1)")
     ap.add_argument("--no-passkey", action="store_true", help="teacher-forced agreement only (quick exploration)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="accuracy_cpu", help="result file name (bench/results/NAME.json)")
@@ -149,6 +153,10 @@ def main() -> int:
                 dense_layers=args.dense_layers, max_batch=8)
     if args.score_beta is not None:
         base["score_beta"] = args.score_beta
+    if args.score_per_kv_head:
+        base["score_per_query_head"] = False
+    if args.score_sub_blocks is not None:
+        base["score_sub_blocks"] = args.score_sub_blocks
 
     runs = [("dense", None)] + [(v, int(b)) for b in args.budgets.split(",") for v in args.variants.split(",")]
     rows, dense_logits = [], None
@@ -176,7 +184,9 @@ def main() -> int:
         name = "accuracy_smoke" if args.smoke else args.name
         write_result(name, {"model": args.model or "SmolLM2-135M-Instruct (GGUF)", "text": str(text_path),
                             "text_tokens": len(ids), "tf_context": args.tf_context, "tf_tokens": args.tf_tokens,
-                            "lengths": lengths, "depths": depths, "engine": base, "rows": rows,
+                            "lengths": lengths, "depths": depths, "engine": base,
+                            "scoring": dataclasses.asdict(engine_config("dense", None, None, base).scoring),
+                            "rows": rows,
                             "complete": len(rows) == len(runs)}, args.out)
     return 0
 

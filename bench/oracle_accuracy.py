@@ -29,7 +29,10 @@ combinable: `quest-solohead:perhead:beta=0.5:temp=2`):
     query heads first);
   - `:beta=B`: score q.mid + B * |q|.half (mid / half = (max +- min) / 2); B = 1 is Quest's bound
     sum_d max(q_d kmax_d, q_d kmin_d), B = 0 the dot product with the block's midpoint;
-  - `:temp=T`: the SoloHead softmax at T x the engine's scale (sharper for T > 1).
+  - `:temp=T`: the SoloHead softmax at T x the engine's scale (sharper for T > 1);
+  - `:sub=M`: bounds per 1/M of a block, a block scored by the log-sum-exp of its slices (the engine's
+    `score_sub_blocks`).
+The engine's default (EngineConfig: beta 0.5, per query head, 1 slice) is `quest-solohead:perhead:beta=0.5`.
 Rows are compared as `bench/accuracy.py` does: the prompt's last logits (dense in every policy) plus the first
 `--tokens` - 1 decode rows; top-1 agreement of the argmax and mean KL(dense || policy).
 """
@@ -87,15 +90,17 @@ def parse_policy(policy: str) -> tuple[str, dict]:
     base, *opts = policy.split(":")
     if base not in POLICIES + ("dense",):
         raise ValueError(f"unknown policy {base!r}; choose from {', '.join(POLICIES)}")
-    out = {"perhead": False, "beta": 1.0, "temp": 1.0}
+    out = {"perhead": False, "beta": 1.0, "temp": 1.0, "sub": 1}
     for o in opts:
         key, _, val = o.partition("=")
         if key == "perhead" and not val:
             out["perhead"] = True
         elif key in ("beta", "temp") and val:
             out[key] = float(val)
+        elif key == "sub" and val.isdigit() and int(val) >= 1:
+            out[key] = int(val)
         else:
-            raise ValueError(f"bad policy option {o!r} in {policy!r} (perhead, beta=B, temp=T)")
+            raise ValueError(f"bad policy option {o!r} in {policy!r} (perhead, beta=B, temp=T, sub=M)")
     if opts and not base.startswith("quest"):
         raise ValueError(f"options apply to the quest policies only, got {policy!r}")
     if out["perhead"] and base.endswith("headwise"):
@@ -117,7 +122,7 @@ def _bounds(keys: jax.Array, bs: int) -> tuple[jax.Array, jax.Array]:
 def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget: int, bs: int, sink: int,
               window: int, dense_layers: int) -> jax.Array:
     """Logits [R, V] of the teacher-forced rows (tokens [R] at positions P..P+R-1) under `policy` (see module)."""
-    from pallas_kernels.block_scoring import block_scores_reference
+    from pallas_kernels.block_scoring import block_scores_reference, default_scale
     from pulseinfer_jax.sparse import select_blocks
 
     c = model.cfg
@@ -145,11 +150,12 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
                 mass = mass.reshape(r, c.num_kv_heads, g, nbk).sum(2)  # per KV head (its query heads' mass)
                 scores, scale = jnp.log(mass), 1.0  # normalized_sum: softmax(log mass) = the mass shares
             else:
-                kmin, kmax = _bounds(keys.astype(jnp.float32), bs)
+                kmin, kmax = _bounds(keys.astype(jnp.float32), bs // opt["sub"])  # m rows per block, in order
+                kmin, kmax = (jnp.pad(a, ((0, nbk * opt["sub"] - a.shape[0]), (0, 0), (0, 0))) for a in (kmin, kmax))
                 cand = jnp.where(jnp.arange(nbk)[None] < nb_row[:, None], jnp.arange(nbk)[None], -1)
                 scores = block_scores_reference(qf, kmin, kmax, cand.astype(jnp.int32), per_head=opt["perhead"],
-                                                beta=opt["beta"])  # the engine's scoring code: [R, S, NB]
-                scale = opt["temp"] / ((1 if opt["perhead"] else g) * hd ** 0.5)
+                                                beta=opt["beta"], sub_blocks=opt["sub"])  # engine's code: [R, S, NB]
+                scale = opt["temp"] * default_scale(hd, g, opt["perhead"])
             sel = select_blocks(scores, nb_row, budget_blocks=budget, sink_blocks=sink, window_blocks=window,
                                 mode="solohead" if solo else "headwise", score_scale=scale)  # [R, S, N]
             keep = jnp.zeros((r, sel.shape[1], nbk + 1), bool)
@@ -224,9 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     for budget in map(int, args.budgets.split(",")):
         for policy in args.policies.split(","):
             try:
-                parse_policy(policy)
+                _, opt = parse_policy(policy)
             except ValueError as e:
                 raise SystemExit(str(e)) from None
+            if bs % opt["sub"]:
+                raise SystemExit(f"{policy}: sub={opt['sub']} must divide --block-size {bs}")
             t1 = time.perf_counter()
             top1, kl = agreement(dense, logits(policy, -(-budget // bs)))
             results.append({"policy": policy, "budget_tokens": budget, "top1": top1, "kl": kl})

@@ -21,6 +21,7 @@ policy and budget: mean recall over (layer, position, head) and its 5th percenti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 import time
@@ -67,27 +68,31 @@ def oracle_select(mass: np.ndarray, n_blocks: np.ndarray, budget: int, sink: int
 
 
 def quest_select(q: np.ndarray, keys: np.ndarray, n_blocks: np.ndarray, budget: int, sink: int, window: int,
-                 bs: int, mode: str, beta: float = 1.0) -> np.ndarray:
-    """The engine's selection (Quest bounds weighted by `beta` (EngineConfig.score_beta) + select_blocks) as bool
-    [P, S, NB]."""
+                 bs: int, mode: str, scoring=None) -> np.ndarray:
+    """The engine's selection (block scores from key bounds as `scoring` (a sparse.BlockScoring, default
+    EngineConfig's) says, then select_blocks) as bool [P, S, NB]."""
     import jax.numpy as jnp
 
-    from pallas_kernels.block_scoring import block_scores_reference
-    from pulseinfer_jax.sparse import select_blocks
+    from pallas_kernels.block_scoring import block_scores_reference, default_scale
+    from pulseinfer_jax.sparse import BlockScoring, select_blocks
 
+    scoring = scoring or BlockScoring()
     p, hq, hd = q.shape
     t, hkv, _ = keys.shape
     nb = -(-t // bs)
-    kb = np.pad(keys, ((0, nb * bs - t), (0, 0), (0, 0))).reshape(nb, bs, hkv, hd)
+    m = scoring.sub_blocks
+    kb = np.pad(keys, ((0, nb * bs - t), (0, 0), (0, 0))).reshape(nb * m, bs // m, hkv, hd)
     kmin, kmax = kb.min(1), kb.max(1)  # only full middle blocks are ever scored (the partial one is in the window)
     cand = np.full((p, nb), -1, np.int32)
     for i in range(p):
         n = int(n_blocks[i])
         cand[i, sink:max(sink, n - window)] = np.arange(sink, max(sink, n - window))
+    per_head = scoring.per_head(mode, "normalized_sum")
+    scale = default_scale(hd, hq // hkv, per_head)
     scores = block_scores_reference(jnp.asarray(q), jnp.asarray(kmin), jnp.asarray(kmax), jnp.asarray(cand),
-                                    beta=beta)
+                                    per_head=per_head, beta=scoring.beta, sub_blocks=m, scale=scale)
     sel = np.asarray(select_blocks(scores, jnp.asarray(n_blocks, jnp.int32), budget_blocks=budget, sink_blocks=sink,
-                                   window_blocks=window, mode=mode, score_scale=1.0 / ((hq // hkv) * hd ** 0.5)))
+                                   window_blocks=window, mode=mode, score_scale=scale))
     keep = np.zeros((p, sel.shape[1], nb), bool)
     for i, lane, j in zip(*np.nonzero(sel >= 0), strict=True):
         keep[i, lane, sel[i, lane, j]] = True
@@ -113,6 +118,9 @@ def main() -> int:
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--score-beta", type=float, default=None,
                     help="block-score range weight of the quest policies (default: EngineConfig's)")
+    ap.add_argument("--score-per-kv-head", action="store_true",
+                    help="quest-solohead scores per KV head (EngineConfig.score_per_query_head=False)")
+    ap.add_argument("--score-sub-blocks", type=int, default=None, help="EngineConfig.score_sub_blocks (default: 1)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default=None, help="result file name (default selection_quality_cpu)")
     ap.add_argument("--out", default=None)
@@ -125,7 +133,10 @@ def main() -> int:
     from pulseinfer_jax.calibration import capture_queries_and_keys
     from pulseinfer_jax.config import EngineConfig
 
-    beta = EngineConfig().score_beta if args.score_beta is None else args.score_beta
+    scoring = EngineConfig().scoring
+    scoring = dataclasses.replace(scoring, beta=scoring.beta if args.score_beta is None else args.score_beta,
+                                  per_query_head=not args.score_per_kv_head,
+                                  sub_blocks=args.score_sub_blocks or scoring.sub_blocks)
 
     model = load_model(args.model)
     c = model.cfg
@@ -153,9 +164,9 @@ def main() -> int:
             kv_mass = mass.reshape(mass.shape[0], c.num_kv_heads, c.group_size, -1).sum(2)
             picks = {
                 "quest-solohead": quest_select(qs[layer], ks[layer], n_blocks, budget, sink, window, bs, "solohead",
-                                               beta),
+                                               scoring),
                 "quest-headwise": quest_select(qs[layer], ks[layer], n_blocks, budget, sink, window, bs, "headwise",
-                                               beta),
+                                               scoring),
                 "oracle-solohead": oracle_select(solo_mass, n_blocks, budget, sink, window),
                 "oracle-headwise": oracle_select(kv_mass, n_blocks, budget, sink, window),
             }
@@ -173,7 +184,8 @@ def main() -> int:
     path = write_result(name, {"kind": "selection_quality", "model": args.model or "SmolLM2-135M-Instruct (GGUF)",
                                "text": text, "context": args.context, "queries": args.queries,
                                "block_size": bs, "sink_blocks": sink, "window_tokens": args.window_tokens,
-                               "dense_layers": args.dense_layers, "score_beta": beta, "rows": rows,
+                               "dense_layers": args.dense_layers, "score_beta": scoring.beta,
+                               "scoring": dataclasses.asdict(scoring), "rows": rows,
                                "seconds": time.perf_counter() - t0}, args.out)
     print(f"wrote {path}")
     return 0

@@ -6,9 +6,11 @@ block `b` and KV head `h` is the pair of vectors
     kmin[b, h, d] = min_t K[b, t, h, d]      kmax[b, h, d] = max_t K[b, t, h, d]
 
 over the block's *valid* tokens t < len(b). `block_scoring.block_scores` turns them into an upper bound
-of every q.k inside the block. The engine keeps per-layer arrays `meta_min/meta_max: [NB, Hkv, hd]`
-float32 next to the (possibly offloaded) cache and refreshes a block's row when the block fills
+of every q.k inside the block. The engine keeps per-layer arrays `meta_min/meta_max: [NB * m, Hkv, hd]` in
+the KV dtype next to the (possibly offloaded) cache and refreshes a block's rows when the block fills
 (`update_bounds`); the partial last block is always inside the recent window, so it is never scored.
+With m = `sub_blocks` > 1 each block has m rows, the bounds of its m equal token slices (finer bounds,
+m times the bytes; `block_scoring` combines them).
 
 No Pallas kernel here, on purpose: the op is a gather of `n` blocks followed by a masked min/max over
 the token axis. XLA fuses the gather, the mask and the reduction into one pass that reads each listed
@@ -18,6 +20,8 @@ a GPU-compile risk and no speed.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,14 +40,15 @@ def _check_inputs(pool: Array, block_ids: Array, block_lens: Array, full_cache: 
         raise ValueError(f"block_ids ({block_ids.dtype}) and block_lens ({block_lens.dtype}) must be integer arrays")
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("sub_blocks",))
 def block_key_bounds(
     pool: Float[Array, "NB 2 bs Hkv hd"] | Float[Array, "L NB 2 bs Hkv hd"],
     block_ids: Int[Array, " n"],
     block_lens: Int[Array, " n"],
     *,
     layer: Int[Array, ""] | int | None = None,
-) -> tuple[Float[Array, "n Hkv hd"], Float[Array, "n Hkv hd"]]:
+    sub_blocks: int = 1,
+) -> tuple[Float[Array, "nm Hkv hd"], Float[Array, "nm Hkv hd"]]:
     """Element-wise (min, max) of the keys over the first `block_lens[i]` tokens of block `block_ids[i]`.
 
     pool: one layer's [NB, 2, bs, Hkv, hd] pool, or (with `layer`, a possibly traced index) the full
@@ -51,19 +56,24 @@ def block_key_bounds(
     block_ids: physical block ids in [0, NB) (out-of-range ids are clamped: keep them in range).
     block_lens: valid tokens per listed block, in [0, bs] (clamped). Slots at or beyond the length are
       never read into the result, whatever they hold (NaN included).
-    Returns float32 (kmin, kmax), each [n, Hkv, hd]. A block with length 0 holds no token: it gets zero
+    sub_blocks: m > 1 bounds each of the m equal slices of a block (tokens [j*bs/m, (j+1)*bs/m)) on its own:
+      row i*m + j of the result is slice j of block_ids[i] (the layout `block_scores(..., sub_blocks=m)` reads).
+    Returns float32 (kmin, kmax), each [n*m, Hkv, hd]. A block (or slice) with no valid token gets zero
     bounds (any value bounds an empty set, and zeros keep the scores finite, whereas +-inf would give
     0 * inf = NaN in `block_scores`).
     """
     _check_inputs(pool, block_ids, block_lens, full_cache=layer is not None)
     bs = pool.shape[-3]
+    if isinstance(sub_blocks, bool) or not isinstance(sub_blocks, int) or sub_blocks < 1 or bs % sub_blocks:
+        raise ValueError(f"sub_blocks={sub_blocks!r} must be a positive int dividing the block size {bs}")
     if layer is None:
         keys = pool[block_ids, 0]  # [n, bs, Hkv, hd]
     else:
         keys = pool[layer, block_ids, 0]
-    keys = keys.astype(jnp.float32)
-    lens = jnp.clip(block_lens, 0, bs)
-    valid = (jnp.arange(bs)[None, :] < lens[:, None])[:, :, None, None]  # [n, bs, 1, 1]
+    n, m, sb = keys.shape[0], sub_blocks, bs // sub_blocks
+    keys = keys.astype(jnp.float32).reshape(n * m, sb, *keys.shape[2:])  # [n*m, bs/m, Hkv, hd]: slices in order
+    lens = jnp.clip(jnp.clip(block_lens, 0, bs)[:, None] - jnp.arange(m) * sb, 0, sb).reshape(n * m)
+    valid = (jnp.arange(sb)[None, :] < lens[:, None])[:, :, None, None]  # [n*m, bs/m, 1, 1]
     kmin = jnp.min(jnp.where(valid, keys, jnp.inf), axis=1)
     kmax = jnp.max(jnp.where(valid, keys, -jnp.inf), axis=1)
     empty = (lens == 0)[:, None, None]
@@ -74,21 +84,26 @@ def block_key_bounds_reference(
     pool: Float[Array, "NB 2 bs Hkv hd"],
     block_ids: Int[Array, " n"],
     block_lens: Int[Array, " n"],
-) -> tuple[Float[Array, "n Hkv hd"], Float[Array, "n Hkv hd"]]:
-    """Plain jnp reference: one block at a time, slicing the valid tokens explicitly (Python loop over n,
+    *,
+    sub_blocks: int = 1,
+) -> tuple[Float[Array, "nm Hkv hd"], Float[Array, "nm Hkv hd"]]:
+    """Plain jnp reference: one block slice at a time, slicing the valid tokens explicitly (Python loop over n,
     so `block_ids`/`block_lens` must be concrete). Same contract as `block_key_bounds`."""
     _check_inputs(pool, block_ids, block_lens)
     hkv, hd = pool.shape[3], pool.shape[4]
+    sb = pool.shape[2] // sub_blocks
     kmins, kmaxs = [], []
     for b, n in zip(jax.device_get(block_ids).tolist(), jax.device_get(block_lens).tolist(), strict=True):
         n = min(max(int(n), 0), pool.shape[2])
-        if n == 0:
-            kmins.append(jnp.zeros((hkv, hd), jnp.float32))
-            kmaxs.append(jnp.zeros((hkv, hd), jnp.float32))
-            continue
-        k = pool[b, 0, :n].astype(jnp.float32)  # [n_tokens, Hkv, hd]
-        kmins.append(k.min(axis=0))
-        kmaxs.append(k.max(axis=0))
+        for j in range(sub_blocks):
+            lo, hi = j * sb, min(n, (j + 1) * sb)
+            if hi <= lo:
+                kmins.append(jnp.zeros((hkv, hd), jnp.float32))
+                kmaxs.append(jnp.zeros((hkv, hd), jnp.float32))
+                continue
+            k = pool[b, 0, lo:hi].astype(jnp.float32)  # [tokens, Hkv, hd]
+            kmins.append(k.min(axis=0))
+            kmaxs.append(k.max(axis=0))
     if not kmins:
         empty = jnp.zeros((0, hkv, hd), jnp.float32)
         return empty, empty

@@ -26,13 +26,24 @@ c = ((1-beta) q+ + (1+beta) q-) / 2 (folded the same way; at beta = 1, a = q+ an
 is an upper estimate of a block's best logit; SoloHead turns scores into estimated attention shares, where
 the full range overrates wide blocks (measured: beta 0.5 drops the KL to dense by 25-50%, bench/RESULTS.md).
 
+Sub-blocks (`sub_blocks` = m > 1): the metadata then holds the bounds of m equal slices of every block (rows
+id * m + j, j < m, as `block_metadata.block_key_bounds(..., sub_blocks=m)` writes them), and a block's score
+is the log-sum-exp of its slices' scores at the softmax temperature `scale`, in q.k units:
+
+    score = log(sum_j exp(scale * s_j)) / scale          (s_j: the score above, of slice j)
+
+so softmax(scale * score) over blocks, which SoloHead's normalized_sum takes, is the sum of the slices'
+estimated attention shares. Finer bounds estimate a block's mass better (one outlier key no longer widens
+the whole block's range) at m times the metadata bytes, while recall and attention keep whole blocks.
+
 Kernel (Triton lowering through `pl.pallas_call`; ids are an ordinary input, no scalar prefetch):
     grid = (B, Hkv, Kp // TK)            Kp = K rounded up to the tile TK (a power of two)
     program (b, h, t):
       q rows   q[b, h*G:(h+1)*G, :]      [G, hd]  (loaded one row at a time, so G needs no padding)
       ids      cand_ids[b, t*TK:+TK]     [TK]     (-1 / out of range -> score -inf, row 0 read instead)
-      gathers  meta_min[ids, h, :], meta_max[ids, h, :]   [TK, hd] each (hd contiguous floats per row)
-      work     2*TK*hd multiply-adds + a [TK, hd] -> [TK] reduction
+      per slice j < m:
+        gathers  meta_min[ids*m + j, h, :], meta_max[ids*m + j, h, :]   [TK, hd] each (hd contiguous floats)
+        work     2*TK*hd multiply-adds + a [TK, hd] -> [TK] reduction (then a running log-sum-exp if m > 1)
       writes   out[b, h, (0 | g), t*TK:+TK]
 With `per_head=True` the program writes one [TK] row per query head (G times the arithmetic, same loads):
 scores [B, Hq, K] for policies that normalise per query head.
@@ -65,62 +76,77 @@ def _fold(qpos: Array, qneg: Array, beta: float) -> tuple[Array, Array]:
     return ((1 + beta) * qpos + (1 - beta) * qneg) * 0.5, ((1 - beta) * qpos + (1 + beta) * qneg) * 0.5
 
 
+def _lse_combine(parts: list[Array], scale: float) -> Array:
+    """log(sum_j exp(scale * s_j)) / scale of same-shape slice scores (one part: returned unchanged)."""
+    if len(parts) == 1:
+        return parts[0]
+    top = parts[0]
+    for p in parts[1:]:
+        top = jnp.maximum(top, p)
+    acc = jnp.zeros_like(top)
+    for p in parts:
+        acc = acc + jnp.exp((p - top) * scale)
+    return top + jnp.log(acc) / scale
+
+
 def _block_scores_kernel(
     q_ref,  # [G, hd]      the query heads of one KV head group, any float dtype
     ids_ref,  # [TK]       int32 physical block ids of this candidate tile (-1 = padding)
-    min_ref,  # [NB, hd]   meta_min[:, h, :] (the whole pool's rows of KV head h)
-    max_ref,  # [NB, hd]   meta_max[:, h, :]
+    min_ref,  # [NB*m, hd] meta_min[:, h, :] (the whole pool's rows of KV head h, m slices per block)
+    max_ref,  # [NB*m, hd] meta_max[:, h, :]
     o_ref,  # [R, TK]      R = 1 (group sum) or G (per query head)
     *,
     group: int,
     num_blocks: int,
     per_head: bool,
     beta: float,
+    sub: int,
+    scale: float,
 ):
     ids = ids_ref[...]
     valid = (ids >= 0) & (ids < num_blocks)
-    safe = jnp.where(valid, ids, 0)
-    kmin = min_ref[safe].astype(jnp.float32)  # [TK, hd] gather
-    kmax = max_ref[safe].astype(jnp.float32)
-
-    def bound(qpos, qneg):  # [hd], [hd] -> [TK]
-        a, c = _fold(qpos, qneg, beta)
-        s = jnp.sum(kmax * a[None, :] + kmin * c[None, :], axis=1)
-        return jnp.where(valid, s, -jnp.inf)
-
+    safe = jnp.where(valid, ids, 0) * sub
+    qs = [q_ref[g, :].astype(jnp.float32) for g in range(group)]  # static unroll, G <= 16 in practice
     if per_head:
-        for g in range(group):  # static unroll, G <= 16 in practice
-            qg = q_ref[g, :].astype(jnp.float32)
-            o_ref[g, :] = bound(jnp.maximum(qg, 0.0), jnp.minimum(qg, 0.0))
+        folds = [_fold(jnp.maximum(qg, 0.0), jnp.minimum(qg, 0.0), beta) for qg in qs]
     else:
-        qg = q_ref[0, :].astype(jnp.float32)
-        qpos, qneg = jnp.maximum(qg, 0.0), jnp.minimum(qg, 0.0)
-        for g in range(1, group):
-            qg = q_ref[g, :].astype(jnp.float32)
+        qpos, qneg = jnp.maximum(qs[0], 0.0), jnp.minimum(qs[0], 0.0)
+        for qg in qs[1:]:
             qpos, qneg = qpos + jnp.maximum(qg, 0.0), qneg + jnp.minimum(qg, 0.0)
-        o_ref[0, :] = bound(qpos, qneg)
+        folds = [_fold(qpos, qneg, beta)]
+    parts: list[list[Array]] = [[] for _ in folds]
+    for j in range(sub):
+        kmin = min_ref[safe + j].astype(jnp.float32)  # [TK, hd] gather
+        kmax = max_ref[safe + j].astype(jnp.float32)
+        for r, (a, c) in enumerate(folds):
+            parts[r].append(jnp.sum(kmax * a[None, :] + kmin * c[None, :], axis=1))  # [TK]
+    for r, p in enumerate(parts):
+        o_ref[r, :] = jnp.where(valid, _lse_combine(p, scale), -jnp.inf)
 
 
 def _block_scores_pallas(
     q: Float[Array, "B Hq hd"],
-    meta_min: Float[Array, "NB Hkv hd"],
-    meta_max: Float[Array, "NB Hkv hd"],
+    meta_min: Float[Array, "NBm Hkv hd"],
+    meta_max: Float[Array, "NBm Hkv hd"],
     cand_ids: Int[Array, "B Kp"],
     *,
     tile_k: int,
     per_head: bool,
     beta: float,
+    sub: int,
+    scale: float,
     num_warps: int,
     interpret: bool,
 ) -> Float[Array, "B Hkv R Kp"]:
     b, hq, hd = q.shape
-    nb, hkv, _ = meta_min.shape
+    nr, hkv, _ = meta_min.shape
     g = hq // hkv
     kp = cand_ids.shape[1]
     rows = g if per_head else 1
     q4 = q.reshape(b, hkv, g, hd)
-    kernel = functools.partial(_block_scores_kernel, group=g, num_blocks=nb, per_head=per_head, beta=beta)
-    meta_spec = pl.BlockSpec((nb, None, hd), lambda i, h, t: (0, h, 0))
+    kernel = functools.partial(_block_scores_kernel, group=g, num_blocks=nr // sub, per_head=per_head, beta=beta,
+                               sub=sub, scale=scale)
+    meta_spec = pl.BlockSpec((nr, None, hd), lambda i, h, t: (0, h, 0))
     return pl.pallas_call(
         kernel,
         grid=(b, hkv, kp // tile_k),
@@ -134,7 +160,7 @@ def _block_scores_pallas(
         out_shape=jax.ShapeDtypeStruct((b, hkv, rows, kp), jnp.float32),
         interpret=interpret,
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
-        name=f"block_scores_{tile_k=}_{per_head=}",  # beta is folded into q: same kernel shape
+        name=f"block_scores_{tile_k=}_{per_head=}_{sub=}",  # beta is folded into q: same kernel shape
     )(q4, cand_ids, meta_min, meta_max)
 
 
@@ -155,20 +181,34 @@ def _check_inputs(q: Array, meta_min: Array, meta_max: Array, cand_ids: Array) -
         raise ValueError(f"cand_ids must be an integer array of block ids (-1 = padding), got {cand_ids.dtype}")
 
 
-def _check_beta(beta: float) -> None:
+def _check_options(beta: float, sub_blocks: int, meta_rows: int) -> None:
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta={beta!r} must be in [0, 1] (1 = Quest's upper bound, 0 = the block midpoint)")
+    if isinstance(sub_blocks, bool) or not isinstance(sub_blocks, int) or sub_blocks < 1:
+        raise ValueError(f"sub_blocks={sub_blocks!r} must be a positive int (metadata slices per block)")
+    if meta_rows % sub_blocks:
+        raise ValueError(f"the metadata has {meta_rows} rows, not a multiple of sub_blocks={sub_blocks}: write it "
+                         "with block_key_bounds(..., sub_blocks=sub_blocks) (sub_blocks rows per block)")
 
 
-@functools.partial(jax.jit, static_argnames=("per_head", "beta", "tile_k", "num_warps", "interpret"))
+def default_scale(head_dim: int, group: int, per_head: bool) -> float:
+    """The softmax temperature of scores in q.k units: 1/sqrt(hd) per query head, 1/(G sqrt(hd)) for group sums
+    (a group sum adds G logits). What SoloHead's normalized_sum and the sub-block log-sum-exp use."""
+    return 1.0 / ((1 if per_head else group) * head_dim ** 0.5)
+
+
+@functools.partial(jax.jit, static_argnames=("per_head", "beta", "sub_blocks", "scale", "tile_k", "num_warps",
+                                             "interpret"))
 def block_scores(
     q: Float[Array, "B Hq hd"],
-    meta_min: Float[Array, "NB Hkv hd"],
-    meta_max: Float[Array, "NB Hkv hd"],
+    meta_min: Float[Array, "NBm Hkv hd"],
+    meta_max: Float[Array, "NBm Hkv hd"],
     cand_ids: Int[Array, "B K"],
     *,
     per_head: bool = False,
     beta: float = 1.0,
+    sub_blocks: int = 1,
+    scale: float | None = None,
     tile_k: int | None = None,
     num_warps: int = 4,
     interpret: bool | None = None,
@@ -176,16 +216,20 @@ def block_scores(
     """Quest scores of the candidate blocks `cand_ids` (physical ids, -1 = padding -> -inf).
 
     Returns float32 [B, Hkv, K] (group sums; the default) or [B, Hq, K] with `per_head=True` (one bound
-    per query head; summing each group's G rows gives the default up to rounding). Requires
-    meta_min <= meta_max element-wise on the listed rows (true by construction). Scores are raw q.k
-    bounds (no 1/sqrt(hd)); `beta` < 1 shrinks the key-range term (module docstring). `tile_k` (a power of
-    two, default 8192 // hd capped at 128) is the number of candidates per program; the head dim must be a
-    power of two on GPU (Triton loads need power-of-two sizes).
+    per query head; summing each group's G rows gives the default up to rounding, at sub_blocks = 1).
+    Requires meta_min <= meta_max element-wise on the listed rows (true by construction). Scores are raw q.k
+    bounds (no 1/sqrt(hd)); `beta` < 1 shrinks the key-range term (module docstring). `sub_blocks` = m reads
+    m metadata rows per block (NBm = NB * m) and combines them by a log-sum-exp at temperature `scale`
+    (default `default_scale`; unused at m = 1). `tile_k` (a power of two, default 8192 // hd capped at 128)
+    is the number of candidates per program; the head dim must be a power of two on GPU (Triton loads need
+    power-of-two sizes).
     """
     _check_inputs(q, meta_min, meta_max, cand_ids)
-    _check_beta(beta)
+    _check_options(beta, sub_blocks, meta_min.shape[0])
     interpret = resolve_interpret(interpret)
     b, hq, hd = q.shape
+    if scale is None:
+        scale = default_scale(hd, hq // meta_min.shape[1], per_head)
     k = cand_ids.shape[1]
     if not interpret and hd & (hd - 1):
         raise ValueError(f"head_dim={hd} must be a power of two for the Triton lowering; allocate the metadata "
@@ -198,37 +242,46 @@ def block_scores(
     kp = -(-max(k, 1) // tile_k) * tile_k
     ids = jnp.pad(cand_ids.astype(jnp.int32), ((0, 0), (0, kp - k)), constant_values=-1)
     out = _block_scores_pallas(q, meta_min, meta_max, ids, tile_k=tile_k, per_head=per_head, beta=float(beta),
-                               num_warps=num_warps, interpret=interpret)  # [B, Hkv, R, Kp]
+                               sub=sub_blocks, scale=float(scale), num_warps=num_warps,
+                               interpret=interpret)  # [B, Hkv, R, Kp]
     return out.reshape(b, -1, kp)[:, :, :k]
 
 
 def block_scores_reference(
     q: Float[Array, "B Hq hd"],
-    meta_min: Float[Array, "NB Hkv hd"],
-    meta_max: Float[Array, "NB Hkv hd"],
+    meta_min: Float[Array, "NBm Hkv hd"],
+    meta_max: Float[Array, "NBm Hkv hd"],
     cand_ids: Int[Array, "B K"],
     *,
     per_head: bool = False,
     beta: float = 1.0,
+    sub_blocks: int = 1,
+    scale: float | None = None,
 ) -> Float[Array, "B S K"]:
     """Plain jnp: the literal formulas on gathered rows: sum_g sum_d max(q_d * kmax_d, q_d * kmin_d) at beta = 1,
-    else sum_g sum_d q_d mid_d + beta |q_d| half_d."""
+    else sum_g sum_d q_d mid_d + beta |q_d| half_d; with sub_blocks = m, that score of each of the block's m
+    slices (rows id * m + j), combined by logsumexp(scale * s_j) / scale."""
     _check_inputs(q, meta_min, meta_max, cand_ids)
-    _check_beta(beta)
+    _check_options(beta, sub_blocks, meta_min.shape[0])
     b, hq, hd = q.shape
-    nb, hkv, _ = meta_min.shape
+    nr, hkv, _ = meta_min.shape
     g = hq // hkv
-    valid = (cand_ids >= 0) & (cand_ids < nb)  # [B, K]
-    safe = jnp.where(valid, cand_ids, 0)
-    kmin = meta_min[safe].astype(jnp.float32)  # [B, K, Hkv, hd]
-    kmax = meta_max[safe].astype(jnp.float32)
-    q5 = q.astype(jnp.float32).reshape(b, 1, hkv, g, hd)  # [B, 1, Hkv, G, hd]
+    m = sub_blocks
+    valid = (cand_ids >= 0) & (cand_ids < nr // m)  # [B, K]
+    rows = jnp.where(valid, cand_ids, 0)[:, :, None] * m + jnp.arange(m)  # [B, K, m]
+    kmin = meta_min[rows].astype(jnp.float32)[:, :, :, :, None]  # [B, K, m, Hkv, 1, hd]
+    kmax = meta_max[rows].astype(jnp.float32)[:, :, :, :, None]
+    q6 = q.astype(jnp.float32).reshape(b, 1, 1, hkv, g, hd)  # [B, 1, 1, Hkv, G, hd]
     if beta == 1.0:
-        prod = jnp.maximum(q5 * kmax[:, :, :, None], q5 * kmin[:, :, :, None])  # [B, K, Hkv, G, hd]
+        prod = jnp.maximum(q6 * kmax, q6 * kmin)  # [B, K, m, Hkv, G, hd]
     else:
-        mid, half = ((kmax + kmin) / 2)[:, :, :, None], ((kmax - kmin) / 2)[:, :, :, None]
-        prod = q5 * mid + beta * jnp.abs(q5) * half
-    s = jnp.sum(prod, axis=-1)  # [B, K, Hkv, G]
-    s = s.reshape(b, -1, hq) if per_head else jnp.sum(s, axis=-1)  # [B, K, S]
+        prod = q6 * ((kmax + kmin) / 2) + beta * jnp.abs(q6) * ((kmax - kmin) / 2)
+    s = jnp.sum(prod, axis=-1)  # [B, K, m, Hkv, G]
+    s = s.reshape(b, -1, m, hq) if per_head else jnp.sum(s, axis=-1)  # [B, K, m, S]
+    if m > 1:
+        t = default_scale(hd, g, per_head) if scale is None else scale
+        s = jax.nn.logsumexp(s * t, axis=2) / t
+    else:
+        s = s[:, :, 0]
     s = jnp.where(valid[:, :, None], s, -jnp.inf)
     return jnp.transpose(s, (0, 2, 1))

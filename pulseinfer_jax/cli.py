@@ -40,6 +40,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--dense-layers", type=int, default=2, help="first layers that attend densely (default 2)")
     o.add_argument("--score-beta", type=float, default=None,
                    help="block scores' key-range weight: 1 = Quest's bound, 0 = block midpoint (default: the engine's)")
+    o.add_argument("--score-per-kv-head", action="store_true",
+                   help="SoloHead scores per KV head (group-summed bounds) instead of per query head")
+    o.add_argument("--score-sub-blocks", type=int, default=1,
+                   help="key bounds per 1/m of a block (m x the metadata bytes; finer selection); default 1")
     o.add_argument("--host-io", default="auto",
                    help="auto | xla (pinned host pool) | numpy (pageable, the fallback); default auto")
 
@@ -51,6 +55,7 @@ def engine_config(args: argparse.Namespace, **extra):
     return EngineConfig(block_size=args.block_size, mode=args.mode, budget_tokens=args.budget_tokens,
                         selection=args.selection, io=args.io, recall=args.recall, gpu_kv_budget=args.gpu_kv_budget,
                         host_kv_tokens=args.host_kv_tokens, dense_layers=args.dense_layers, host_io=args.host_io,
+                        score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks,
                         **({} if args.score_beta is None else {"score_beta": args.score_beta}), **extra)
 
 

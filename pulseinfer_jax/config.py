@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pulseinfer_jax.sparse import BlockScoring
+
 MODES = ("dense", "offload", "auto")
 DECODE_ATTENTION = ("auto", "jnp", "pallas")
 CHOICES = {
@@ -39,6 +41,12 @@ class EngineConfig:
     # midpoint dot product (pallas_kernels/block_scoring.py). 0.5: measured on SmolLM2 (bench/RESULTS.md), KL to
     # dense down 10-40% at every budget, no passkey lost
     score_beta: float = 0.5
+    # SoloHead normalized_sum scores and softmaxes each query head on its own (else per KV head on its group's
+    # summed bounds): same metadata, KL to dense down 7-16% on SmolLM2 (bench/RESULTS.md)
+    score_per_query_head: bool = True
+    # key bounds per 1/m slice of a block (m metadata rows per block: m times the bytes that stay on the GPU and
+    # that scoring reads each step); m = 2 cuts the KL to dense a further 10-25% on SmolLM2 (bench/RESULTS.md)
+    score_sub_blocks: int = 1
     io: str = "coalesced"  # one gathered copy per layer and step, or "fragmented" (one per (block, head))
     recall: str = "interruptible"  # attend resident blocks while recall is in flight, or "sync" (wait first)
     # offloaded batch split; the driver runs whichever has its data ready. None = 2 on a GPU (a copy engine
@@ -118,11 +126,14 @@ class EngineConfig:
             raise ValueError(f"host_kv_tokens={self.host_kv_tokens} must be >= block_size={bs}")
         if self.h2d_bytes_per_s is not None and not self.h2d_bytes_per_s > 0:
             raise ValueError(f"h2d_bytes_per_s={self.h2d_bytes_per_s!r} must be > 0")
-        if isinstance(self.score_beta, bool) or not isinstance(self.score_beta, (int, float)) or \
-                not 0 <= self.score_beta <= 1:
-            raise ValueError(f"score_beta={self.score_beta!r} must be a number in [0, 1] (1 = Quest's bound)")
+        self.scoring.check_block_size(bs)  # and the scoring fields themselves (BlockScoring's checks)
         if not 0 < self.ioaa_slack <= 1:
             raise ValueError(f"ioaa_slack={self.ioaa_slack!r} must be in (0, 1]")
+
+    @property
+    def scoring(self) -> BlockScoring:
+        return BlockScoring(beta=self.score_beta, per_query_head=self.score_per_query_head,
+                            sub_blocks=self.score_sub_blocks)
 
     @property
     def window_blocks(self) -> int:

@@ -162,14 +162,14 @@ class Engine:
         if self.sparse_attention is None:
             self.sparse_attention = self.decode_attention
             if self.sparse_attention == "pallas" and cfg.decode_attention == "auto":
-                err = probe_pallas(self.device, self.model.dtype, cfg.score_beta)
+                err = probe_pallas(self.device, self.model.dtype, cfg.scoring)
                 if err is not None:
                     warnings.warn(f"Pallas sparse kernels failed on {self.device.platform} ({err}); the sparse "
                                   "pipeline uses the jnp attention", RuntimeWarning, stacklevel=3)
                     self.sparse_attention = "jnp"
         mbs = cfg.micro_batches or (2 if self.on_gpu else 1)
         pcfg = PipelineConfig(io=cfg.io, recall=cfg.recall, micro_batches=mbs,
-                              attention=self.sparse_attention, solohead=cfg.solohead, score_beta=cfg.score_beta,
+                              attention=self.sparse_attention, solohead=cfg.solohead, scoring=cfg.scoring,
                               retrieval_heads=cfg.retrieval_heads)
         if self.sparse is None or self.sparse.plan != plan or self.sparse.nb != num_blocks:
             cls = self.decoder_class or SparseDecoder

@@ -25,10 +25,10 @@ from jaxtyping import Array, Float, Int
 from models.rope import rope_tables
 from models.transformer import Transformer
 from pallas_kernels.block_metadata import block_key_bounds, update_bounds
-from pallas_kernels.block_scoring import block_scores, block_scores_reference
+from pallas_kernels.block_scoring import block_scores, block_scores_reference, default_scale
 from pallas_kernels.merge import merge_attention_partials
 from pallas_kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
-from pulseinfer_jax.sparse import select_blocks
+from pulseinfer_jax.sparse import BlockScoring, select_blocks
 
 Partial = tuple[Array, Array, Array]  # (o [B, Hq, hd], m [B, Hq] f32, l [B, Hq] f32), see pallas_kernels/merge.py
 
@@ -92,15 +92,15 @@ def dense_layer(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "budget", "sink", "window", "mode", "solohead", "attention", "beta"),
+    static_argnames=("model", "budget", "sink", "window", "mode", "solohead", "attention", "scoring"),
     donate_argnames=("kv",),
 )
 def sparse_pre(
     model: Transformer,
     lp: dict,
     kv: Float[Array, "L NB 2 bs Hkv hd"],
-    meta_min: Float[Array, "R Hkv hd"],
-    meta_max: Float[Array, "R Hkv hd"],
+    meta_min: Float[Array, "Rm Hkv hd"],
+    meta_max: Float[Array, "Rm Hkv hd"],
     meta_offset: Int[Array, ""],
     x: Float[Array, "B 1 D"],
     positions: Int[Array, " B"],
@@ -115,20 +115,23 @@ def sparse_pre(
     mode: str,
     solohead: str,
     attention: str,
-    beta: float = 1.0,
+    scoring: BlockScoring = BlockScoring(),
 ) -> tuple[Array, Float[Array, "B Hq hd"], Int[Array, "B S N"]]:
     """A sparse layer up to attention: write the new token into its window block, score every candidate
-    block from its key bounds (metadata rows `meta_offset + cand_rows`, -1 = none) and select.
+    block from its key bounds (metadata blocks `meta_offset + cand_rows`, -1 = none; `scoring.sub_blocks`
+    rows each) and select.
 
     Returns (kv, q, selected logical blocks [B, S, budget] sorted, -1 padded; see sparse.select_blocks)."""
     kv, q = _qkv_and_write(model, lp, kv, x, positions, write_unit)
     cand = jnp.where(cand_rows >= 0, cand_rows + meta_offset, -1)
     score_fn = block_scores if attention == "pallas" else block_scores_reference
-    scores = score_fn(q, meta_min, meta_max, cand, beta=beta)  # [B, Hkv, K] group sums
+    per_head = scoring.per_head(mode, solohead)
     c = model.cfg
+    scale = default_scale(c.head_dim, c.group_size, per_head)
+    scores = score_fn(q, meta_min, meta_max, cand, per_head=per_head, beta=scoring.beta,
+                      sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, K]
     sel = select_blocks(scores, num_blocks, budget_blocks=budget, sink_blocks=sink, window_blocks=window, mode=mode,
-                        solohead=solohead, retrieval_head=retrieval_head,
-                        score_scale=1.0 / (c.group_size * c.head_dim ** 0.5))
+                        solohead=solohead, retrieval_head=retrieval_head, score_scale=scale)
     return kv, q, sel
 
 
@@ -194,15 +197,20 @@ def copy_units(kv: Float[Array, "L NB 2 bs Hkv hd"], src: Int[Array, " n"], dst:
     return kv.at[_unit_index(kv, dst)].set(kv[_unit_index(kv, src)])
 
 
-@functools.partial(jax.jit, donate_argnames=("meta_min", "meta_max"))
+@functools.partial(jax.jit, static_argnames=("sub_blocks",), donate_argnames=("meta_min", "meta_max"))
 def refresh_meta(
     kv: Float[Array, "L NB 2 bs Hkv hd"],
-    meta_min: Float[Array, "R Hkv hd"],
-    meta_max: Float[Array, "R Hkv hd"],
+    meta_min: Float[Array, "Rm Hkv hd"],
+    meta_max: Float[Array, "Rm Hkv hd"],
     units: Int[Array, " n"],
     lens: Int[Array, " n"],
     rows: Int[Array, " n"],
+    *,
+    sub_blocks: int = 1,
 ) -> tuple[Array, Array]:
-    """Key bounds of flat units `units` (first `lens` tokens) into metadata rows `rows` (-1 = skip)."""
-    kmin, kmax = block_key_bounds(_flat(kv), units, lens)
-    return update_bounds(meta_min, meta_max, rows, kmin, kmax)
+    """Key bounds of flat units `units` (first `lens` tokens) into metadata blocks `rows` (-1 = skip): block r
+    owns rows r * sub_blocks + j, one per token slice j."""
+    kmin, kmax = block_key_bounds(_flat(kv), units, lens, sub_blocks=sub_blocks)  # [n * m, Hkv, hd]
+    m = sub_blocks
+    dst = jnp.where(rows[:, None] >= 0, rows[:, None] * m + jnp.arange(m), -1).reshape(-1)
+    return update_bounds(meta_min, meta_max, dst, kmin, kmax)

@@ -19,6 +19,7 @@ from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.ioaa import Candidate
 from pulseinfer_jax.kv_cache import BlockAllocator, blocks_for
 from pulseinfer_jax.scheduler import Request
+from pulseinfer_jax.sparse import BlockScoring
 
 
 def sparse_plan(config: EngineConfig, num_layers: int, num_kv_heads: int) -> SparsePlan:
@@ -105,9 +106,10 @@ class OffloadPlacer:
         self.pool.free(req.sparse.host_rows, owner=req.index)
 
 
-def probe_pallas(device: jax.Device, dtype=None, score_beta: float = 1.0) -> str | None:
+def probe_pallas(device: jax.Device, dtype=None, scoring: BlockScoring = BlockScoring()) -> str | None:
     """Compile and run the sparse decode kernels once on tiny shapes in the KV dtype (default bfloat16; the key
-    bounds use it too) and with the engine's score_beta; None if fine, else the error text."""
+    bounds use it too) and with the engine's block scoring (per query head and per KV head, its beta and
+    sub-blocks); None if fine, else the error text."""
     import jax.numpy as jnp
 
     from pallas_kernels.block_scoring import block_scores
@@ -120,8 +122,10 @@ def probe_pallas(device: jax.Device, dtype=None, score_beta: float = 1.0) -> str
             pool = jnp.ones((4, 2, 16, 2, 64), dtype)
             ids = jnp.array([[[1, 2]]], jnp.int32)
             jax.block_until_ready(sparse_decode_attention(q, pool, ids, jnp.full_like(ids, 16)))
-            meta = jnp.ones((4, 2, 64), dtype)
-            jax.block_until_ready(block_scores(q, meta, meta, ids[:, 0], beta=score_beta))
+            meta = jnp.ones((4 * scoring.sub_blocks, 2, 64), dtype)
+            for per_head in {False, scoring.per_query_head}:
+                jax.block_until_ready(block_scores(q, meta, meta, ids[:, 0], per_head=per_head, beta=scoring.beta,
+                                                   sub_blocks=scoring.sub_blocks))
     except Exception as e:  # noqa: BLE001 - any lowering/compile error
         return f"{type(e).__name__}: {str(e)[:300]}"
     return None

@@ -46,6 +46,7 @@ from host_offload.placement import SparseKV, SparsePlan
 from models.transformer import Transformer, split_layers
 from pulseinfer_jax import layer_ops
 from pulseinfer_jax.kv_cache import blocks_for, bucket
+from pulseinfer_jax.sparse import BlockScoring
 
 Stop = tuple[str, jax.Array, jax.Array | None]  # (kind, awaited array, GPU work queued ahead of it)
 
@@ -57,7 +58,7 @@ class PipelineConfig:
     micro_batches: int = 2
     attention: str = "jnp"  # "jnp" | "pallas"
     solohead: str = "normalized_sum"  # "normalized_sum" | "retrieval_head"
-    score_beta: float = 0.5  # weight of the key-range term of block scores (EngineConfig.score_beta)
+    scoring: BlockScoring = BlockScoring()  # how blocks are scored (EngineConfig.scoring)
     retrieval_heads: tuple[int, ...] | None = None  # per sparse layer, for solohead="retrieval_head"
 
 
@@ -87,7 +88,8 @@ class SparseDecoder:
         self._layer_params: list[dict] | None = None
         self.pool = pool
         self.nb = num_gpu_blocks
-        rows = plan.sparse_layers * pool.num_rows
+        rows = plan.sparse_layers * pool.num_rows * config.scoring.sub_blocks  # metadata rows (m per block)
+        config.scoring.check_block_size(plan.block_size)
         # key bounds in the KV dtype: the min / max of bf16 keys are bf16 values, so nothing is rounded (and the
         # bounds cost half of float32's GPU memory: at 128K they would be the largest part of an offloaded
         # request's GPU footprint); scoring computes in float32
@@ -144,7 +146,8 @@ class SparseDecoder:
         lens = np.zeros(n, np.int32)
         u[: len(units)], r[: len(rows)], lens[: len(units)] = units, rows, p.block_size
         self.meta_min, self.meta_max = layer_ops.refresh_meta(kv, self.meta_min, self.meta_max, jnp.asarray(u),
-                                                              jnp.asarray(lens), jnp.asarray(r))
+                                                              jnp.asarray(lens), jnp.asarray(r),
+                                                              sub_blocks=self.config.scoring.sub_blocks)
 
     # ---- decode --------------------------------------------------------------------------------
     def decode(self, kv: jax.Array, sparse: list[SparseKV], tokens: list[int], lengths: list[int]
@@ -263,7 +266,7 @@ class SparseDecoder:
                 model, lp, self.kv, self.meta_min, self.meta_max, jnp.int32(sl * self.pool.num_rows), x,
                 positions_d, jnp.asarray(write), cand_d, nblk_d, jnp.int32(rh), budget=p.budget_blocks,
                 sink=p.sink_blocks, window=p.window_blocks, mode=p.selection, solohead=cfg.solohead,
-                attention=cfg.attention, beta=cfg.score_beta)
+                attention=cfg.attention, scoring=cfg.scoring)
             yield "select", sel, None
             res, late, recall = self._plan_layer(np.asarray(sel), sparse, lengths, layer, sl)
             staging = self._issue_recall(sl, recall, sparse)

@@ -29,6 +29,7 @@ attention scale 1/sqrt(hd) for per-query-head scores, 1/(G sqrt(hd)) for group s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal
 
@@ -42,6 +43,41 @@ from pulseinfer_jax.kv_cache import bucket
 
 Mode = Literal["headwise", "solohead"]
 SoloHead = Literal["normalized_sum", "retrieval_head"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScoring:
+    """How blocks are scored from their key bounds (`pallas_kernels.block_scoring`; measured in bench/RESULTS.md).
+
+    beta: weight of the key-range term (score = q.mid + beta |q|.half; 1 = Quest's upper bound).
+    per_query_head: SoloHead normalized_sum scores every query head on its own and softmaxes per query head
+      (else per KV head, on the sum of its group's bounds). Same metadata bytes, G times the (cheap) arithmetic.
+      Headwise and retrieval_head selections always score per KV head (they select per KV head).
+    sub_blocks: bound m equal slices of each block separately (m rows of metadata per block, m times the bytes
+      and the scoring reads) and score a block as the log-sum-exp of its slices; recall stays whole blocks.
+    """
+
+    beta: float = 0.5
+    per_query_head: bool = True
+    sub_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 <= self.beta <= 1:
+            raise ValueError(f"score_beta={self.beta!r} must be a number in [0, 1] (1 = Quest's bound)")
+        if not isinstance(self.per_query_head, bool):
+            raise ValueError(f"score_per_query_head={self.per_query_head!r} must be a bool")
+        m = self.sub_blocks
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or m & (m - 1):
+            raise ValueError(f"score_sub_blocks={m!r} must be a power of two >= 1 (metadata slices per block)")
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size % self.sub_blocks:
+            raise ValueError(f"score_sub_blocks={self.sub_blocks} must divide block_size={block_size} (equal "
+                             "token slices per block); lower score_sub_blocks")
+
+    def per_head(self, mode: str, solohead: str) -> bool:
+        """Whether a selection with this mode / SoloHead variant scores per query head."""
+        return self.per_query_head and mode == "solohead" and solohead == "normalized_sum"
 
 
 def bucket_budget(tokens: int, block_size: int, *, min_blocks: int = 16) -> int:

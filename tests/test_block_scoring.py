@@ -60,6 +60,95 @@ def test_block_key_bounds_valid_tokens_only(bs, hd, dtype):
     np.testing.assert_array_equal(np.asarray(kmax), np.asarray(rmax))
 
 
+@pytest.mark.parametrize("bs,m", [(16, 2), (8, 4), (32, 2)])
+def test_block_key_bounds_sub_blocks_are_the_bounds_of_each_slice(bs, m):
+    """sub_blocks = m: row i*m + j bounds slice j of block ids[i] (tokens [j bs/m, (j+1) bs/m) below the block's
+    length), bit-exact against the reference and against slicing the pool into blocks of bs/m; slices past the
+    length (the partial block's tail) get zero bounds; NaN padding never leaks; m must divide bs."""
+    rng = np.random.default_rng(bs * 10 + m)
+    hkv, hd, nb = 2, 64, 8
+    sb = bs // m
+    lens = [bs, sb, sb + 1, 1, 0, bs - 1, 2 * sb if m > 2 else bs, bs]  # lengths at slice boundaries
+    pool, _ = _pool(rng, nb, bs, hkv, hd, lens)
+    ids = np.array(rng.permutation(nb), np.int32)
+    blens = np.array([lens[i] for i in ids], np.int32)
+    kmin, kmax = block_key_bounds(jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(blens), sub_blocks=m)
+    assert kmin.shape == (nb * m, hkv, hd)
+    rmin, rmax = block_key_bounds_reference(jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(blens), sub_blocks=m)
+    np.testing.assert_array_equal(np.asarray(kmin), np.asarray(rmin))
+    np.testing.assert_array_equal(np.asarray(kmax), np.asarray(rmax))
+    # the same as bounding a pool of blocks of size bs/m
+    fine = pool.reshape(nb, 2, m, sb, hkv, hd).transpose(0, 2, 1, 3, 4, 5).reshape(nb * m, 2, sb, hkv, hd)
+    fine_ids = (ids[:, None] * m + np.arange(m)).reshape(-1).astype(np.int32)
+    fine_lens = np.clip(blens[:, None] - np.arange(m) * sb, 0, sb).reshape(-1).astype(np.int32)
+    fmin, fmax = block_key_bounds(jnp.asarray(fine), jnp.asarray(fine_ids), jnp.asarray(fine_lens))
+    np.testing.assert_array_equal(np.asarray(kmin), np.asarray(fmin))
+    np.testing.assert_array_equal(np.asarray(kmax), np.asarray(fmax))
+    assert np.isfinite(np.asarray(kmin)).all() and np.isfinite(np.asarray(kmax)).all()
+    empty = fine_lens == 0
+    assert empty.any() and not np.asarray(kmin)[empty].any() and not np.asarray(kmax)[empty].any()
+    with pytest.raises(ValueError, match="must be a positive int dividing the block size"):
+        block_key_bounds(jnp.asarray(pool), jnp.asarray(ids), jnp.asarray(blens), sub_blocks=3)
+
+
+@pytest.mark.parametrize("group,per_head,beta,m,tile_k", [(2, True, 0.5, 2, 4), (3, False, 1.0, 2, None),
+                                                         (1, True, 1.0, 4, 8), (4, False, 0.25, 4, 4)])
+def test_block_scores_sub_blocks_match_reference_and_combine_slices(group, per_head, beta, m, tile_k):
+    """sub_blocks = m: the kernel equals the reference (shuffled -1 padded candidates, NaN in every metadata row of
+    an unlisted block); a block's score is log(sum_j exp(scale s_j)) / scale of its slices' scores s_j (each slice
+    scored as a block of its own), so it is at least the best slice's, and at beta = 1 still bounds every true q.k
+    of the block; identical slices add exactly log(m) / scale."""
+    bs, hd, k, hkv = 16, 64, 11, 2
+    rng = np.random.default_rng(31 * group + m)
+    nb = 2 * k + 3
+    lens = [bs] * nb
+    pool, keys = _pool(rng, nb, bs, hkv, hd, lens)
+    listed = rng.permutation(np.arange(1, nb))[: 2 * k - 3]
+    cand = np.full((2, k), -1, np.int32).reshape(-1)
+    cand[rng.permutation(2 * k)[: len(listed)]] = listed
+    cand = cand.reshape(2, k)
+    kmin, kmax = block_key_bounds(jnp.asarray(pool), jnp.asarray(listed, jnp.int32),
+                                  jnp.asarray([bs] * len(listed), jnp.int32), sub_blocks=m)
+    rows = jnp.asarray((listed[:, None] * m + np.arange(m)).reshape(-1), jnp.int32)
+    meta_min, meta_max = update_bounds(jnp.full((nb * m, hkv, hd), jnp.nan), jnp.full((nb * m, hkv, hd), jnp.nan),
+                                       rows, kmin, kmax)
+    q = jnp.asarray(rng.standard_normal((2, hkv * group, hd)) * 0.5, jnp.float32)
+    args = (q, meta_min, meta_max, jnp.asarray(cand))
+    out = np.asarray(block_scores(*args, per_head=per_head, beta=beta, sub_blocks=m, tile_k=tile_k))
+    ref = np.asarray(block_scores_reference(*args, per_head=per_head, beta=beta, sub_blocks=m))
+    fin = np.isfinite(ref)
+    assert (np.isfinite(out) == fin).all() and (fin == (cand >= 0)[:, None]).all()
+    atol = 1e-4 * np.abs(ref[fin]).max()
+    np.testing.assert_allclose(out[fin], ref[fin], rtol=1e-5, atol=atol)
+    # slice scores: the same metadata read as blocks of their own (candidate ids = rows)
+    slice_cand = np.where(cand[:, :, None] >= 0, cand[:, :, None] * m + np.arange(m), -1).reshape(2, -1)
+    parts = np.asarray(block_scores_reference(q, meta_min, meta_max, jnp.asarray(slice_cand, jnp.int32),
+                                              per_head=per_head, beta=beta))
+    parts = parts.reshape(*parts.shape[:2], k, m).astype(np.float64)
+    scale = 1.0 / ((1 if per_head else group) * hd ** 0.5)
+    with np.errstate(invalid="ignore"):
+        top = parts.max(-1)
+        want = top + np.log(np.exp((parts - top[..., None]) * scale).sum(-1)) / scale
+    np.testing.assert_allclose(out[fin], want[fin], rtol=1e-5, atol=atol)
+    assert (out[fin] >= top[fin] - atol).all()
+    if beta == 1.0:
+        for b in range(2):
+            for c in range(k):
+                if cand[b, c] < 0:
+                    continue
+                qk = np.einsum("hgd,thd->hgt", np.asarray(q[b]).reshape(hkv, group, hd), keys[cand[b, c]]).max(-1)
+                best = qk.reshape(-1) if per_head else qk.sum(-1)
+                assert (out[b, :, c] >= best - 1e-3 * (1 + np.abs(best))).all()
+    same = jnp.repeat(meta_min[::m], m, axis=0), jnp.repeat(meta_max[::m], m, axis=0)  # every slice = slice 0
+    one = np.asarray(block_scores(q, same[0][::m], same[1][::m], jnp.asarray(cand), per_head=per_head, beta=beta))
+    rep = np.asarray(block_scores(q, *same, jnp.asarray(cand), per_head=per_head, beta=beta, sub_blocks=m))
+    np.testing.assert_allclose(rep[fin], one[fin] + np.log(m) / scale, rtol=1e-5, atol=atol)
+    with pytest.raises(ValueError, match="not a multiple of sub_blocks"):
+        block_scores(q, meta_min[:-1], meta_max[:-1], jnp.asarray(cand), sub_blocks=m)
+    with pytest.raises(ValueError, match="sub_blocks=0 must be a positive int"):
+        block_scores_reference(*args, sub_blocks=0)
+
+
 def test_update_bounds_writes_listed_rows_and_drops_padding():
     rng = np.random.default_rng(7)
     nb, hkv, hd = 6, 2, 64
@@ -233,15 +322,17 @@ def test_block_scores_lowers_to_triton_ir():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            for group, hd, k, per_head, meta_dtype, beta in [(3, 64, 300, True, jnp.float32, 1.0),
-                                                             (8, 128, 37, False, jnp.float32, 1.0),
-                                                             (4, 128, 64, False, jnp.bfloat16, 1.0),
-                                                             (4, 128, 64, True, jnp.bfloat16, 0.5)]:
+            for group, hd, k, per_head, meta_dtype, beta, m in [(3, 64, 300, True, jnp.float32, 1.0, 1),
+                                                                (8, 128, 37, False, jnp.float32, 1.0, 1),
+                                                                (4, 128, 64, False, jnp.bfloat16, 1.0, 1),
+                                                                (4, 128, 64, True, jnp.bfloat16, 0.5, 1),
+                                                                (4, 128, 64, True, jnp.bfloat16, 0.5, 2),
+                                                                (3, 64, 40, False, jnp.float32, 0.5, 4)]:
                 q = jax.ShapeDtypeStruct((2, 2 * group, hd), jnp.bfloat16)
-                meta = jax.ShapeDtypeStruct((24, 2, hd), meta_dtype)
+                meta = jax.ShapeDtypeStruct((24 * m, 2, hd), meta_dtype)
                 ids = jax.ShapeDtypeStruct((2, k), jnp.int32)
-                fn = jax.jit(lambda q, a, b, i, ph=per_head, be=beta: block_scores(q, a, b, i, per_head=ph, beta=be,
-                                                                                   interpret=False))
+                fn = jax.jit(lambda q, a, b, i, ph=per_head, be=beta, m=m: block_scores(
+                    q, a, b, i, per_head=ph, beta=be, sub_blocks=m, interpret=False))
                 text = fn.trace(q, meta, meta, ids).lower(lowering_platforms=("cuda",)).as_text()
                 assert "__gpu$xla.gpu.triton" in text
     finally:

@@ -8,6 +8,7 @@ from conftest import record_sampled_logits
 
 from pulseinfer_jax import Engine, EngineConfig, SamplingParams, generate_long
 from pulseinfer_jax.kv_cache import blocks_for
+from pulseinfer_jax.sparse import BlockScoring
 
 BASE = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1)
 
@@ -50,12 +51,15 @@ def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extr
         assert s["written_back_blocks"] > 0 and s["reused_blocks"] > 0
 
 
-@pytest.mark.parametrize("selection,host_io", [("solohead", "xla"), ("headwise", "xla"), ("solohead", "numpy")])
-def test_offloaded_sparse_equals_on_device_sparse(tiny4, selection, host_io):
+@pytest.mark.parametrize("selection,host_io,scoring", [
+    ("solohead", "xla", {}), ("headwise", "xla", {}), ("solohead", "numpy", {}),
+    ("solohead", "xla", dict(score_sub_blocks=2)), ("solohead", "numpy", dict(score_per_query_head=False)),
+])
+def test_offloaded_sparse_equals_on_device_sparse(tiny4, selection, host_io, scoring):
     """Same selection with the KV offloaded and with every block on the GPU: token for token, while the
     budget (6 of up to 22 blocks) really drops blocks."""
     prompts = _prompts(tiny4.cfg.vocab_size)
-    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, selection=selection)
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, selection=selection, **scoring)
     dev = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True,
                         engine_config=EngineConfig(**kw, offload_placement="device"))
     host = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True,
@@ -244,41 +248,65 @@ def test_probe_pallas_runs_the_kernels_and_reports_failures(monkeypatch):
     from pulseinfer_jax.offload import probe_pallas
 
     dev = jax.devices()[0]
-    assert probe_pallas(dev, "float32", 0.5) is None  # interpret mode here; compiled on a GPU
+    assert probe_pallas(dev, "float32", BlockScoring(sub_blocks=2)) is None  # interpret mode here; compiled on a GPU
     seen = []
+    real = block_scoring.block_scores
 
-    def rejecting(*a, beta=1.0, **k):
-        seen.append(beta)
+    def recording(*a, **k):
+        seen.append((k["beta"], k["per_head"], k["sub_blocks"]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(block_scoring, "block_scores", recording)
+    assert probe_pallas(dev, "float32", BlockScoring(beta=0.25, sub_blocks=2)) is None
+    assert sorted(seen) == [(0.25, False, 2), (0.25, True, 2)]  # the engine's scoring, both score layouts
+
+    def rejecting(*a, **k):
         raise NotImplementedError("Triton rejected the kernel")
 
     monkeypatch.setattr(block_scoring, "block_scores", rejecting)
-    assert probe_pallas(dev, "float32", 0.25) == "NotImplementedError: Triton rejected the kernel"
-    assert seen == [0.25]  # probed with the engine's score_beta
+    assert probe_pallas(dev, "float32", BlockScoring()) == "NotImplementedError: Triton rejected the kernel"
 
 
-def test_score_beta_reaches_both_scoring_paths(tiny4, monkeypatch):
-    """EngineConfig.score_beta is what the pipeline's block scoring uses (jnp reference and Pallas kernel
-    alike: same tokens), and it is validated."""
+@pytest.mark.parametrize("scoring,selection,want", [
+    (dict(score_beta=0.25), "solohead", (0.25, True, 1)),  # not the default beta
+    (dict(score_sub_blocks=2, score_per_query_head=False), "solohead", (0.5, False, 2)),
+    (dict(score_sub_blocks=2), "headwise", (0.5, False, 2)),  # headwise selects per KV head: group sums
+])
+def test_block_scoring_config_reaches_both_scoring_paths(tiny4, monkeypatch, scoring, selection, want):
+    """EngineConfig's score_beta / score_per_query_head / score_sub_blocks are what the pipeline's block scoring
+    uses (jnp reference and Pallas kernel alike: same tokens), with the metadata written per slice; stats say
+    which scoring ran."""
     from pulseinfer_jax import layer_ops
 
     seen = []
     real = layer_ops.block_scores_reference
 
-    def spy(*a, **k):
-        seen.append(k.get("beta"))
-        return real(*a, **k)
+    def spy(q, meta_min, *a, **k):
+        seen.append((k.get("beta"), k.get("per_head"), k.get("sub_blocks"), meta_min.shape[0] % k["sub_blocks"]))
+        return real(q, meta_min, *a, **k)
 
     monkeypatch.setattr(layer_ops, "block_scores_reference", spy)
+    layer_ops.sparse_pre.clear_cache()  # retrace: the spy sees every scoring this test compiles
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(37,))
-    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_beta=0.25)  # not the default
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, selection=selection, **scoring)
     a = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True, engine_config=EngineConfig(**kw))
-    assert seen and set(seen) == {0.25}
+    assert seen and set(seen) == {(*want, 0)}
+    st = a[0].stats
+    assert (st["score_beta"], st["score_sub_blocks"]) == (want[0], want[2])
     b = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True,
                       engine_config=EngineConfig(**kw, decode_attention="pallas"))
     assert a[0].token_ids == b[0].token_ids
-    for bad in (1.5, -0.5, True, "0.5"):
-        with pytest.raises(ValueError, match="score_beta"):
-            EngineConfig(score_beta=bad)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(score_beta=1.5), "score_beta"), (dict(score_beta=-0.5), "score_beta"), (dict(score_beta=True), "score_beta"),
+    (dict(score_beta="0.5"), "score_beta"), (dict(score_sub_blocks=3), "power of two"),
+    (dict(score_sub_blocks=0), "power of two"), (dict(score_sub_blocks=32), "must divide block_size=16"),
+    (dict(score_per_query_head=1), "must be a bool"),
+])
+def test_bad_block_scoring_configs(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
 
 
 def test_retrieval_head_calibration_and_decode(tiny4):
