@@ -79,7 +79,7 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false TAIL=25 step tests "$TEST_TIMEOUT" "$PY" -m 
     --durations=10 "${XDIST[@]}" "${TESTS[@]}"
 [ "$MODE" = "--tests-only" ] && exit 0
 
-step kernels "${KERNEL_TIMEOUT:-70}" "$PY" bench/kernels.py "${SMOKE[@]}" --out "$OUT"
+step kernels "${KERNEL_TIMEOUT:-80}" "$PY" bench/kernels.py "${SMOKE[@]}" --out "$OUT"
 IO=(--max-copies 2048 --repeats 3)
 [ "$MODE" = "--smoke" ] && IO=(--smoke)
 step io_sweep "${IO_TIMEOUT:-40}" "$PY" bench/io_sweep.py "${IO[@]}" --out "$OUT"

@@ -11,9 +11,11 @@ Sections (each runs on its own; a failing or missing one is recorded in the JSON
   [Hkv, pages, page_size, hd] once, outside the timing). Achieved bandwidth = K/V bytes the selected
   blocks hold (B * Hkv * K * bs * hd * 2 * itemsize) / time; q and o are ignored (tiny).
 - scoring: `pallas_kernels.block_scoring.block_scores` over every block of a context (Quest min/max
-  metadata in the KV dtype, as the engine keeps it) alone, then fused in one jit with
-  `pulseinfer_jax.sparse.select_blocks` (solohead and headwise modes; `jax.lax.top_k` on the head-summed
-  scores if that module is missing). GB/s counts the metadata rows read (2 * B * K * Hkv * hd * itemsize).
+  metadata in the KV dtype, as the engine keeps it) alone: per KV head (group sums), per query head (the
+  engine's SoloHead default) and per query head with 2 sub-blocks (`score_sub_blocks=2`: twice the rows);
+  then fused in one jit with `pulseinfer_jax.sparse.select_blocks` as the engine runs them (solohead on
+  per-query-head scores, headwise on group sums; `jax.lax.top_k` on the head-summed scores if that module is
+  missing). GB/s counts the metadata rows read (2 * m * B * K * Hkv * hd * itemsize, m sub-blocks).
 - gather: `pallas_kernels.gather_scatter` whole-block and per-(block, head) gathers and scatters (scatter
   in place, cache donated) against their jnp references; GB/s counts bytes read + written.
 Data are synthetic (random values, random distinct block ids), seeded. Timing: `--warmup` untimed calls
@@ -193,17 +195,20 @@ def bench_attention(a, tk) -> dict:
 
 
 def _selectors(a, kb: int, g: int) -> dict:
-    """name -> jittable (scores [B, Hkv, K], n_total [B]) -> ids; select_blocks modes, or lax.top_k if missing."""
+    """name -> (per_head, jittable (scores [B, S, K], n_total [B]) -> ids): select_blocks as the engine calls it
+    (solohead on per-query-head scores, headwise on group sums), or lax.top_k if missing."""
     sel, why = lazy_import("pulseinfer_jax.sparse", "select_blocks")
     if sel is None:
         print(f"  scoring: select_blocks unavailable, timing lax.top_k on head-summed scores ({why})", flush=True)
-        return {"top_k(sum over heads)": lambda s, n: jax.lax.top_k(jnp.sum(s, axis=1), kb)[1]}
+        return {"top_k(sum over heads)": (False, lambda s, n: jax.lax.top_k(jnp.sum(s, axis=1), kb)[1])}
     sink = min(a.sink_blocks, kb // 4)
     window = min(a.window_blocks, kb // 2)
-    scale = 1.0 / (g * a.hd ** 0.5)
-    return {f"select_blocks {mode}": (lambda s, n, m=mode: sel(s, n, budget_blocks=kb, sink_blocks=sink,
-                                                               window_blocks=window, mode=m, score_scale=scale))
-            for mode in ("solohead", "headwise")}
+    out = {}
+    for mode, per_head in (("solohead", True), ("headwise", False)):
+        scale = 1.0 / ((1 if per_head else g) * a.hd ** 0.5)
+        out[f"select_blocks {mode}"] = (per_head, lambda s, n, m=mode, t=scale: sel(
+            s, n, budget_blocks=kb, sink_blocks=sink, window_blocks=window, mode=m, score_scale=t))
+    return out
 
 
 def bench_scoring(a, tk) -> dict:
@@ -212,31 +217,39 @@ def bench_scoring(a, tk) -> dict:
         print(f"scoring: SKIPPED, {why}", flush=True)
         return {"skipped": why}
     hq, hkv, hd, bs = a.hq, a.hkv, a.hd, a.bs
+    variants = {"block_scores": (False, 1), "block_scores per_head": (True, 1), "block_scores per_head sub2": (True, 2)}
     out = []
     for ctx in a.contexts:
         kc = ctx // bs
         kb = min(kc, a.select_budget // bs)
-        selectors = {name: jax.jit(lambda q, lo, hi, cand, n, f=f: f(scores_fn(q, lo, hi, cand), n))
-                     for name, f in _selectors(a, kb, hq // hkv).items()}
+        selectors = {name: jax.jit(lambda q, lo, hi, cand, n, f=f, ph=ph: f(scores_fn(q, lo, hi, cand, per_head=ph), n))
+                     for name, (ph, f) in _selectors(a, kb, hq // hkv).items()}
         for b in a.batches:
             cfg = f"ctx {ctx} B {b} top{kb}"
             nb = b * kc + 1
             mdt = jnp.dtype(a.dtype)  # the engine keeps the key bounds in the KV dtype
-            lo = rand(ctx + b, (nb, hkv, hd), jnp.float32)
-            hi = (lo + jnp.abs(rand(ctx + b + 1, (nb, hkv, hd), jnp.float32))).astype(mdt)
-            lo = lo.astype(mdt)
             q = rand(3 + b, (b, hq, hd), jnp.dtype(a.dtype))
             cand = jnp.arange(1, nb, dtype=jnp.int32).reshape(b, kc)
             ntot = jnp.full((b,), kc, jnp.int32)
             nbytes = b * kc * hkv * hd * mdt.itemsize * 2  # both bound rows of every candidate
             entry = {"context": ctx, "batch": b, "candidates": kc, "selected": kb, "meta_bytes": nbytes,
                      "impls": []}
-            entry["impls"].append(try_timed("scoring", "block_scores", cfg, nbytes, tk, scores_fn, q, lo, hi, cand))
-            for name, fused in selectors.items():
-                entry["impls"].append(try_timed("scoring", f"scores+{name}"[:28], cfg, nbytes, tk,
-                                                fused, q, lo, hi, cand, ntot))
+            for m in sorted({m for _, m in variants.values()}):
+                lo = rand(ctx + b, (nb * m, hkv, hd), jnp.float32)
+                hi = (lo + jnp.abs(rand(ctx + b + 1, (nb * m, hkv, hd), jnp.float32))).astype(mdt)
+                lo = lo.astype(mdt)
+                for name, (ph, vm) in variants.items():
+                    if vm == m:
+                        entry["impls"].append(try_timed("scoring", name, cfg, nbytes * m, tk, scores_fn, q, lo, hi,
+                                                        cand, per_head=ph, sub_blocks=m))
+                if m == 1:
+                    for name, fused in selectors.items():
+                        entry["impls"].append(try_timed("scoring", f"scores+{name}"[:28], cfg, nbytes, tk,
+                                                        fused, q, lo, hi, cand, ntot))
+                del lo, hi
+                free()
             out.append(entry)
-            del lo, hi, q, cand
+            del q, cand
             free()
     return {"sink_blocks": a.sink_blocks, "window_blocks": a.window_blocks, "grid": out}
 
