@@ -110,7 +110,8 @@ class Engine:
             c = self.model.cfg
             plan = offload.sparse_plan(cfg, c.num_layers, c.num_kv_heads)
             rows = offload.host_rows_for(cfg, requests)
-            cap_bytes -= offload.metadata_bytes(plan, rows, c.head_dim, jnp.dtype(self.model.dtype).itemsize)
+            cap_bytes -= offload.metadata_bytes(plan, rows, c.head_dim, jnp.dtype(self.model.dtype).itemsize,
+                                                cfg.score_sub_blocks)
             if cap_bytes < 2 * per_block:
                 raise ValueError(f"gpu_kv_budget={cfg.gpu_kv_budget} does not even hold the key metadata of a "
                                  f"{rows}-block host pool; raise gpu_kv_budget or lower host_kv_tokens")

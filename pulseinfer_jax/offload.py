@@ -40,9 +40,10 @@ def host_rows_for(config: EngineConfig, requests: Sequence[Request]) -> int:
     return sum(blocks_for(r.need_tokens, bs) for r in requests) + 1
 
 
-def metadata_bytes(plan: SparsePlan, host_rows: int, head_dim: int, itemsize: int) -> int:
-    """Key bounds (min and max) of every sparse layer and host row, stored in the KV dtype (`itemsize` bytes)."""
-    return 2 * plan.sparse_layers * host_rows * plan.num_kv_heads * head_dim * itemsize
+def metadata_bytes(plan: SparsePlan, host_rows: int, head_dim: int, itemsize: int, sub_blocks: int = 1) -> int:
+    """Key bounds (min and max) of every sparse layer and host row (`sub_blocks` slices of it), stored in the KV
+    dtype (`itemsize` bytes)."""
+    return 2 * plan.sparse_layers * host_rows * sub_blocks * plan.num_kv_heads * head_dim * itemsize
 
 
 def gpu_blocks_wanted(config: EngineConfig, plan: SparsePlan, requests: Sequence[Request]) -> int:

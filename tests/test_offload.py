@@ -298,6 +298,20 @@ def test_block_scoring_config_reaches_both_scoring_paths(tiny4, monkeypatch, sco
     assert a[0].token_ids == b[0].token_ids
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_metadata_budgeted_as_allocated(tiny4, m):
+    """The GPU budget reserves exactly the metadata the sparse decoder allocates (m rows per block with
+    score_sub_blocks = m), in the KV dtype."""
+    from pulseinfer_jax import offload
+
+    eng = Engine(tiny4, EngineConfig(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_sub_blocks=m))
+    _run_until_last_token(eng, _prompts(tiny4.cfg.vocab_size, lengths=(45,)), 4)
+    itemsize = eng.sparse.meta_min.dtype.itemsize
+    want = offload.metadata_bytes(eng.sparse.plan, eng.host_pool.num_rows, tiny4.cfg.head_dim, itemsize, m)
+    assert eng.sparse.metadata_bytes == want
+    assert eng.sparse.meta_min.shape[0] == eng.sparse.plan.sparse_layers * eng.host_pool.num_rows * m
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(score_beta=1.5), "score_beta"), (dict(score_beta=-0.5), "score_beta"), (dict(score_beta=True), "score_beta"),
     (dict(score_beta="0.5"), "score_beta"), (dict(score_sub_blocks=3), "power of two"),
