@@ -132,6 +132,9 @@ def main() -> int:
     ap.add_argument("--selections", default="solohead,headwise")
     ap.add_argument("--no-synthetic", action="store_true", help="skip the synthetic-KV comparison runs")
     ap.add_argument("--trace-dir", default=str(RESULTS / "traces"))
+    ap.add_argument("--score-per-kv-head", action="store_true", help="EngineConfig.score_per_query_head=False")
+    ap.add_argument("--score-sub-blocks", type=int, default=1, help="EngineConfig.score_sub_blocks (default 1)")
+    ap.add_argument("--name", default=None, help="result file name (default selection_trace_cpu)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -143,12 +146,13 @@ def main() -> int:
     model = load_model(args.model)
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts, names = load_prompts(model, lengths)
-    name = "selection_trace_smoke" if args.smoke else "selection_trace_cpu"
+    name = "selection_trace_smoke" if args.smoke else (args.name or "selection_trace_cpu")
+    scoring = dict(score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks)
     rows = []
     for budget, selection in itertools.product([int(b) for b in args.budgets.split(",")],
                                                args.selections.split(",")):
         base = dict(block_size=16, sink_blocks=1, window_tokens=64, dense_layers=2,
-                    budget_tokens=budget, max_batch=len(prompts), progress=False)
+                    budget_tokens=budget, max_batch=len(prompts), progress=False, **scoring)
         for synthetic in ([False] if args.no_synthetic else [False, True]):
             t0 = time.perf_counter()
             dec = record(model, prompts, args.steps, base, selection, synthetic)
@@ -173,7 +177,8 @@ def main() -> int:
                      f"{row['head_union_over_one_set']:.2f}x one set" if "head_pairwise_jaccard" in row else "")
                   + f" ({row['seconds']:.0f} s)", flush=True)
             write_result(name, {"kind": "selection_trace", "model": meta["model"], "prompts": names,
-                                "prompt_tokens": lengths, "steps": args.steps, "rows": rows}, args.out)
+                                "prompt_tokens": lengths, "steps": args.steps, "scoring": scoring, "rows": rows},
+                         args.out)
     print("summary: " + "; ".join(f"{r['selection']}@{r['budget_tokens']} {r['kv'][:4]} hit {r['hit_rate']:.2f}"
                                   for r in rows))
     return 0
