@@ -35,21 +35,6 @@ from bench.common import write_result  # noqa: E402
 POLICIES = ("quest-solohead", "quest-headwise", "oracle-solohead", "oracle-headwise")
 
 
-def true_block_mass(q: np.ndarray, keys: np.ndarray, pos: np.ndarray, bs: int) -> np.ndarray:
-    """Softmax attention per query head summed per block: q [P, Hq, hd], keys [T, Hkv, hd], pos [P] (causal)
-    -> [P, Hq, NB] (rows sum to 1; blocks past a position get 0)."""
-    p, hq, hd = q.shape
-    t, hkv, _ = keys.shape
-    g = hq // hkv
-    logits = np.einsum("pkgd,tkd->pkgt", q.reshape(p, hkv, g, hd), keys).reshape(p, hq, t) / np.sqrt(hd)
-    logits = np.where(np.arange(t)[None, None, :] <= pos[:, None, None], logits, -np.inf)
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    nb = -(-t // bs)
-    probs = np.pad(probs, ((0, 0), (0, 0), (0, nb * bs - t)))
-    return probs.reshape(p, hq, nb, bs).sum(-1)
-
-
 def oracle_select(mass: np.ndarray, n_blocks: np.ndarray, budget: int, sink: int, window: int) -> np.ndarray:
     """Top blocks by `mass` [P, S, NB] per row and lane, sinks and window always in: bool [P, S, NB]."""
     p, s, nb = mass.shape
@@ -132,6 +117,7 @@ def main() -> int:
     from models.loading import load_model
     from pulseinfer_jax.calibration import capture_queries_and_keys
     from pulseinfer_jax.config import EngineConfig
+    from pulseinfer_jax.sparse import block_attention_mass
 
     scoring = EngineConfig().scoring
     scoring = dataclasses.replace(scoring, beta=scoring.beta if args.score_beta is None else args.score_beta,
@@ -159,7 +145,8 @@ def main() -> int:
         budget = budget_tokens // bs
         vals: dict[str, list[np.ndarray]] = {p: [] for p in POLICIES}
         for layer in range(args.dense_layers, c.num_layers):
-            mass = true_block_mass(qs[layer], ks[layer], pos, bs)  # [P, Hq, NB]
+            mass = np.asarray(block_attention_mass(qs[layer], ks[layer], bs, q_positions=pos,
+                                                   average=False))  # [P, Hq, NB]
             solo_mass = mass.sum(1, keepdims=True)
             kv_mass = mass.reshape(mass.shape[0], c.num_kv_heads, c.group_size, -1).sum(2)
             picks = {

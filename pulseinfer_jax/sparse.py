@@ -235,11 +235,13 @@ def block_attention_mass(
     *,
     scale: float | None = None,
     q_positions: Int[Array, " P"] | None = None,
-) -> Float[Array, "Hq nblocks"]:
+    average: bool = True,
+) -> Float[Array, "Hq nblocks"] | Float[Array, "P Hq nblocks"]:
     """True attention mass per block for a calibration pass: softmax(q k^T * scale) over the T prompt keys
     (GQA: query head i reads KV head i // G), summed inside each block of `block_size` tokens and averaged
-    over the P query positions. Rows sum to 1. `q_positions` (token index of each query) applies the causal
-    mask; without it every query sees all T keys (queries at the end of the prompt). Float32 result."""
+    over the P query positions (`average=False`: one row per position, [P, Hq, nblocks]). Rows sum to 1.
+    `q_positions` (token index of each query) applies the causal mask; without it every query sees all T keys
+    (queries at the end of the prompt). Float32 result."""
     q = jnp.asarray(q, jnp.float32)
     keys = jnp.asarray(keys, jnp.float32)
     if q.ndim == 2:
@@ -261,7 +263,8 @@ def block_attention_mass(
     probs = jax.nn.softmax(logits, axis=-1)  # [P, Hq, T]
     nblocks = -(-t // block_size)
     probs = jnp.pad(probs, ((0, 0), (0, 0), (0, nblocks * block_size - t)))
-    return probs.reshape(p, hq, nblocks, block_size).sum(-1).mean(0)
+    mass = probs.reshape(p, hq, nblocks, block_size).sum(-1)
+    return mass.mean(0) if average else mass
 
 
 def calibrate_retrieval_head(

@@ -175,7 +175,8 @@ def test_selection_quality_oracle_bounds_the_engine_selection():
     """Attention recall: true block masses sum to 1 per head, and the oracle (top blocks by true mass) keeps at
     least what the engine's Quest selection keeps, per position (SoloHead: summed over heads; headwise: per KV
     group), with sinks and window always kept."""
-    from bench.selection_quality import oracle_select, quest_select, recall, true_block_mass
+    from bench.selection_quality import oracle_select, quest_select, recall
+    from pulseinfer_jax.sparse import block_attention_mass
 
     rng = np.random.default_rng(0)
     t, hkv, g, hd, bs = 200, 2, 3, 16, 8
@@ -183,8 +184,9 @@ def test_selection_quality_oracle_bounds_the_engine_selection():
     q = rng.standard_normal((6, hkv * g, hd)) * 1.5
     pos = np.arange(t - 6, t)
     n_blocks = pos // bs + 1
-    mass = true_block_mass(q, keys, pos, bs)
-    np.testing.assert_allclose(mass.sum(-1), 1.0, rtol=1e-9)
+    mass = np.asarray(block_attention_mass(q, keys, bs, q_positions=pos, average=False), np.float64)
+    assert mass.shape == (6, hkv * g, -(-t // bs))
+    np.testing.assert_allclose(mass.sum(-1), 1.0, rtol=1e-5)
     budget, sink, window = 8, 1, 2
     solo_q = quest_select(q.astype(np.float32), keys.astype(np.float32), n_blocks, budget, sink, window, bs, "solohead")
     head_q = quest_select(q.astype(np.float32), keys.astype(np.float32), n_blocks, budget, sink, window, bs, "headwise")
@@ -194,9 +196,9 @@ def test_selection_quality_oracle_bounds_the_engine_selection():
         assert (keep.sum(-1) == budget).all() and keep[..., 0].all()  # budget filled, the sink always in
         for i, n in enumerate(n_blocks):
             assert keep[i, :, n - window:n].all() and not keep[i, :, n:].any()  # window in, nothing past it
-    assert (recall(mass, solo_o, g).sum(1) >= recall(mass, solo_q, g).sum(1) - 1e-12).all()
+    assert (recall(mass, solo_o, g).sum(1) >= recall(mass, solo_q, g).sum(1) - 1e-9).all()
     grp = lambda r: r.reshape(6, hkv, g).sum(-1)  # noqa: E731
-    assert (grp(recall(mass, head_o, g)) >= grp(recall(mass, head_q, g)) - 1e-12).all()
+    assert (grp(recall(mass, head_o, g)) >= grp(recall(mass, head_q, g)) - 1e-9).all()
     assert (recall(mass, solo_o, g) < 1).any()  # a budget below the context drops some mass
 
 

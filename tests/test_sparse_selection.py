@@ -170,9 +170,13 @@ def test_block_attention_mass_matches_numpy():
     logits = np.where(np.arange(t)[None, None] <= pos[:, None, None], logits, -np.inf)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    want = np.stack([p[..., i * bs:(i + 1) * bs].sum(-1) for i in range(-(-t // bs))], -1).mean(0)
+    rows = np.stack([p[..., i * bs:(i + 1) * bs].sum(-1) for i in range(-(-t // bs))], -1)  # [P, Hq, NB]
     assert mass.shape == (hkv * g, 5)
-    np.testing.assert_allclose(mass, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mass, rows.mean(0), rtol=1e-5, atol=1e-6)
+    per_query = block_attention_mass(jnp.asarray(q), jnp.asarray(keys), bs, q_positions=jnp.asarray(pos),
+                                     average=False)
+    assert per_query.shape == (4, hkv * g, 5)
+    np.testing.assert_allclose(np.asarray(per_query), rows, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mass.sum(-1), 1.0, rtol=1e-5)
 
 
