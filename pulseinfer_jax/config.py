@@ -42,10 +42,10 @@ class EngineConfig:
     # dense down 10-40% at every budget, no passkey lost
     score_beta: float = 0.5
     # SoloHead normalized_sum scores and softmaxes each query head on its own (else per KV head on its group's
-    # summed bounds): same metadata, KL to dense down 7-16% on SmolLM2 (bench/RESULTS.md)
+    # summed bounds): same metadata, KL to dense down 4-17% on SmolLM2 (bench/RESULTS.md), ~20% more recall
     score_per_query_head: bool = True
     # key bounds per 1/m slice of a block (m metadata rows per block: m times the bytes that stay on the GPU and
-    # that scoring reads each step); m = 2 cuts the KL to dense a further 10-25% on SmolLM2 (bench/RESULTS.md)
+    # that scoring reads each step); m = 2 cuts the KL to dense a further 8-24% on SmolLM2 (bench/RESULTS.md)
     score_sub_blocks: int = 1
     io: str = "coalesced"  # one gathered copy per layer and step, or "fragmented" (one per (block, head))
     recall: str = "interruptible"  # attend resident blocks while recall is in flight, or "sync" (wait first)
