@@ -25,6 +25,8 @@ z-scoring would blow its noise up to unit variance and let it vote as loudly as 
 Sinks and window are inside the softmax: a head whose mass sits in the always-kept blocks has little
 left to claim from the middle, which is right. The cost is a temperature: pass `score_scale`, the
 attention scale 1/sqrt(hd) for per-query-head scores, 1/(G sqrt(hd)) for group sums (their mean bound).
+The engine scores SoloHead per query head by default (`BlockScoring.per_query_head`: each query head its own
+softmax, measured closer to dense than per-KV-head group sums, bench/RESULTS.md).
 """
 
 from __future__ import annotations
