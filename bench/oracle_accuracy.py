@@ -31,8 +31,11 @@ combinable: `quest-solohead:perhead:beta=0.5:temp=2`):
     sum_d max(q_d kmax_d, q_d kmin_d), B = 0 the dot product with the block's midpoint;
   - `:temp=T`: the SoloHead softmax at T x the engine's scale (sharper for T > 1);
   - `:sub=M`: bounds per 1/M of a block, a block scored by the log-sum-exp of its slices (the engine's
-    `score_sub_blocks`).
-The engine's default (EngineConfig: beta 0.5, per query head, 1 slice) is `quest-solohead:perhead:beta=0.5`.
+    `score_sub_blocks`);
+  - `:middle`: score only the middle blocks, as the engine does (it keeps no bounds of the sink and window blocks,
+    so they carry no mass in SoloHead's softmax); without it every block up to the row's own is scored (the
+    partial one from its valid keys).
+The engine's default (EngineConfig: beta 0.5, per query head, 1 slice) is `quest-solohead:perhead:beta=0.5:middle`.
 Rows are compared as `bench/accuracy.py` does: the prompt's last logits (dense in every policy) plus the first
 `--tokens` - 1 decode rows; top-1 agreement of the argmax and mean KL(dense || policy).
 """
@@ -90,17 +93,17 @@ def parse_policy(policy: str) -> tuple[str, dict]:
     base, *opts = policy.split(":")
     if base not in POLICIES + ("dense",):
         raise ValueError(f"unknown policy {base!r}; choose from {', '.join(POLICIES)}")
-    out = {"perhead": False, "beta": 1.0, "temp": 1.0, "sub": 1}
+    out = {"perhead": False, "beta": 1.0, "temp": 1.0, "sub": 1, "middle": False}
     for o in opts:
         key, _, val = o.partition("=")
-        if key == "perhead" and not val:
-            out["perhead"] = True
+        if key in ("perhead", "middle") and not val:
+            out[key] = True
         elif key in ("beta", "temp") and val:
             out[key] = float(val)
         elif key == "sub" and val.isdigit() and int(val) >= 1:
             out[key] = int(val)
         else:
-            raise ValueError(f"bad policy option {o!r} in {policy!r} (perhead, beta=B, temp=T, sub=M)")
+            raise ValueError(f"bad policy option {o!r} in {policy!r} (perhead, beta=B, temp=T, sub=M, middle)")
     if opts and not base.startswith("quest"):
         raise ValueError(f"options apply to the quest policies only, got {policy!r}")
     if out["perhead"] and base.endswith("headwise"):
@@ -156,6 +159,10 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
                 scores = block_scores_reference(qf, kmin, kmax, cand.astype(jnp.int32), per_head=opt["perhead"],
                                                 beta=opt["beta"], sub_blocks=opt["sub"])  # engine's code: [R, S, NB]
                 scale = opt["temp"] * default_scale(hd, g, opt["perhead"])
+                if opt["middle"]:  # the engine's candidates: neither sink nor window blocks
+                    j = jnp.arange(nbk)[None, :]
+                    mid = (j >= sink) & (j < nb_row[:, None] - window)  # [R, NB]
+                    scores = jnp.where(mid[:, None], scores, -jnp.inf)
             sel = select_blocks(scores, nb_row, budget_blocks=budget, sink_blocks=sink, window_blocks=window,
                                 mode="solohead" if solo else "headwise", score_scale=scale)  # [R, S, N]
             keep = jnp.zeros((r, sel.shape[1], nbk + 1), bool)

@@ -12,7 +12,8 @@ from bench import oracle_accuracy as oa
 
 def test_parse_policy():
     assert oa.parse_policy("quest-solohead:perhead:beta=0.5:temp=2") == (
-        "quest-solohead", {"perhead": True, "beta": 0.5, "temp": 2.0, "sub": 1})
+        "quest-solohead", {"perhead": True, "beta": 0.5, "temp": 2.0, "sub": 1, "middle": False})
+    assert oa.parse_policy("quest-solohead:middle")[1]["middle"] is True
     assert oa.parse_policy("quest-solohead:sub=2")[1]["sub"] == 2
     for bad in ("quest", "oracle-solohead:beta=1", "quest-headwise:perhead", "quest-solohead:gamma=1",
                 "quest-solohead:sub=0", "quest-solohead:sub=x"):
@@ -34,7 +35,8 @@ def test_full_budget_is_dense_and_the_prompt_pass_is_the_model(tiny4):
     ref = tiny4.transformer.forward(tiny4.params, jnp.asarray(toks)[None])[0]  # plain causal forward
     np.testing.assert_allclose(first, ref[69], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(dense, ref[70:], rtol=1e-4, atol=1e-4)
-    for policy in ("quest-solohead", "oracle-headwise", "quest-solohead:perhead:beta=0.5", "quest-solohead:sub=2"):
+    for policy in ("quest-solohead", "oracle-headwise", "quest-solohead:perhead:beta=0.5", "quest-solohead:sub=2",
+                   "quest-solohead:perhead:middle"):
         full = oa.rows_pass(tiny4.transformer, tiny4.params, k, v, rows, policy=policy, budget=32, **kw)
         np.testing.assert_allclose(full, dense, rtol=1e-6, atol=1e-6)  # 32 blocks cover all 21 blocks
         small = oa.rows_pass(tiny4.transformer, tiny4.params, k, v, rows, policy=policy, budget=4, **kw)
