@@ -56,3 +56,29 @@ def test_main_smoke_writes_json(tmp_path):
     assert data["complete"] is True and [r["policy"] for r in data["results"]] == ["quest-solohead",
                                                                                  "oracle-solohead"]
     assert all(0 <= r["top1"] <= 1 and r["kl"] >= 0 for r in data["results"])
+
+
+@pytest.mark.parametrize("policy,engine_kw", [
+    ("quest-solohead:perhead:beta=0.5:middle", {}),  # the engine's default scoring
+    ("quest-solohead:beta=0.5:sub=2:middle", dict(score_per_query_head=False, score_sub_blocks=2)),
+    ("quest-headwise:beta=0.5", dict(selection="headwise")),
+])
+def test_harness_reproduces_the_engine(tiny4, policy, engine_kw):
+    """With `:middle` (only middle blocks scored) the harness's teacher-forced logits are the engine's own (offloaded
+    sparse decoding, same budget / sinks / window / dense layers), while the budget really drops blocks."""
+    from bench.accuracy import teacher_forced_logits
+    from pulseinfer_jax import EngineConfig
+
+    k, v, first, rows, toks = _rows(tiny4)
+    targets = toks[70:]
+    harness = np.concatenate([first[None], np.asarray(oa.rows_pass(
+        tiny4.transformer, tiny4.params, k, v, rows[:-1], policy=policy, budget=6, bs=4, sink=1, window=2,
+        dense_layers=1))])
+    cfg = EngineConfig(block_size=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1, dense_layers=1,
+                       mode="offload", budget_tokens=24, **engine_kw)
+    engine = teacher_forced_logits(tiny4, cfg, toks[:70], targets)
+    assert engine.shape == harness.shape == (len(targets), tiny4.cfg.vocab_size)
+    scale = np.abs(engine).max()
+    np.testing.assert_allclose(harness, engine, rtol=0, atol=1e-5 * scale)
+    dense = teacher_forced_logits(tiny4, EngineConfig(block_size=4, prefill_chunk=32, key_chunk=32), toks[:70], targets)
+    assert np.abs(dense - engine).max() > 1e-3 * scale  # 6 of 18-21 blocks: the selection matters
