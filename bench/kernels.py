@@ -194,9 +194,10 @@ def bench_attention(a, tk) -> dict:
     return {"grid": out}
 
 
-def _selectors(a, kb: int, g: int) -> dict:
+def _selectors(a, kb: int, g: int, scale_of) -> dict:
     """name -> (per_head, jittable (scores [B, S, K], n_total [B]) -> ids): select_blocks as the engine calls it
-    (solohead on per-query-head scores, headwise on group sums), or lax.top_k if missing."""
+    (solohead on per-query-head scores, headwise on group sums, at `scale_of(hd, g, per_head)`), or lax.top_k if
+    missing."""
     sel, why = lazy_import("pulseinfer_jax.sparse", "select_blocks")
     if sel is None:
         print(f"  scoring: select_blocks unavailable, timing lax.top_k on head-summed scores ({why})", flush=True)
@@ -205,7 +206,7 @@ def _selectors(a, kb: int, g: int) -> dict:
     window = min(a.window_blocks, kb // 2)
     out = {}
     for mode, per_head in (("solohead", True), ("headwise", False)):
-        scale = 1.0 / ((1 if per_head else g) * a.hd ** 0.5)
+        scale = scale_of(a.hd, g, per_head)
         out[f"select_blocks {mode}"] = (per_head, lambda s, n, m=mode, t=scale: sel(
             s, n, budget_blocks=kb, sink_blocks=sink, window_blocks=window, mode=m, score_scale=t))
     return out
@@ -216,14 +217,17 @@ def bench_scoring(a, tk) -> dict:
     if scores_fn is None:
         print(f"scoring: SKIPPED, {why}", flush=True)
         return {"skipped": why}
+    from pallas_kernels.block_scoring import default_scale  # the module is there: block_scores imported
+
     hq, hkv, hd, bs = a.hq, a.hkv, a.hd, a.bs
-    variants = {"block_scores": (False, 1), "block_scores per_head": (True, 1), "block_scores per_head sub2": (True, 2)}
+    # metadata rows per block (sub_blocks) -> {name: per_head}
+    variants = {1: {"block_scores": False, "block_scores per_head": True}, 2: {"block_scores per_head sub2": True}}
     out = []
     for ctx in a.contexts:
         kc = ctx // bs
         kb = min(kc, a.select_budget // bs)
         selectors = {name: jax.jit(lambda q, lo, hi, cand, n, f=f, ph=ph: f(scores_fn(q, lo, hi, cand, per_head=ph), n))
-                     for name, (ph, f) in _selectors(a, kb, hq // hkv).items()}
+                     for name, (ph, f) in _selectors(a, kb, hq // hkv, default_scale).items()}
         for b in a.batches:
             cfg = f"ctx {ctx} B {b} top{kb}"
             nb = b * kc + 1
@@ -234,14 +238,13 @@ def bench_scoring(a, tk) -> dict:
             nbytes = b * kc * hkv * hd * mdt.itemsize * 2  # both bound rows of every candidate
             entry = {"context": ctx, "batch": b, "candidates": kc, "selected": kb, "meta_bytes": nbytes,
                      "impls": []}
-            for m in sorted({m for _, m in variants.values()}):
+            for m, named in variants.items():
                 lo = rand(ctx + b, (nb * m, hkv, hd), jnp.float32)
                 hi = (lo + jnp.abs(rand(ctx + b + 1, (nb * m, hkv, hd), jnp.float32))).astype(mdt)
                 lo = lo.astype(mdt)
-                for name, (ph, vm) in variants.items():
-                    if vm == m:
-                        entry["impls"].append(try_timed("scoring", name, cfg, nbytes * m, tk, scores_fn, q, lo, hi,
-                                                        cand, per_head=ph, sub_blocks=m))
+                for name, ph in named.items():
+                    entry["impls"].append(try_timed("scoring", name, cfg, nbytes * m, tk, scores_fn, q, lo, hi,
+                                                    cand, per_head=ph, sub_blocks=m))
                 if m == 1:
                     for name, fused in selectors.items():
                         entry["impls"].append(try_timed("scoring", f"scores+{name}"[:28], cfg, nbytes, tk,
