@@ -32,10 +32,11 @@ combinable: `quest-solohead:perhead:beta=0.5:temp=2`):
   - `:temp=T`: the SoloHead softmax at T x the engine's scale (sharper for T > 1);
   - `:sub=M`: bounds per 1/M of a block, a block scored by the log-sum-exp of its slices (the engine's
     `score_sub_blocks`);
-  - `:middle`: score only the middle blocks, as the engine does (it keeps no bounds of the sink and window blocks,
-    so they carry no mass in SoloHead's softmax); without it every block up to the row's own is scored (the
-    partial one from its valid keys).
-The engine's default (EngineConfig: beta 0.5, per query head, 1 slice) is `quest-solohead:perhead:beta=0.5:middle`.
+  - `:middle`: score only the middle blocks from their bounds (the engine with `score_kept_blocks=False`: the sink
+    and window blocks carry no mass in SoloHead's softmax); without it the sink and window blocks are scored too,
+    from their keys up to the row's own position, with the engine's code (`pulseinfer_jax.kept_scores`).
+The engine's default (EngineConfig: beta 0.5, per query head, 1 slice, kept blocks scored) is
+`quest-solohead:perhead:beta=0.5`.
 Rows are compared as `bench/accuracy.py` does: the prompt's last logits (dense in every policy) plus the first
 `--tokens` - 1 decode rows; top-1 agreement of the argmax and mean KL(dense || policy).
 """
@@ -126,6 +127,7 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
               window: int, dense_layers: int) -> jax.Array:
     """Logits [R, V] of the teacher-forced rows (tokens [R] at positions P..P+R-1) under `policy` (see module)."""
     from pallas_kernels.block_scoring import block_scores_reference, default_scale
+    from pulseinfer_jax.kept_scores import kept_block_scores, kept_lens, kept_logical, with_kept_scores
     from pulseinfer_jax.sparse import select_blocks
 
     c = model.cfg
@@ -153,16 +155,22 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
                 mass = mass.reshape(r, c.num_kv_heads, g, nbk).sum(2)  # per KV head (its query heads' mass)
                 scores, scale = jnp.log(mass), 1.0  # normalized_sum: softmax(log mass) = the mass shares
             else:
-                kmin, kmax = _bounds(keys.astype(jnp.float32), bs // opt["sub"])  # m rows per block, in order
-                kmin, kmax = (jnp.pad(a, ((0, nbk * opt["sub"] - a.shape[0]), (0, 0), (0, 0))) for a in (kmin, kmax))
-                cand = jnp.where(jnp.arange(nbk)[None] < nb_row[:, None], jnp.arange(nbk)[None], -1)
-                scores = block_scores_reference(qf, kmin, kmax, cand.astype(jnp.int32), per_head=opt["perhead"],
-                                                beta=opt["beta"], sub_blocks=opt["sub"])  # engine's code: [R, S, NB]
+                m = opt["sub"]
+                kmin, kmax = _bounds(keys.astype(jnp.float32), bs // m)  # m rows per block, in order
+                kmin, kmax = (jnp.pad(a, ((0, nbk * m - a.shape[0]), (0, 0), (0, 0))) for a in (kmin, kmax))
+                j = jnp.arange(nbk)[None, :]
+                mid = (j >= sink) & (j < nb_row[:, None] - window)  # [R, NB]: the engine's metadata candidates
                 scale = opt["temp"] * default_scale(hd, g, opt["perhead"])
-                if opt["middle"]:  # the engine's candidates: neither sink nor window blocks
-                    j = jnp.arange(nbk)[None, :]
-                    mid = (j >= sink) & (j < nb_row[:, None] - window)  # [R, NB]
-                    scores = jnp.where(mid[:, None], scores, -jnp.inf)
+                scores = block_scores_reference(qf, kmin, kmax, jnp.where(mid, j, -1).astype(jnp.int32),
+                                                per_head=opt["perhead"], beta=opt["beta"], sub_blocks=m,
+                                                scale=scale)  # engine's code: [R, S, NB]
+                if not opt["middle"]:  # the always-kept blocks from their keys, causally (the engine's code)
+                    kb = jnp.pad(keys, ((0, nbk * bs - t), (0, 0), (0, 0))).reshape(nbk, bs, *keys.shape[1:])
+                    pool = jnp.stack([kb, kb], axis=1)  # [NB, 2, bs, Hkv, hd] (only the K half is read)
+                    kept_l = kept_logical(nb_row, sink, window, xp=jnp)  # [R, KK]; logical block = pool block
+                    kept = kept_block_scores(qf, pool, kept_l, kept_lens(kept_l, pos, bs), per_head=opt["perhead"],
+                                             beta=opt["beta"], sub_blocks=m, scale=scale)
+                    scores = with_kept_scores(scores, kept, kept_l)
             sel = select_blocks(scores, nb_row, budget_blocks=budget, sink_blocks=sink, window_blocks=window,
                                 mode="solohead" if solo else "headwise", score_scale=scale)  # [R, S, N]
             keep = jnp.zeros((r, sel.shape[1], nbk + 1), bool)

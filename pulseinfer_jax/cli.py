@@ -44,6 +44,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="SoloHead scores per KV head (group-summed bounds) instead of per query head")
     o.add_argument("--score-sub-blocks", type=int, default=1,
                    help="key bounds per 1/m of a block (m x the metadata bytes; finer selection); default 1")
+    o.add_argument("--score-kept-blocks", action=argparse.BooleanOptionalAction, default=True,
+                   help="SoloHead also scores the sink and window blocks so their attention share is counted "
+                        "(default on; --no-score-kept-blocks scores the middle blocks only)")
     o.add_argument("--host-io", default="auto",
                    help="auto | xla (pinned host pool) | numpy (pageable, the fallback); default auto")
 
@@ -56,6 +59,7 @@ def engine_config(args: argparse.Namespace, **extra):
                         selection=args.selection, io=args.io, recall=args.recall, gpu_kv_budget=args.gpu_kv_budget,
                         host_kv_tokens=args.host_kv_tokens, dense_layers=args.dense_layers, host_io=args.host_io,
                         score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks,
+                        score_kept_blocks=args.score_kept_blocks,
                         **({} if args.score_beta is None else {"score_beta": args.score_beta}), **extra)
 
 

@@ -47,6 +47,9 @@ class EngineConfig:
     # key bounds per 1/m slice of a block (m metadata rows per block: m times the bytes that stay on the GPU and
     # that scoring reads each step); m = 2 cuts the KL to dense a further 8-24% on SmolLM2 (bench/RESULTS.md)
     score_sub_blocks: int = 1
+    # SoloHead normalized_sum also scores the sink and window blocks (from their resident keys), so a head whose
+    # attention sits there claims less of the middle: KL to dense down 9-19% at 1,024 tokens (bench/RESULTS.md)
+    score_kept_blocks: bool = True
     io: str = "coalesced"  # one gathered copy per layer and step, or "fragmented" (one per (block, head))
     recall: str = "interruptible"  # attend resident blocks while recall is in flight, or "sync" (wait first)
     # offloaded batch split; the driver runs whichever has its data ready. None = 2 on a GPU (a copy engine
@@ -133,7 +136,7 @@ class EngineConfig:
     @property
     def scoring(self) -> BlockScoring:
         return BlockScoring(beta=self.score_beta, per_query_head=self.score_per_query_head,
-                            sub_blocks=self.score_sub_blocks)
+                            sub_blocks=self.score_sub_blocks, kept_blocks=self.score_kept_blocks)
 
     @property
     def window_blocks(self) -> int:

@@ -28,6 +28,7 @@ from pallas_kernels.block_metadata import block_key_bounds, update_bounds
 from pallas_kernels.block_scoring import block_scores, block_scores_reference, default_scale
 from pallas_kernels.merge import merge_attention_partials
 from pallas_kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
+from pulseinfer_jax.kept_scores import kept_block_scores, kept_lens, with_kept_scores
 from pulseinfer_jax.sparse import BlockScoring, select_blocks
 
 Partial = tuple[Array, Array, Array]  # (o [B, Hq, hd], m [B, Hq] f32, l [B, Hq] f32), see pallas_kernels/merge.py
@@ -108,6 +109,8 @@ def sparse_pre(
     cand_rows: Int[Array, "B K"],
     num_blocks: Int[Array, " B"],
     retrieval_head: Int[Array, ""],
+    kept_logical: Int[Array, "B KK"],
+    kept_units: Int[Array, "B KK"],
     *,
     budget: int,
     sink: int,
@@ -119,7 +122,8 @@ def sparse_pre(
 ) -> tuple[Array, Float[Array, "B Hq hd"], Int[Array, "B S N"]]:
     """A sparse layer up to attention: write the new token into its window block, score every candidate
     block from its key bounds (metadata blocks `meta_offset + cand_rows`, -1 = none; `scoring.sub_blocks`
-    rows each) and select.
+    rows each) and, where `scoring.scores_kept`, the always-kept logical blocks `kept_logical` from their
+    resident keys at flat units `kept_units` (-1 = none; see kept_scores.py), and select.
 
     Returns (kv, q, selected logical blocks [B, S, budget] sorted, -1 padded; see sparse.select_blocks)."""
     kv, q = _qkv_and_write(model, lp, kv, x, positions, write_unit)
@@ -130,6 +134,11 @@ def sparse_pre(
     scale = default_scale(c.head_dim, c.group_size, per_head)
     scores = score_fn(q, meta_min, meta_max, cand, per_head=per_head, beta=scoring.beta,
                       sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, K]
+    if scoring.scores_kept(mode, solohead):
+        lens = kept_lens(kept_logical, positions, kv.shape[3])
+        kept = kept_block_scores(q, _flat(kv), kept_units, lens, per_head=per_head, beta=scoring.beta,
+                                 sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, KK]
+        scores = with_kept_scores(scores, kept, kept_logical)
     sel = select_blocks(scores, num_blocks, budget_blocks=budget, sink_blocks=sink, window_blocks=window, mode=mode,
                         solohead=solohead, retrieval_head=retrieval_head, score_scale=scale)
     return kv, q, sel

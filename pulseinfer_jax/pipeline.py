@@ -10,8 +10,9 @@ One decode step of the sparse requests (`SparseDecoder.decode`):
   2. dense layer l < dense_layers: one jitted call (write the token, attend over every block, MLP);
   3. sparse layer l:
        a. `sparse_pre`: q/k/v, write the token into its window block, score the middle blocks (neither sink
-          nor window) from their key bounds, select (SoloHead: one set per layer; headwise: one per KV
-          head; sinks and window always)                                           -> STOP until sel is on host
+          nor window) from their key metadata (SoloHead normalized_sum: the sinks and window too, from their
+          resident keys, for the softmax), select (SoloHead: one set per layer; headwise: one per KV head;
+          sinks and window always)                                                 -> STOP until sel is on host
        b. host: split the selection into resident blocks (sinks, window), slot-cache hits and misses (LRU),
           and ISSUE THE RECALL of the misses at once: coalesced = one host gather into one pinned staging
           buffer + one host-to-device copy for the whole micro-batch; fragmented = one copy per (block, head);
@@ -45,6 +46,7 @@ from host_offload.host_pool import HostKVPool
 from host_offload.placement import SparseKV, SparsePlan
 from models.transformer import Transformer, split_layers
 from pulseinfer_jax import layer_ops
+from pulseinfer_jax.kept_scores import kept_logical
 from pulseinfer_jax.kv_cache import blocks_for, bucket
 from pulseinfer_jax.sparse import BlockScoring
 
@@ -229,13 +231,22 @@ class SparseDecoder:
         newest = np.zeros(bp, np.int32)  # GPU block of each row's newest logical block (0 = null for padding)
         for b, s in enumerate(sparse):
             n = n_blocks[b]
-            # only middle blocks are scored: sinks and window are always selected (by position), and their
-            # key bounds are not maintained while they sit in the window (-1 -> score -inf, no softmax mass)
+            # middle blocks are scored from their metadata rows; sinks and window are always selected (by position)
+            # and keep no metadata while resident (-1 here; scored from their keys below if scoring.scores_kept)
             middle = range(p.sink_blocks, max(p.sink_blocks, n - p.window_blocks))
             cand[b, middle] = [s.host_rows[j] for j in middle]
             nblk[b] = n
             newest[b] = s.gpu_of[n - 1]
         positions_d, cand_d, nblk_d = jnp.asarray(positions), jnp.asarray(cand), jnp.asarray(nblk)
+        # the always-kept blocks' logical indices and GPU blocks (resident: every layer's slice is there)
+        score_kept = cfg.scoring.scores_kept(p.selection, cfg.solohead)
+        kept_l = kept_logical(nblk, p.sink_blocks, p.window_blocks) if score_kept else np.full((bp, 1), -1, np.int32)
+        kept_gpu = np.full(kept_l.shape, -1, np.int32)
+        for b, s in enumerate(sparse):
+            for i, j in enumerate(kept_l[b]):
+                if j >= 0:
+                    kept_gpu[b, i] = s.gpu_of[int(j)]
+        kept_l_d = jnp.asarray(kept_l)
 
         dense_lens = np.zeros((bp, 1, kc), np.int32)  # valid tokens per block: the same in every dense layer
         for b in range(b_real):
@@ -262,9 +273,11 @@ class SparseDecoder:
             sl = layer - p.dense_layers
             write = np.where(np.arange(bp) < b_real, layer * nb + newest, 0).astype(np.int32)
             rh = cfg.retrieval_heads[sl] if cfg.retrieval_heads is not None else 0
+            kept_units = jnp.asarray(np.where(kept_gpu >= 0, layer * nb + kept_gpu, -1).astype(np.int32))
             self.kv, q, sel = layer_ops.sparse_pre(
                 model, lp, self.kv, self.meta_min, self.meta_max, jnp.int32(sl * self.pool.num_rows), x,
-                positions_d, jnp.asarray(write), cand_d, nblk_d, jnp.int32(rh), budget=p.budget_blocks,
+                positions_d, jnp.asarray(write), cand_d, nblk_d, jnp.int32(rh), kept_l_d, kept_units,
+                budget=p.budget_blocks,
                 sink=p.sink_blocks, window=p.window_blocks, mode=p.selection, solohead=cfg.solohead,
                 attention=cfg.attention, scoring=cfg.scoring)
             yield "select", sel, None

@@ -22,12 +22,12 @@ and the sum over heads estimates the total mass a shared set covers -- the quant
 (the same coverage objective `calibrate_retrieval_head` measures). Softmax also gives every head the
 same total vote (1): a head with flat scores spreads it thinly and barely moves the ranking, while
 z-scoring would blow its noise up to unit variance and let it vote as loudly as a peaked retrieval head.
-Only the blocks given scores take part: the engine scores the middle blocks only (it keeps no key bounds of
-the sinks and the window), so their mass is not in the softmax. Measured (bench/RESULTS.md): giving the
-always-kept blocks their share too, as `bench/oracle_accuracy.py` does without `:middle`, lowers the KL to
-dense 9-19% at 1,024 tokens (a head whose mass sits in the window then has less left to claim from the
-middle); not built into the engine yet. The cost is a temperature: pass `score_scale`, the
-attention scale 1/sqrt(hd) for per-query-head scores, 1/(G sqrt(hd)) for group sums (their mean bound).
+Only the blocks given scores take part: the engine scores the middle blocks from their metadata and, by
+default (`BlockScoring.kept_blocks`), the sinks and the window from their resident keys
+(`pulseinfer_jax.kept_scores`), so a head whose mass sits in the window has less left to claim from the
+middle (measured: 9-19% lower KL to dense at 1,024 tokens, bench/RESULTS.md). The cost is a temperature:
+pass `score_scale`, the attention scale 1/sqrt(hd) for per-query-head scores, 1/(G sqrt(hd)) for group sums
+(their mean bound).
 The engine scores SoloHead per query head by default (`BlockScoring.per_query_head`: each query head its own
 softmax, measured closer to dense than per-KV-head group sums, bench/RESULTS.md).
 """
@@ -60,11 +60,15 @@ class BlockScoring:
       Headwise and retrieval_head selections always score per KV head (they select per KV head).
     sub_blocks: bound m equal slices of each block separately (m rows of metadata per block, m times the bytes
       and the scoring reads) and score a block as the log-sum-exp of its slices; recall stays whole blocks.
+    kept_blocks: SoloHead normalized_sum also scores the always-kept blocks (sinks, window; bounded on the fly
+      from their resident keys, `pulseinfer_jax.kept_scores`), so their estimated mass is in the softmax (else the
+      middle blocks share all of it). Changes no selection rule, only how the middle blocks' shares are estimated.
     """
 
     beta: float = 0.5
     per_query_head: bool = True
     sub_blocks: int = 1
+    kept_blocks: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 <= self.beta <= 1:
@@ -74,6 +78,8 @@ class BlockScoring:
         m = self.sub_blocks
         if isinstance(m, bool) or not isinstance(m, int) or m < 1 or m & (m - 1):
             raise ValueError(f"score_sub_blocks={m!r} must be a power of two >= 1 (metadata slices per block)")
+        if not isinstance(self.kept_blocks, bool):
+            raise ValueError(f"score_kept_blocks={self.kept_blocks!r} must be a bool")
 
     def check_block_size(self, block_size: int) -> None:
         if block_size % self.sub_blocks:
@@ -83,6 +89,11 @@ class BlockScoring:
     def per_head(self, mode: str, solohead: str) -> bool:
         """Whether a selection with this mode / SoloHead variant scores per query head."""
         return self.per_query_head and mode == "solohead" and solohead == "normalized_sum"
+
+    def scores_kept(self, mode: str, solohead: str) -> bool:
+        """Whether a selection with this mode / SoloHead variant scores the always-kept blocks (only a softmax over
+        blocks, SoloHead's normalized_sum, reads their scores)."""
+        return self.kept_blocks and mode == "solohead" and solohead == "normalized_sum"
 
 
 def bucket_budget(tokens: int, block_size: int, *, min_blocks: int = 16) -> int:

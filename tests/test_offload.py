@@ -298,6 +298,30 @@ def test_block_scoring_config_reaches_both_scoring_paths(tiny4, monkeypatch, sco
     assert a[0].token_ids == b[0].token_ids
 
 
+@pytest.mark.parametrize("kw,runs", [
+    ({}, True), (dict(score_kept_blocks=False), False), (dict(selection="headwise"), False),
+])
+def test_kept_blocks_scored_only_for_solohead_softmax(tiny4, monkeypatch, kw, runs):
+    """The sink / window blocks are scored (from the resident cache, at their GPU units) where SoloHead's softmax
+    reads scores, and only when asked; stats say so."""
+    from pulseinfer_jax import layer_ops
+
+    seen = []
+    real = layer_ops.kept_block_scores
+
+    def spy(q, pool, units, lens, **k):
+        seen.append(units.shape)
+        return real(q, pool, units, lens, **k)
+
+    monkeypatch.setattr(layer_ops, "kept_block_scores", spy)
+    layer_ops.sparse_pre.clear_cache()
+    cfg = EngineConfig(**BASE, mode="offload", budget_tokens=24, dense_layers=2, **kw)
+    out = generate_long(_prompts(tiny4.cfg.vocab_size, lengths=(37,)), tiny4, max_new_tokens=4, ignore_eos=True,
+                        engine_config=cfg)
+    assert bool(seen) == runs and all(s[1] == cfg.sink_blocks + cfg.window_blocks for s in seen)
+    assert out[0].stats["score_kept_blocks"] is cfg.score_kept_blocks
+
+
 @pytest.mark.parametrize("m", [1, 2])
 def test_metadata_budgeted_as_allocated(tiny4, m):
     """The GPU budget reserves exactly the metadata the sparse decoder allocates (m rows per block with
@@ -316,7 +340,7 @@ def test_metadata_budgeted_as_allocated(tiny4, m):
     (dict(score_beta=1.5), "score_beta"), (dict(score_beta=-0.5), "score_beta"), (dict(score_beta=True), "score_beta"),
     (dict(score_beta="0.5"), "score_beta"), (dict(score_sub_blocks=3), "power of two"),
     (dict(score_sub_blocks=0), "power of two"), (dict(score_sub_blocks=32), "must divide block_size=16"),
-    (dict(score_per_query_head=1), "must be a bool"),
+    (dict(score_per_query_head=1), "must be a bool"), (dict(score_kept_blocks=0), "must be a bool"),
 ])
 def test_bad_block_scoring_configs(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -59,26 +59,36 @@ def test_main_smoke_writes_json(tmp_path):
 
 
 @pytest.mark.parametrize("policy,engine_kw", [
-    ("quest-solohead:perhead:beta=0.5:middle", {}),  # the engine's default scoring
-    ("quest-solohead:beta=0.5:sub=2:middle", dict(score_per_query_head=False, score_sub_blocks=2)),
+    ("quest-solohead:perhead:beta=0.5", {}),  # the engine's default scoring (sink and window blocks scored too)
+    ("quest-solohead:perhead:beta=0.5:middle", dict(score_kept_blocks=False)),
+    ("quest-solohead:beta=0.5:sub=2", dict(score_per_query_head=False, score_sub_blocks=2)),
+    ("quest-solohead:perhead:beta=0.5:sub=2:middle", dict(score_sub_blocks=2, score_kept_blocks=False)),
     ("quest-headwise:beta=0.5", dict(selection="headwise")),
 ])
 def test_harness_reproduces_the_engine(tiny4, policy, engine_kw):
-    """With `:middle` (only middle blocks scored) the harness's teacher-forced logits are the engine's own (offloaded
-    sparse decoding, same budget / sinks / window / dense layers), while the budget really drops blocks."""
+    """The harness's teacher-forced logits are the engine's own (offloaded sparse decoding, same budget / sinks /
+    window / dense layers, same scoring), while the budget really drops blocks and scoring the kept blocks (or
+    not) really changes the SoloHead selection."""
     from bench.accuracy import teacher_forced_logits
     from pulseinfer_jax import EngineConfig
 
     k, v, first, rows, toks = _rows(tiny4)
     targets = toks[70:]
-    harness = np.concatenate([first[None], np.asarray(oa.rows_pass(
-        tiny4.transformer, tiny4.params, k, v, rows[:-1], policy=policy, budget=6, bs=4, sink=1, window=2,
-        dense_layers=1))])
+
+    def harness(pol):
+        return np.concatenate([first[None], np.asarray(oa.rows_pass(
+            tiny4.transformer, tiny4.params, k, v, rows[:-1], policy=pol, budget=6, bs=4, sink=1, window=2,
+            dense_layers=1))])
+
     cfg = EngineConfig(block_size=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1, dense_layers=1,
                        mode="offload", budget_tokens=24, **engine_kw)
     engine = teacher_forced_logits(tiny4, cfg, toks[:70], targets)
-    assert engine.shape == harness.shape == (len(targets), tiny4.cfg.vocab_size)
+    same = harness(policy)
+    assert engine.shape == same.shape == (len(targets), tiny4.cfg.vocab_size)
     scale = np.abs(engine).max()
-    np.testing.assert_allclose(harness, engine, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(same, engine, rtol=0, atol=1e-5 * scale)
     dense = teacher_forced_logits(tiny4, EngineConfig(block_size=4, prefill_chunk=32, key_chunk=32), toks[:70], targets)
     assert np.abs(dense - engine).max() > 1e-3 * scale  # 6 of 18-21 blocks: the selection matters
+    if policy.startswith("quest-solohead"):
+        other = policy.replace(":middle", "") if policy.endswith(":middle") else policy + ":middle"
+        assert np.abs(harness(other) - engine).max() > 1e-3 * scale  # the kept blocks' scores change selections

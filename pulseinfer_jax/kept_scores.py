@@ -1,0 +1,93 @@
+"""Scores of the always-kept blocks (sinks, recent window), so that their mass enters SoloHead's softmax.
+
+`select_blocks` keeps the sink and window blocks by position, so their scores never decide whether they are
+selected. They still matter to SoloHead's `normalized_sum`: it softmaxes each head's scores over the sequence's
+blocks to estimate the share of that head's attention each block holds, and a head whose mass sits in the
+window has less left to claim from the middle. Scored on middle blocks only, every head claims a full vote (1)
+from the middle, so a head that attends locally outvotes the heads that really read the middle. Measured
+(bench/RESULTS.md): scoring the kept blocks too lowers the KL to dense 9-19% at a 1,024-token budget.
+
+The engine keeps no key bounds of the kept blocks (their metadata rows are written when a block leaves the
+window), but their keys are resident: `kept_block_scores` bounds them on the fly from the cache, causally (the
+partial last block from the tokens written so far, the current one included), and scores them with the same
+formula as the middle blocks' metadata (`block_scores_reference`, `BlockScoring`'s beta / per-head / sub-blocks).
+Sub-block slices with no token yet get no mass (-inf), so a one-token block is not credited with m keys. It reads
+(sinks + window) x block_size keys per sequence and layer, which the step's attention reads anyway: tiny next to
+the metadata scan. Used by `layer_ops.sparse_pre` and, with the same code, by `bench/oracle_accuracy.py` and
+`bench/selection_quality.py`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.block_metadata import block_key_bounds
+from pallas_kernels.block_scoring import block_scores_reference
+
+
+def kept_logical(num_blocks: Int[Array, " B"] | np.ndarray, sink: int, window: int, xp=np) -> Int[Array, "B KK"]:
+    """Logical indices of each sequence's always-kept blocks, [B, sink + window] int32: slot i < sink holds sink
+    block i, slot sink + i window block num_blocks - window + i; -1 where the sequence has no such block or the
+    window block is a sink already (short sequences). `xp` = numpy (host side, the engine) or jax.numpy
+    (traceable, the benches)."""
+    n = xp.asarray(num_blocks).astype(xp.int32)[:, None]
+    sinks = xp.arange(sink, dtype=xp.int32)[None, :]
+    win = n - window + xp.arange(window, dtype=xp.int32)[None, :]  # always < n
+    lo = xp.where(sinks < n, sinks, -1)
+    hi = xp.where(win >= sink, win, -1)
+    return xp.concatenate([lo, hi], axis=1).astype(xp.int32)
+
+
+def kept_lens(logical: Int[Array, "B KK"], positions: Int[Array, " B"], block_size: int) -> Int[Array, "B KK"]:
+    """Tokens of each kept logical block visible to the query at `positions` (its own token included): block_size
+    for full blocks, fewer for the partial last one, 0 for padding (-1)."""
+    n = jnp.clip(positions[:, None] + 1 - logical * block_size, 0, block_size)
+    return jnp.where(logical >= 0, n, 0).astype(jnp.int32)
+
+
+def kept_block_scores(
+    q: Float[Array, "B Hq hd"],
+    pool: Float[Array, "U 2 bs Hkv hd"],
+    units: Int[Array, "B KK"],
+    lens: Int[Array, "B KK"],
+    *,
+    per_head: bool,
+    beta: float,
+    sub_blocks: int,
+    scale: float,
+) -> Float[Array, "B S KK"]:
+    """Scores of the blocks `units` of a flat pool (their first `lens` tokens; len 0 or unit -1 = no block ->
+    -inf), in the units of `block_scores(q, meta, ..., per_head, beta, sub_blocks, scale)`: the slices' bound
+    scores combined by logsumexp(scale * s) / scale over the slices holding at least one token.
+    Returns float32 [B, S, KK] (S = Hq with per_head, else Hkv)."""
+    b, kk = units.shape
+    m = sub_blocks
+    live = (units >= 0) & (lens > 0)
+    ids = jnp.where(live, units, 0).reshape(-1)
+    kmin, kmax = block_key_bounds(pool, ids, jnp.where(live, lens, 0).reshape(-1), sub_blocks=m)  # [B*KK*m, ...]
+    sb = pool.shape[2] // m
+    slice_len = jnp.clip(lens[:, :, None] - jnp.arange(m) * sb, 0, sb)  # [B, KK, m]
+    slice_live = (slice_len > 0) & live[:, :, None]
+    rows = jnp.arange(b * kk * m, dtype=jnp.int32).reshape(b, kk * m)
+    s = block_scores_reference(q, kmin, kmax, jnp.where(slice_live.reshape(b, -1), rows, -1), per_head=per_head,
+                               beta=beta)  # [B, S, KK*m], empty slices -inf
+    s = s.reshape(b, s.shape[1], kk, m)
+    if m == 1:
+        return s[..., 0]
+    return jax.nn.logsumexp(s * scale, axis=-1) / scale
+
+
+def with_kept_scores(
+    scores: Float[Array, "B S K"], kept: Float[Array, "B S KK"], logical: Int[Array, "B KK"]
+) -> Float[Array, "B S K"]:
+    """scores[b, :, logical[b, i]] = kept[b, :, i] for every listed (>= 0) logical block; the rest unchanged."""
+    k = scores.shape[2]
+    idx = jnp.where(logical >= 0, logical, k)  # padding goes out of range and is dropped
+
+    def one(s: Array, v: Array, i: Array) -> Array:
+        return s.at[:, i].set(v.astype(s.dtype), mode="drop")
+
+    return jax.vmap(one)(scores, kept, idx)
