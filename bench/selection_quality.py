@@ -9,7 +9,8 @@ One dense forward over real text (`bench/accuracy.py`'s teacher-forced sequence:
 computes the true softmax attention of every query head over the blocks its position can see, and the
 fraction of it ("attention recall") that the blocks each policy selects would keep:
   - quest-solohead / quest-headwise: the engine's selection itself (`pallas_kernels.block_scoring`'s Quest
-    bounds from per-block key min / max, `pulseinfer_jax.sparse.select_blocks` with the same sinks / window;
+    bounds from per-block key min / max, the sink / window blocks scored from their keys where the engine does,
+    `pulseinfer_jax.kept_scores`; `pulseinfer_jax.sparse.select_blocks` with the same sinks / window;
     SoloHead normalized_sum: one set for all heads; headwise: each KV head its own set);
   - oracle-solohead / oracle-headwise: the same budget filled by the true attention mass (the best a
     selection of that size could keep: SoloHead by the mass summed over heads, headwise per KV head).
@@ -52,22 +53,26 @@ def oracle_select(mass: np.ndarray, n_blocks: np.ndarray, budget: int, sink: int
     return keep
 
 
-def quest_select(q: np.ndarray, keys: np.ndarray, n_blocks: np.ndarray, budget: int, sink: int, window: int,
+def quest_select(q: np.ndarray, keys: np.ndarray, positions: np.ndarray, budget: int, sink: int, window: int,
                  bs: int, mode: str, scoring=None) -> np.ndarray:
-    """The engine's selection (block scores from key bounds as `scoring` (a sparse.BlockScoring, default
-    EngineConfig's) says, then select_blocks) as bool [P, S, NB]."""
+    """The engine's selection for queries q [P, Hq, hd] at token `positions` [P] over keys [T, Hkv, hd] (block
+    scores from key bounds as `scoring` (a sparse.BlockScoring, default EngineConfig's) says: middle blocks from
+    their bounds, sink / window blocks from their keys up to the position where it scores them; then
+    select_blocks) as bool [P, S, NB]."""
     import jax.numpy as jnp
 
     from pallas_kernels.block_scoring import block_scores_reference, default_scale
+    from pulseinfer_jax.kept_scores import kept_block_scores, kept_lens, kept_logical, with_kept_scores
     from pulseinfer_jax.sparse import BlockScoring, select_blocks
 
     scoring = scoring or BlockScoring()
     p, hq, hd = q.shape
     t, hkv, _ = keys.shape
     nb = -(-t // bs)
+    n_blocks = np.asarray(positions) // bs + 1  # blocks each query sees (its own, partial, included)
     m = scoring.sub_blocks
     kb = np.pad(keys, ((0, nb * bs - t), (0, 0), (0, 0))).reshape(nb * m, bs // m, hkv, hd)
-    kmin, kmax = kb.min(1), kb.max(1)  # only full middle blocks are ever scored (the partial one is in the window)
+    kmin, kmax = kb.min(1), kb.max(1)  # only full middle blocks use these (the partial one is in the window)
     cand = np.full((p, nb), -1, np.int32)
     for i in range(p):
         n = int(n_blocks[i])
@@ -76,6 +81,14 @@ def quest_select(q: np.ndarray, keys: np.ndarray, n_blocks: np.ndarray, budget: 
     scale = default_scale(hd, hq // hkv, per_head)
     scores = block_scores_reference(jnp.asarray(q), jnp.asarray(kmin), jnp.asarray(kmax), jnp.asarray(cand),
                                     per_head=per_head, beta=scoring.beta, sub_blocks=m, scale=scale)
+    if scoring.scores_kept(mode, "normalized_sum"):
+        pool = np.pad(keys, ((0, nb * bs - t), (0, 0), (0, 0))).reshape(nb, 1, bs, hkv, hd)
+        pool = jnp.asarray(np.concatenate([pool, pool], axis=1))  # [NB, 2, bs, Hkv, hd] (the K half is read)
+        kept_l = jnp.asarray(kept_logical(n_blocks, sink, window))  # logical block = pool block here
+        lens = kept_lens(kept_l, jnp.asarray(positions, jnp.int32), bs)
+        kept = kept_block_scores(jnp.asarray(q), pool, kept_l, lens, per_head=per_head, beta=scoring.beta,
+                                 sub_blocks=m, scale=scale)
+        scores = with_kept_scores(scores, kept, kept_l)
     sel = np.asarray(select_blocks(scores, jnp.asarray(n_blocks, jnp.int32), budget_blocks=budget, sink_blocks=sink,
                                    window_blocks=window, mode=mode, score_scale=scale))
     keep = np.zeros((p, sel.shape[1], nb), bool)
@@ -150,9 +163,9 @@ def main() -> int:
             solo_mass = mass.sum(1, keepdims=True)
             kv_mass = mass.reshape(mass.shape[0], c.num_kv_heads, c.group_size, -1).sum(2)
             picks = {
-                "quest-solohead": quest_select(qs[layer], ks[layer], n_blocks, budget, sink, window, bs, "solohead",
+                "quest-solohead": quest_select(qs[layer], ks[layer], pos, budget, sink, window, bs, "solohead",
                                                scoring),
-                "quest-headwise": quest_select(qs[layer], ks[layer], n_blocks, budget, sink, window, bs, "headwise",
+                "quest-headwise": quest_select(qs[layer], ks[layer], pos, budget, sink, window, bs, "headwise",
                                                scoring),
                 "oracle-solohead": oracle_select(solo_mass, n_blocks, budget, sink, window),
                 "oracle-headwise": oracle_select(kv_mass, n_blocks, budget, sink, window),

@@ -10,7 +10,6 @@ Specs:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import pathlib
 from collections.abc import Iterator, Mapping
@@ -40,11 +39,27 @@ class LoadedModel:
     def transformer(self) -> Transformer:
         return Transformer(self.cfg, self.dtype)
 
-    @functools.cached_property
+    @property
     def layer_params(self) -> list[dict]:
-        """One weight pytree per layer (`split_layers`), made on first use and kept: every engine over this
-        model that runs layer by layer shares it. Costs a second copy of the layer weights."""
-        return split_layers(self.params)
+        """One weight pytree per layer, what layer-wise drivers read. In the per-layer layout (`unstack`) that is
+        `params["layers"]` itself; with stacked params it is split on first use and kept (every engine over this
+        model shares it), a second copy of the layer weights."""
+        layers = self.params["layers"]
+        if isinstance(layers, list):
+            return layers
+        if "_layer_copy" not in self.__dict__:
+            object.__setattr__(self, "_layer_copy", split_layers(self.params))
+        return self.__dict__["_layer_copy"]
+
+    def unstack(self) -> None:
+        """Keep the layer weights once, one pytree per layer (in place; what an engine that runs layer by layer
+        does, so it never holds the stacked copy too). Reuses a split copy made earlier. `params` stays valid
+        everywhere (`Transformer.layers` loops over a list), only whole-model jits compile longer. While it
+        converts, both layouts exist; the stacked arrays are freed afterwards unless something else holds them."""
+        if isinstance(self.params["layers"], list):
+            return
+        layers = self.__dict__.pop("_layer_copy", None) or split_layers(self.params)
+        object.__setattr__(self, "params", {**self.params, "layers": layers})
 
 
 class _SafetensorsDir(Mapping[str, Any]):

@@ -5,6 +5,8 @@ Params pytree (arrays; `L` = num_layers):
      "layers": {"wq": {"kernel": [L, D, Hq*hd], "bias"?: [L, Hq*hd]}, ..., "attn_norm": {"weight": [L, D]}, ...}}
 Stacking lets the dense step scan over layers (one compiled layer body, fast compiles); the layer-wise
 drivers use `split_layers` (one pytree per layer, so no call slices weights out of the stack).
+A params pytree may instead hold "layers" as a list of L such per-layer pytrees (`unstack_layers`: what a
+layer-wise engine keeps, so the weights exist once); every function here accepts both layouts.
 """
 
 from __future__ import annotations
@@ -25,9 +27,33 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 
 def split_layers(params: dict) -> list[dict]:
-    """The stacked layer weights as one pytree per layer (copies: a second copy of the layer weights)."""
-    n = jax.tree.leaves(params["layers"])[0].shape[0]
-    return [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(n)]
+    """The layer weights as one pytree per layer: the list itself for the per-layer layout, else copies sliced
+    out of the stacked arrays (a second copy of the layer weights)."""
+    layers = params["layers"]
+    if isinstance(layers, list):
+        return layers
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)]
+
+
+def head_params(params: dict) -> dict:
+    """The params that are not layer weights (embedding, final norm, LM head): what `Transformer.embed` and
+    `Transformer.logits` read. Layer-wise drivers pass only these to their embed / logits calls."""
+    return {"embedder": params["embedder"]}
+
+
+def unstack_layers(params: dict) -> dict:
+    """A new params dict with "layers" as one pytree per layer (already per-layer: `params` itself). The
+    slices are copies: both layouts exist until the caller drops the stacked `params`."""
+    if isinstance(params["layers"], list):
+        return params
+    return {**params, "layers": split_layers(params)}
+
+
+def stacked_layers(params: dict) -> dict:
+    """The layer weights stacked on a leading layer axis (a copy when they are kept per layer)."""
+    layers = params["layers"]
+    return jax.tree.map(lambda *a: jnp.stack(a), *layers) if isinstance(layers, list) else layers
 
 
 def resolve_dtype(dtype: str | Any) -> Any:
@@ -105,8 +131,15 @@ class Transformer:
         attend: Any,
         state: Any,
     ) -> tuple[Float[Array, "b t d"], Any]:
-        """Scan all layers. attend(layer_idx, q, k, v, state) -> (o, state); state is the scan carry."""
+        """Scan all layers. attend(layer_idx, q, k, v, state) -> (o, state); state is the scan carry. With
+        per-layer params (a list, see `unstack_layers`) the layers run as an unrolled loop instead (same
+        arithmetic; a longer compile)."""
         cos, sin = rope_tables(self.cfg, positions)
+        if isinstance(params["layers"], list):
+            for i, lp in enumerate(params["layers"]):
+                idx = jnp.int32(i)
+                x, state = self.layer(lp, x, cos, sin, lambda q, k, v, s, idx=idx: attend(idx, q, k, v, s), state)
+            return x, state
 
         def body(carry, xs):
             h, st = carry

@@ -22,7 +22,7 @@ from models.loading import LoadedModel
 from pulseinfer_jax.config import EngineConfig, resolve_decode_attention
 from pulseinfer_jax.ioaa import IOAAConfig
 from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for, bucket
-from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step
+from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
 from pulseinfer_jax.sampling import SamplingParams, greedy_sample, sample
 from pulseinfer_jax.scheduler import FixedStepTime, Request, Scheduler, Status
 
@@ -57,6 +57,8 @@ class Engine:
         self.layer_loop = config.layer_loop
         if self.layer_loop == "auto":
             self.layer_loop = "layerwise" if self.on_gpu else "scan"
+        if self.layer_loop == "layerwise":
+            model.unstack()  # every step reads per-layer weights: keep only those (no stacked second copy)
         self._layer_ids: list[jax.Array] | None = None
         self._attention_proven = self.decode_attention == "jnp"  # pallas: not yet compiled in this engine
         self._bars: dict = {}
@@ -77,10 +79,17 @@ class Engine:
     # ---- KV pool -------------------------------------------------------------------------------
     @property
     def layer_params(self) -> list[dict]:
-        """The model's per-layer weights (LoadedModel.layer_params, split on first use), read by the layer-wise
-        dense step and the sparse pipeline: a second copy of the layer weights, paid only when a step runs layer
-        by layer, and once per model however many engines use it."""
+        """The model's per-layer weights (LoadedModel.layer_params), read by the layer-wise steps and the sparse
+        pipeline. With layer_loop "layerwise" (GPU default) they are the model's only copy (`unstack`); with
+        "scan" (CPU default) the sparse pipeline splits a second copy on first use, once per model."""
         return self.model.layer_params
+
+    @property
+    def layer_ids(self) -> list[jax.Array]:
+        """Each layer's index as an int32 scalar on the engine's device (an argument of the layer-wise steps)."""
+        if self._layer_ids is None:
+            self._layer_ids = [jax.device_put(np.int32(i), self.device) for i in range(self.model.cfg.num_layers)]
+        return self._layer_ids
 
     def _spec(self, num_blocks: int) -> CacheSpec:
         c = self.model.cfg
@@ -283,9 +292,13 @@ class Engine:
         chunk = np.zeros(size, np.int32)
         chunk[:n] = req.prompt[start:start + n]
         table = self._table(blocks, bucket(len(blocks)))
-        self.kv, logits = prefill_step(self.model.transformer, self.model.params, self.kv, jnp.asarray(chunk),
-                                       jnp.int32(start), jnp.int32(n), jnp.asarray(table),
-                                       key_chunk=min(cfg.key_chunk, size))
+        args = (self.kv, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n), jnp.asarray(table))
+        key_chunk = min(cfg.key_chunk, size)
+        if self.layer_loop == "layerwise":
+            self.kv, logits = prefill_step_layerwise(self.model.transformer, self.model.params, self.layer_params,
+                                                     self.layer_ids, *args, key_chunk=key_chunk)
+        else:
+            self.kv, logits = prefill_step(self.model.transformer, self.model.params, *args, key_chunk=key_chunk)
         return n, logits
 
     def _progress_bar(self, req: Request):
@@ -351,9 +364,7 @@ class Engine:
         model = self.model
         if self.layer_loop == "scan":
             return decode_step(model.transformer, model.params, self.kv, *args, attention=attention)
-        if self._layer_ids is None:
-            self._layer_ids = [jax.device_put(np.int32(i), self.device) for i in range(model.cfg.num_layers)]
-        return decode_step_layerwise(model.transformer, model.params, self.layer_params, self._layer_ids, self.kv,
+        return decode_step_layerwise(model.transformer, model.params, self.layer_params, self.layer_ids, self.kv,
                                      *args, attention=attention)
 
     # ---- postprocess ---------------------------------------------------------------------------

@@ -44,7 +44,7 @@ import numpy as np
 
 from host_offload.host_pool import HostKVPool
 from host_offload.placement import SparseKV, SparsePlan
-from models.transformer import Transformer, split_layers
+from models.transformer import Transformer, head_params, split_layers
 from pulseinfer_jax import layer_ops
 from pulseinfer_jax.kept_scores import kept_logical
 from pulseinfer_jax.kv_cache import blocks_for, bucket
@@ -263,7 +263,8 @@ class SparseDecoder:
             dense_ids.append(jnp.asarray(ids))
             dense_write.append(jnp.asarray(write))
 
-        x = layer_ops.embed(model, params, jnp.asarray(tok))
+        head = head_params(params)  # embed / logits read no layer weights: do not pass them
+        x = layer_ops.embed(model, head, jnp.asarray(tok))
         for layer in range(model.cfg.num_layers):
             lp = self.layer_params[layer]
             if layer < p.dense_layers:
@@ -298,7 +299,7 @@ class SparseDecoder:
             self.kv = self._scatter(layer, staging)
             ids, lens = self._ids(late, bp)
             x = layer_ops.attend_merge_finish(model, lp, x, q, self.kv, ids, lens, early, attention=cfg.attention)
-        outs[key] = layer_ops.logits(model, params, x)
+        outs[key] = layer_ops.logits(model, head, x)
 
     def _ids(self, entries: list[list[list[tuple[int, int]]]], bp: int) -> tuple[jax.Array, jax.Array]:
         """[(unit, len)] per row and lane -> padded ids / lens [bp, S, W] (W a power of two)."""

@@ -1,9 +1,10 @@
 """Jitted model steps over the paged cache: one prefill chunk of one request, one decode step of a batch.
 
-A decode step runs its layers one of two ways (`EngineConfig.layer_loop`): `decode_step` is one jitted call
-that scans the layers over the stacked weights; `decode_step_layerwise` dispatches one jitted call per layer
-with that layer's own weight arrays (`models.transformer.split_layers`), as the sparse pipeline does. A scan reads
-layer i's weights by slicing the stacked arrays, which XLA may materialise as a copy of the layer's weights
+A step runs its layers one of two ways (`EngineConfig.layer_loop`): `decode_step` / `prefill_step` are one
+jitted call that scans the layers over the stacked weights; `decode_step_layerwise` / `prefill_step_layerwise`
+dispatch one jitted call per layer with that layer's own weight arrays (`models.transformer.split_layers`),
+as the sparse pipeline does (an engine running layer-wise keeps the weights only per layer, `LoadedModel.unstack`).
+A scan reads layer i's weights by slicing the stacked arrays, which XLA may materialise as a copy of the layer's weights
 every step (on CPU it does: `layer_ops` measured 0.31 vs 0.89 ms for one MLP block); the layer-wise loop
 never slices, at the price of one dispatch per layer. Which is faster on a GPU is measured by
 `bench/dense_decode.py --layer-loop scan,layerwise`.
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from models.rope import rope_tables
-from models.transformer import Transformer
+from models.transformer import Transformer, head_params
 from pulseinfer_jax import layer_ops
 from pulseinfer_jax.attention import (
     chunked_prefill_attention,
@@ -98,6 +99,22 @@ def _decode_layer(
     return kv, x
 
 
+def _chunk_blocks(block_table: Int[Array, " MB"], start: Int[Array, ""], c: int, bs: int) -> Int[Array, " nb"]:
+    """The c // bs blocks a prefill chunk starting at `start` (block aligned) writes (null block past the table)."""
+    nb = c // bs
+    padded = jnp.concatenate([block_table, jnp.zeros((nb,), block_table.dtype)])
+    return jax.lax.dynamic_slice(padded, (start // bs,), (nb,))
+
+
+def _prefill_attend(block_table: Array, start: Array, chunk_blocks: Array, key_chunk: int):
+    def attend(layer, q, k, v, cache):
+        cache = write_prefill_kv(cache, layer, k[0], v[0], chunk_blocks)
+        o = chunked_prefill_attention(q[0], cache, layer, block_table, start, key_chunk=key_chunk)
+        return o[None], cache
+
+    return attend
+
+
 def _prefill_step(
     model: Transformer,
     params: dict,
@@ -114,31 +131,52 @@ def _prefill_step(
     C = tokens.shape[0] must be a multiple of the block size; the tail past n_valid is padding whose
     K/V land in the request's own (not yet used) slots or in the null block.
     """
-    bs = kv.shape[3]
     c = tokens.shape[0]
-    nb = c // bs
-    padded = jnp.concatenate([block_table, jnp.zeros((nb,), block_table.dtype)])
-    chunk_blocks = jax.lax.dynamic_slice(padded, (start // bs,), (nb,))
+    chunk_blocks = _chunk_blocks(block_table, start, c, kv.shape[3])
     positions = start + jnp.arange(c, dtype=jnp.int32)
-
-    def attend(layer, q, k, v, cache):
-        cache = write_prefill_kv(cache, layer, k[0], v[0], chunk_blocks)
-        o = chunked_prefill_attention(q[0], cache, layer, block_table, start, key_chunk=key_chunk)
-        return o[None], cache
-
     x = model.embed(params, tokens[None])
-    x, kv = model.layers(params, x, positions[None], attend, kv)
+    x, kv = model.layers(params, x, positions[None], _prefill_attend(block_table, start, chunk_blocks, key_chunk), kv)
     last = jax.lax.dynamic_index_in_dim(x[0], n_valid - 1, keepdims=False)
     return kv, model.logits(params, last)
+
+
+def _prefill_embed(model: Transformer, params: dict, tokens: Int[Array, " C"]) -> Float[Array, "1 C D"]:
+    return model.embed(params, tokens[None])
+
+
+def _prefill_layer(
+    model: Transformer,
+    lp: dict,
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    x: Float[Array, "1 C D"],
+    start: Int[Array, ""],
+    block_table: Int[Array, " MB"],
+    layer: Int[Array, ""],
+    *,
+    key_chunk: int,
+) -> tuple[Array, Float[Array, "1 C D"]]:
+    """Layer `layer` of `_prefill_step`, with that layer's own weights `lp` (one compile serves every layer)."""
+    c = x.shape[1]
+    positions = start + jnp.arange(c, dtype=jnp.int32)
+    attend = _prefill_attend(block_table, start, _chunk_blocks(block_table, start, c, kv.shape[3]), key_chunk)
+    cos, sin = rope_tables(model.cfg, positions[None])
+    x, kv = model.layer(lp, x, cos, sin, lambda q, k, v, cache: attend(layer, q, k, v, cache), kv)
+    return kv, x
+
+
+def _prefill_logits(model: Transformer, params: dict, x: Float[Array, "1 C D"], n_valid: Int[Array, ""]
+                    ) -> Float[Array, " V"]:
+    return model.logits(params, jax.lax.dynamic_index_in_dim(x[0], n_valid - 1, keepdims=False))
 
 
 @functools.cache
 def _compiled(fn, platform: str):
     """jit `fn` once per platform: CPU compiles get CPU_FAST_MATH; model/key_chunk are static; kv is donated."""
-    static = [a for a in ("model", "key_chunk", "attention") if a in fn.__code__.co_varnames[: fn.__code__.co_argcount
-                                                                              + fn.__code__.co_kwonlyargcount]]
+    names = fn.__code__.co_varnames[: fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
+    static = [a for a in ("model", "key_chunk", "attention") if a in names]
     opts = CPU_FAST_MATH if platform == "cpu" else None
-    return jax.jit(fn, static_argnames=static, donate_argnames=("kv",), compiler_options=opts)
+    return jax.jit(fn, static_argnames=static, donate_argnames=[a for a in ("kv",) if a in names],
+                   compiler_options=opts)
 
 
 def decode_step(model: Transformer, params: dict, kv: jax.Array, *args: jax.Array,
@@ -153,16 +191,31 @@ def decode_step_layerwise(model: Transformer, params: dict, layer_params: list[d
     """`decode_step` driven layer by layer from Python (asynchronous dispatch): the same arithmetic, each layer
     with its own weights `layer_params[i]` and index `layer_ids[i]` (an int32 scalar on the device)."""
     layer = _compiled(_decode_layer, _platform(kv))
-    x = layer_ops.embed(model, params, tokens)
+    head = head_params(params)
+    x = layer_ops.embed(model, head, tokens)
     for lp, idx in zip(layer_params, layer_ids, strict=True):
         kv, x = layer(model, lp, kv, x, positions, block_tables, idx, attention=attention)
-    return kv, layer_ops.logits(model, params, x)
+    return kv, layer_ops.logits(model, head, x)
 
 
 def prefill_step(model: Transformer, params: dict, kv: jax.Array, *args: jax.Array,
                  key_chunk: int) -> tuple[Array, Array]:
     """See `_prefill_step`; compiled for the platform the cache lives on."""
     return _compiled(_prefill_step, _platform(kv))(model, params, kv, *args, key_chunk=key_chunk)
+
+
+def prefill_step_layerwise(model: Transformer, params: dict, layer_params: list[dict], layer_ids: list[jax.Array],
+                           kv: jax.Array, tokens: jax.Array, start: jax.Array, n_valid: jax.Array,
+                           block_table: jax.Array, *, key_chunk: int) -> tuple[Array, Array]:
+    """`prefill_step` driven layer by layer (each layer with its own weights `layer_params[i]` and index
+    `layer_ids[i]`): what an engine whose weights are kept per layer (no stacked copy) runs."""
+    platform = _platform(kv)
+    layer = _compiled(_prefill_layer, platform)
+    head = head_params(params)
+    x = _compiled(_prefill_embed, platform)(model, head, tokens)
+    for lp, idx in zip(layer_params, layer_ids, strict=True):
+        kv, x = layer(model, lp, kv, x, start, block_table, idx, key_chunk=key_chunk)
+    return kv, _compiled(_prefill_logits, platform)(model, head, x, n_valid)
 
 
 def _platform(x: jax.Array) -> str:

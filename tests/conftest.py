@@ -49,7 +49,8 @@ def tiny4(tiny):
     import jax.numpy as jnp
 
     from models.loading import LoadedModel
+    from models.transformer import stacked_layers
 
     params = dict(tiny.params)
-    params["layers"] = jax.tree.map(lambda a: jnp.concatenate([a, a[::-1]]), tiny.params["layers"])
+    params["layers"] = jax.tree.map(lambda a: jnp.concatenate([a, a[::-1]]), stacked_layers(tiny.params))
     return LoadedModel(dataclasses.replace(tiny.cfg, num_layers=4), params, tiny.tokenizer, tiny.dtype, "tiny4")

@@ -188,8 +188,8 @@ def test_selection_quality_oracle_bounds_the_engine_selection():
     assert mass.shape == (6, hkv * g, -(-t // bs))
     np.testing.assert_allclose(mass.sum(-1), 1.0, rtol=1e-5)
     budget, sink, window = 8, 1, 2
-    solo_q = quest_select(q.astype(np.float32), keys.astype(np.float32), n_blocks, budget, sink, window, bs, "solohead")
-    head_q = quest_select(q.astype(np.float32), keys.astype(np.float32), n_blocks, budget, sink, window, bs, "headwise")
+    solo_q = quest_select(q.astype(np.float32), keys.astype(np.float32), pos, budget, sink, window, bs, "solohead")
+    head_q = quest_select(q.astype(np.float32), keys.astype(np.float32), pos, budget, sink, window, bs, "headwise")
     solo_o = oracle_select(mass.sum(1, keepdims=True), n_blocks, budget, sink, window)
     head_o = oracle_select(mass.reshape(6, hkv, g, -1).sum(2), n_blocks, budget, sink, window)
     for keep in (solo_q, head_q, solo_o, head_o):

@@ -191,17 +191,52 @@ def test_layerwise_decode_step_equals_scan(tiny, attention):
     assert kv2.is_deleted()  # the cache was donated, as in the scan step
 
 
+def test_per_layer_params_layout_is_the_same_model(tiny):
+    """Transformer functions accept params with the layers as a list (unstack_layers): same logits as stacked, and
+    stacked_layers / split_layers convert both ways."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.transformer import split_layers, stacked_layers, unstack_layers
+
+    per_layer = unstack_layers(tiny.params)
+    assert isinstance(per_layer["layers"], list) and unstack_layers(per_layer) is per_layer
+    assert split_layers(per_layer) is per_layer["layers"]
+    toks = jnp.asarray(_prompts(1, tiny.cfg.vocab_size, seed=2)[0][:20])[None]
+    np.testing.assert_allclose(np.asarray(tiny.transformer.forward(per_layer, toks)),
+                               np.asarray(tiny.transformer.forward(tiny.params, toks)), rtol=1e-4, atol=1e-4)
+    for a, b in zip(jax.tree.leaves(stacked_layers(per_layer)), jax.tree.leaves(tiny.params["layers"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_engine_layer_loop_layerwise_same_tokens_as_scan(tiny):
+    """Layer-wise prefill and decode give the scan engine's tokens, and keep the layer weights once: the model is
+    converted to the per-layer layout in place (the stacked arrays dropped), which scan steps still run."""
+    import dataclasses
+
+    import jax
+
     prompts = _prompts(3, tiny.cfg.vocab_size, seed=5)
+    prompts[0] = prompts[0] * 3  # several prefill chunks (16 tokens each)
     kw = dict(max_new_tokens=6, ignore_eos=True)
     scan = Engine(tiny, EngineConfig(block_size=8, prefill_chunk=16))
     assert scan.layer_loop == "scan"  # auto off-GPU
     ref = generate_long(prompts, scan, **kw, engine_config=scan.config)
-    eng = Engine(tiny, EngineConfig(block_size=8, prefill_chunk=16, layer_loop="layerwise"))
+    model = dataclasses.replace(tiny)  # a second LoadedModel over the same arrays: converting it leaves `tiny` be
+    stacked = model.params["layers"]
+    eng = Engine(model, EngineConfig(block_size=8, prefill_chunk=16, layer_loop="layerwise"))
+    layers = model.params["layers"]
+    assert isinstance(layers, list) and len(layers) == tiny.cfg.num_layers and eng.layer_params is layers
+    kept = {id(a) for a in jax.tree.leaves(model.params)}
+    assert not kept & {id(a) for a in jax.tree.leaves(stacked)}  # the model no longer holds a stacked array
     got = generate_long(prompts, eng, **kw, engine_config=eng.config)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
-    assert eng.layer_loop == "layerwise" and len(eng.layer_params) == tiny.cfg.num_layers
-    assert Engine(tiny, eng.config).layer_params is eng.layer_params is tiny.layer_params  # one split per model
+    assert eng.layer_loop == "layerwise"
+    assert Engine(model, eng.config).layer_params is eng.layer_params is model.layer_params  # one copy per model
+    assert not isinstance(tiny.params["layers"], list)
+    scan2 = Engine(model, EngineConfig(block_size=8, prefill_chunk=16))  # scan steps over per-layer weights
+    assert [r.token_ids for r in generate_long(prompts, scan2, **kw, engine_config=scan2.config)] == \
+        [r.token_ids for r in ref]
     with pytest.raises(ValueError, match="layer_loop='unrolled'; use one of auto, scan, layerwise"):
         EngineConfig(layer_loop="unrolled")
 
