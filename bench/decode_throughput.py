@@ -45,7 +45,7 @@ from bench.common import RESULTS, sparse_io_stats, write_result  # noqa: E402
 
 SYSTEMS = {
     "dense": dict(mode="dense"),  # layers run as the engine's layer_loop="auto" says (layer-wise on a GPU)
-    "dense-scan": dict(mode="dense", layer_loop="scan"),  # the same, one jitted scan over the stacked weights
+    "dense-scan": dict(mode="dense", layer_loop="scan"),  # the same, one jitted scan over stacked weights (a copy)
     # the existing-offloading baseline: per-head selection, one copy per (block, head), wait for every recall
     "offload-headwise": dict(mode="offload", selection="headwise", io="fragmented", recall="sync", micro_batches=1),
     # SoloHead + coalesced gather-scatter + interruptible (2 micro-batches on a GPU) + IOAA admission

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.presets import PRESETS
-from models.transformer import Transformer, resolve_dtype, split_layers
+from models.transformer import Transformer, resolve_dtype, split_layers, stacked_layers
 from models.weights import CheckpointError, params_from_hf
 
 if TYPE_CHECKING:
@@ -50,6 +50,17 @@ class LoadedModel:
         if "_layer_copy" not in self.__dict__:
             object.__setattr__(self, "_layer_copy", split_layers(self.params))
         return self.__dict__["_layer_copy"]
+
+    @property
+    def stacked_params(self) -> dict:
+        """`params` with the layers stacked, what the scan steps read: `params` itself unless the model was unstacked
+        (then a stacked copy, made on first use and kept: a second copy of the layer weights, for a scan engine over
+        a model a layer-wise engine converted, e.g. a benchmark comparing the two)."""
+        if not isinstance(self.params["layers"], list):
+            return self.params
+        if "_stacked_copy" not in self.__dict__:
+            object.__setattr__(self, "_stacked_copy", {**self.params, "layers": stacked_layers(self.params)})
+        return self.__dict__["_stacked_copy"]
 
     def unstack(self) -> None:
         """Keep the layer weights once, one pytree per layer (in place; what an engine that runs layer by layer

@@ -298,7 +298,8 @@ class Engine:
             self.kv, logits = prefill_step_layerwise(self.model.transformer, self.model.params, self.layer_params,
                                                      self.layer_ids, *args, key_chunk=key_chunk)
         else:
-            self.kv, logits = prefill_step(self.model.transformer, self.model.params, *args, key_chunk=key_chunk)
+            self.kv, logits = prefill_step(self.model.transformer, self.model.stacked_params, *args,
+                                           key_chunk=key_chunk)
         return n, logits
 
     def _progress_bar(self, req: Request):
@@ -363,7 +364,7 @@ class Engine:
     def _run_decode(self, attention: str, *args: jax.Array) -> tuple[jax.Array, jax.Array]:
         model = self.model
         if self.layer_loop == "scan":
-            return decode_step(model.transformer, model.params, self.kv, *args, attention=attention)
+            return decode_step(model.transformer, model.stacked_params, self.kv, *args, attention=attention)
         return decode_step_layerwise(model.transformer, model.params, self.layer_params, self.layer_ids, self.kv,
                                      *args, attention=attention)
 

@@ -234,7 +234,8 @@ def test_engine_layer_loop_layerwise_same_tokens_as_scan(tiny):
     assert eng.layer_loop == "layerwise"
     assert Engine(model, eng.config).layer_params is eng.layer_params is model.layer_params  # one copy per model
     assert not isinstance(tiny.params["layers"], list)
-    scan2 = Engine(model, EngineConfig(block_size=8, prefill_chunk=16))  # scan steps over per-layer weights
+    assert model.stacked_params is not model.params and tiny.stacked_params is tiny.params
+    scan2 = Engine(model, EngineConfig(block_size=8, prefill_chunk=16))  # a scan engine re-stacks a copy
     assert [r.token_ids for r in generate_long(prompts, scan2, **kw, engine_config=scan2.config)] == \
         [r.token_ids for r in ref]
     with pytest.raises(ValueError, match="layer_loop='unrolled'; use one of auto, scan, layerwise"):
