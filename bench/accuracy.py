@@ -122,6 +122,8 @@ def main() -> int:
     ap.add_argument("--score-per-kv-head", action="store_true",
                     help="EngineConfig.score_per_query_head=False (SoloHead scores per KV head, the old default)")
     ap.add_argument("--score-sub-blocks", type=int, default=None, help="EngineConfig.score_sub_blocks (default: 1)")
+    ap.add_argument("--no-score-kept-blocks", action="store_true",
+                    help="EngineConfig.score_kept_blocks=False (SoloHead scores the middle blocks only)")
     ap.add_argument("--no-passkey", action="store_true", help="teacher-forced agreement only (quick exploration)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="accuracy_cpu", help="result file name (bench/results/NAME.json)")
@@ -157,6 +159,8 @@ def main() -> int:
         base["score_per_query_head"] = False
     if args.score_sub_blocks is not None:
         base["score_sub_blocks"] = args.score_sub_blocks
+    if args.no_score_kept_blocks:
+        base["score_kept_blocks"] = False
 
     runs = [("dense", None)] + [(v, int(b)) for b in args.budgets.split(",") for v in args.variants.split(",")]
     rows, dense_logits = [], None

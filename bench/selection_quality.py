@@ -119,6 +119,7 @@ def main() -> int:
     ap.add_argument("--score-per-kv-head", action="store_true",
                     help="quest-solohead scores per KV head (EngineConfig.score_per_query_head=False)")
     ap.add_argument("--score-sub-blocks", type=int, default=None, help="EngineConfig.score_sub_blocks (default: 1)")
+    ap.add_argument("--no-score-kept-blocks", action="store_true", help="EngineConfig.score_kept_blocks=False")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default=None, help="result file name (default selection_quality_cpu)")
     ap.add_argument("--out", default=None)
@@ -135,7 +136,8 @@ def main() -> int:
     scoring = EngineConfig().scoring
     scoring = dataclasses.replace(scoring, beta=scoring.beta if args.score_beta is None else args.score_beta,
                                   per_query_head=not args.score_per_kv_head,
-                                  sub_blocks=args.score_sub_blocks or scoring.sub_blocks)
+                                  sub_blocks=args.score_sub_blocks or scoring.sub_blocks,
+                                  kept_blocks=not args.no_score_kept_blocks)
 
     model = load_model(args.model)
     c = model.cfg

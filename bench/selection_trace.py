@@ -134,6 +134,7 @@ def main() -> int:
     ap.add_argument("--trace-dir", default=str(RESULTS / "traces"))
     ap.add_argument("--score-per-kv-head", action="store_true", help="EngineConfig.score_per_query_head=False")
     ap.add_argument("--score-sub-blocks", type=int, default=1, help="EngineConfig.score_sub_blocks (default 1)")
+    ap.add_argument("--no-score-kept-blocks", action="store_true", help="EngineConfig.score_kept_blocks=False")
     ap.add_argument("--name", default=None, help="result file name (default selection_trace_cpu)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
@@ -147,7 +148,8 @@ def main() -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts, names = load_prompts(model, lengths)
     name = "selection_trace_smoke" if args.smoke else (args.name or "selection_trace_cpu")
-    scoring = dict(score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks)
+    scoring = dict(score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks,
+                   score_kept_blocks=not args.no_score_kept_blocks)
     rows = []
     for budget, selection in itertools.product([int(b) for b in args.budgets.split(",")],
                                                args.selections.split(",")):

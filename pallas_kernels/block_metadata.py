@@ -8,7 +8,8 @@ block `b` and KV head `h` is the pair of vectors
 over the block's *valid* tokens t < len(b). `block_scoring.block_scores` turns them into an upper bound
 of every q.k inside the block. The engine keeps per-layer arrays `meta_min/meta_max: [NB * m, Hkv, hd]` in
 the KV dtype next to the (possibly offloaded) cache and refreshes a block's rows when the block fills
-(`update_bounds`); the partial last block is always inside the recent window, so it is never scored.
+(`update_bounds`); the sink and window blocks (the partial last one included) have no metadata rows while they
+are resident: where SoloHead scores them, `pulseinfer_jax.kept_scores` bounds them from their keys each step.
 With m = `sub_blocks` > 1 each block has m rows, the bounds of its m equal token slices (finer bounds,
 m times the bytes; `block_scoring` combines them).
 
