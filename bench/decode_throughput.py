@@ -105,7 +105,7 @@ def engine_for(model, system: str, base: dict, replay: dict | None, cache: dict)
     from bench.traces import replay_decoder
     from pulseinfer_jax import EngineConfig
 
-    cfg = EngineConfig(**base, **SYSTEMS[system])
+    cfg = EngineConfig(**{**base, **SYSTEMS[system]})  # a system's own settings win (dense-scan's layer_loop)
     if system == "pulseinfer-min-reuse":
         cfg = dataclasses.replace(cfg, slot_cache_blocks=cfg.budget_blocks - cfg.sink_blocks - cfg.window_blocks)
     attrs = {}
@@ -319,6 +319,9 @@ def main() -> int:
     ap.add_argument("--profile-system", default=None, help="profile 2 extra decode steps of this system's first "
                     "point (jax.profiler, Perfetto trace) into --profile-dir")
     ap.add_argument("--profile-dir", default=None, help="default: OUT/profile")
+    ap.add_argument("--layer-loop", default=None, choices=("auto", "scan", "layerwise"),
+                    help="EngineConfig.layer_loop of every system but dense-scan (default: the engine's auto; "
+                         "layerwise on CPU rehearses the GPU's path)")
     ap.add_argument("--smoke", action="store_true", help="tiny random model and sizes (CPU check of the script)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -348,7 +351,8 @@ def main() -> int:
     batches = [int(x) for x in args.batches.split(",")]
     base = dict(block_size=args.block_size, budget_tokens=args.budget_tokens, dense_layers=args.dense_layers,
                 max_batch=max(batches + [args.mix_requests]), gpu_kv_budget=args.gpu_kv_budget, progress=False,
-                prefill_chunk=max(512, args.block_size), host_io=args.host_io)
+                prefill_chunk=max(512, args.block_size), host_io=args.host_io,
+                **({} if args.layer_loop is None else {"layer_loop": args.layer_loop}))
     name = args.name or ("decode_throughput_smoke" if args.smoke else f"decode_throughput_{jax.devices()[0].platform}")
     meta = {"kind": "decode_throughput", "model": args.model, "dtype": args.dtype, "engine": base,
             "kv": "synthetic random KV (not prefilled)",

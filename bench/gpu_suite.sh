@@ -49,7 +49,9 @@ if [ "$MODE" = "--smoke" ]; then
     TEST_TIMEOUT=300
     SMOKE=(--smoke)
     TRACE="$OUT/traces/smoke"
-    DT_A=(--smoke --replay "$TRACE" --name decode_throughput_a --profile-system pulseinfer --profile-dir "$OUT/profile")
+    # layer-wise engines as on the GPU (the model unstacked, layer-wise prefill; dense-scan re-stacks a copy)
+    DT_A=(--smoke --layer-loop layerwise --replay "$TRACE" --name decode_throughput_a --profile-system pulseinfer
+          --profile-dir "$OUT/profile" --systems dense,pulseinfer,offload-headwise,dense-scan,pulseinfer-no-ioaa)
     DT_B=(--smoke --contexts 3000 --batches 2 --systems dense,pulseinfer,offload-headwise --name decode_throughput_b)
     DENSE=(--smoke --layer-loop layerwise,scan)
 else
