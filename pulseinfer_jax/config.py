@@ -48,7 +48,7 @@ class EngineConfig:
     # that scoring reads each step); m = 2 cuts the KL to dense a further 8-24% on SmolLM2 (bench/RESULTS.md)
     score_sub_blocks: int = 1
     # SoloHead normalized_sum also scores the sink and window blocks (from their resident keys), so a head whose
-    # attention sits there claims less of the middle: KL to dense down 9-19% at 1,024 tokens (bench/RESULTS.md)
+    # attention sits there claims less of the middle: KL to dense down 3-15% at 512-2,048 tokens (RESULTS.md)
     score_kept_blocks: bool = True
     io: str = "coalesced"  # one gathered copy per layer and step, or "fragmented" (one per (block, head))
     recall: str = "interruptible"  # attend resident blocks while recall is in flight, or "sync" (wait first)

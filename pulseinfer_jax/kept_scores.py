@@ -5,7 +5,7 @@ selected. They still matter to SoloHead's `normalized_sum`: it softmaxes each he
 blocks to estimate the share of that head's attention each block holds, and a head whose mass sits in the
 window has less left to claim from the middle. Scored on middle blocks only, every head claims a full vote (1)
 from the middle, so a head that attends locally outvotes the heads that really read the middle. Measured
-(bench/RESULTS.md): scoring the kept blocks too lowers the KL to dense 9-19% at a 1,024-token budget.
+(bench/RESULTS.md): scoring the kept blocks too lowers the KL to dense 3-15% at 512-2,048-token budgets.
 
 The engine keeps no key bounds of the kept blocks (their metadata rows are written when a block leaves the
 window), but their keys are resident: `kept_block_scores` bounds them on the fly from the cache, causally (the

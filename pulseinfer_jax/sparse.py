@@ -25,7 +25,7 @@ z-scoring would blow its noise up to unit variance and let it vote as loudly as 
 Only the blocks given scores take part: the engine scores the middle blocks from their metadata and, by
 default (`BlockScoring.kept_blocks`), the sinks and the window from their resident keys
 (`pulseinfer_jax.kept_scores`), so a head whose mass sits in the window has less left to claim from the
-middle (measured: 9-19% lower KL to dense at 1,024 tokens, bench/RESULTS.md). The cost is a temperature:
+middle (measured: 3-15% lower KL to dense at 512-2,048 tokens, bench/RESULTS.md). The cost is a temperature:
 pass `score_scale`, the attention scale 1/sqrt(hd) for per-query-head scores, 1/(G sqrt(hd)) for group sums
 (their mean bound).
 The engine scores SoloHead per query head by default (`BlockScoring.per_query_head`: each query head its own
