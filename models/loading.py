@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.presets import PRESETS
-from models.transformer import Transformer, resolve_dtype, split_layers, stacked_layers
+from models.transformer import Transformer, resolve_dtype, split_layers, stacked_layers, unstack_layers
 from models.weights import CheckpointError, params_from_hf
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def _hf_weight_files(path: pathlib.Path) -> list[pathlib.Path]:
                           "convert them to safetensors)")
 
 
-def load_hf_dir(path: pathlib.Path, dtype: Any, device: Any = None) -> LoadedModel:
+def load_hf_dir(path: pathlib.Path, dtype: Any, device: Any = None, layout: str = "stacked") -> LoadedModel:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json: is it a Hugging Face model directory?")
@@ -135,54 +135,60 @@ def load_hf_dir(path: pathlib.Path, dtype: Any, device: Any = None) -> LoadedMod
             hf_cfg = {**hf_cfg, "eos_token_id": eos}
     cfg = ModelConfig.from_hf_dict(hf_cfg, name=path.name)
     tensors = _SafetensorsDir(_hf_weight_files(path))
-    params = params_from_hf(cfg, tensors, dtype, source=str(path), device=device)
+    params = params_from_hf(cfg, tensors, dtype, source=str(path), device=device, layout=layout)
     from models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
     return LoadedModel(cfg, params, tok, dtype, str(path))
 
 
-def load_gguf_file(path: pathlib.Path, dtype: Any, device: Any = None) -> LoadedModel:
+def load_gguf_file(path: pathlib.Path, dtype: Any, device: Any = None, layout: str = "stacked") -> LoadedModel:
     from models.gguf import load_gguf
     from models.tokenizer import Tokenizer
 
     ckpt = load_gguf(path)
     cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=path.stem)
-    params = params_from_hf(cfg, ckpt.tensors, dtype, source=str(path), device=device)
+    params = params_from_hf(cfg, ckpt.tensors, dtype, source=str(path), device=device, layout=layout)
     return LoadedModel(cfg, params, Tokenizer.from_gguf(ckpt), dtype, str(path))
 
 
-def random_model(name: str, dtype: Any, seed: int = 0, device: Any = None) -> LoadedModel:
-    """Random weights for a named real config, initialised by a jitted function directly on `device`."""
+def random_model(name: str, dtype: Any, seed: int = 0, device: Any = None, layout: str = "stacked") -> LoadedModel:
+    """Random weights for a named real config, initialised by a jitted function directly on `device` (the same
+    values in either layout)."""
     if name not in PRESETS:
         raise ValueError(f"unknown random-weight preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
     cfg = ModelConfig.from_hf_dict(PRESETS[name], name=name)
     model = Transformer(cfg, dtype)
     device = device or jax.devices()[0]
-    init = jax.jit(model.init, out_shardings=jax.sharding.SingleDeviceSharding(device))
+    make = model.init if layout == "stacked" else (lambda key: unstack_layers(model.init(key)))
+    init = jax.jit(make, out_shardings=jax.sharding.SingleDeviceSharding(device))
     params = init(jax.random.key(seed))
     return LoadedModel(cfg, params, None, dtype, f"random:{name}")
 
 
 def load_model(spec: str | pathlib.Path | None = None, dtype: str | Any = "float32", device: Any = None,
-               seed: int = 0) -> LoadedModel:
-    """Load `spec` (see module docstring) with weights cast to `dtype` on `device` (default: first device)."""
+               seed: int = 0, layout: str = "stacked") -> LoadedModel:
+    """Load `spec` (see module docstring) with weights cast to `dtype` on `device` (default: first device).
+    layout: "stacked" (the layer weights stacked on a layer axis; scan steps read them) or "layers" (one pytree
+    per layer, what layer-wise engines read: loaded that way, the weights never exist twice on the device)."""
+    if layout not in ("stacked", "layers"):
+        raise ValueError(f"layout={layout!r} must be 'stacked' or 'layers'")
     jdtype = resolve_dtype(dtype)
     if spec is None:
         from models.default_model import default_model_path
 
-        return load_gguf_file(default_model_path(), jdtype, device)
+        return load_gguf_file(default_model_path(), jdtype, device, layout)
     spec_s = str(spec)
     if spec_s.startswith("random:"):
-        return random_model(spec_s.removeprefix("random:"), jdtype, seed, device)
+        return random_model(spec_s.removeprefix("random:"), jdtype, seed, device, layout)
     path = pathlib.Path(spec_s).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {spec_s!r} does not exist; pass a Hugging Face directory, a .gguf "
                                 f"file, 'random:<preset>' ({', '.join(sorted(PRESETS))}) or None for the default")
     if path.is_dir():
-        return load_hf_dir(path, jdtype, device)
+        return load_hf_dir(path, jdtype, device, layout)
     if path.suffix == ".gguf":
-        return load_gguf_file(path, jdtype, device)
+        return load_gguf_file(path, jdtype, device, layout)
     raise ValueError(f"model path {spec_s!r} is neither a directory nor a .gguf file")
 
 

@@ -31,12 +31,15 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any, source: str = "checkpoint",
-                   device: Any = None) -> dict:
+                   device: Any = None, layout: str = "stacked") -> dict:
     """Build the params pytree from HF-named arrays ([out, in] layout), cast to `dtype`, on `device`.
 
-    `tensors` may be lazy (loaded on access). Raises CheckpointError naming the first missing tensor or
-    wrong shape.
+    `tensors` may be lazy (loaded on access). layout "stacked": each layer weight stacked on a leading layer axis;
+    "layers": "layers" is a list of one pytree per layer (`models.transformer.unstack_layers`), put on the device
+    layer by layer (never stacked there). Raises CheckpointError naming the first missing tensor or wrong shape.
     """
+    if layout not in ("stacked", "layers"):
+        raise ValueError(f"layout={layout!r} must be 'stacked' or 'layers'")
     np_dtype = jnp.dtype(dtype)
 
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -51,23 +54,33 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any, sou
         return jax.device_put(arr.astype(np_dtype), device)
 
     shapes = _expected_shapes(cfg)
-    layers: dict[str, dict] = {}
-    pre = "model.layers.{}."
-    for ours, hf in _LAYER_KERNELS.items():
-        stack = [get(pre.format(i) + hf + ".weight", shapes[ours]).T for i in range(cfg.num_layers)]
-        layers[ours] = {"kernel": put(np.stack(stack))}
-    if cfg.attention_bias:
-        for ours in ("wq", "wk", "wv"):
-            hf = _LAYER_KERNELS[ours]
-            stack = [get(pre.format(i) + hf + ".bias", shapes[ours][:1]) for i in range(cfg.num_layers)]
-            layers[ours]["bias"] = put(np.stack(stack))
     norms = dict(_LAYER_NORMS)
     if cfg.qk_norm:
         norms.update(_QK_NORMS)
-    for ours, hf in norms.items():
-        size = cfg.head_dim if ours in _QK_NORMS else cfg.hidden_size
-        stack = [get(pre.format(i) + hf + ".weight", (size,)) for i in range(cfg.num_layers)]
-        layers[ours] = {"weight": put(np.stack(stack))}
+    # (our weight, leaf, HF suffix, HF shape, transpose) of every per-layer tensor
+    specs = [(ours, "kernel", hf + ".weight", shapes[ours], True) for ours, hf in _LAYER_KERNELS.items()]
+    if cfg.attention_bias:
+        specs += [(ours, "bias", _LAYER_KERNELS[ours] + ".bias", shapes[ours][:1], False)
+                  for ours in ("wq", "wk", "wv")]
+    specs += [(ours, "weight", hf + ".weight", (cfg.head_dim if ours in _QK_NORMS else cfg.hidden_size,), False)
+              for ours, hf in norms.items()]
+
+    def host(i: int, spec: tuple) -> np.ndarray:
+        _, _, suffix, shape, transpose = spec
+        a = get(f"model.layers.{i}.{suffix}", shape)
+        return a.T if transpose else a
+
+    if layout == "layers":
+        layers: Any = []
+        for i in range(cfg.num_layers):
+            lp: dict[str, dict] = {}
+            for spec in specs:
+                lp.setdefault(spec[0], {})[spec[1]] = put(host(i, spec))
+            layers.append(lp)
+    else:  # one tensor kind at a time over all layers: the host holds one stacked weight, not the whole model
+        layers = {}
+        for spec in specs:
+            layers.setdefault(spec[0], {})[spec[1]] = put(np.stack([host(i, spec) for i in range(cfg.num_layers)]))
 
     v, d = cfg.vocab_size, cfg.hidden_size
     emb = {"embed": {"embedding": put(get("model.embed_tokens.weight", (v, d)))},

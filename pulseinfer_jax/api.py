@@ -8,8 +8,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
+
 from models.loading import LoadedModel, load_model
-from pulseinfer_jax.config import EngineConfig
+from pulseinfer_jax.config import EngineConfig, weights_layout
 from pulseinfer_jax.engine import Engine
 from pulseinfer_jax.sampling import SamplingParams
 from pulseinfer_jax.scheduler import Request
@@ -39,8 +41,10 @@ def _engine_for(model: Any, dtype: str, config: EngineConfig) -> Engine:
         if model.config != config:
             return Engine(model.model, config, model.device)
         return model
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
-    return Engine(loaded, config)
+    if isinstance(model, LoadedModel):
+        return Engine(model, config)
+    layout = weights_layout(config.layer_loop, jax.devices()[0].platform)  # load as the engine will read them
+    return Engine(load_model(model, dtype=dtype, layout=layout), config)
 
 
 def _encode(engine: Engine, i: int, prompt: Prompt, chat: bool) -> list[int]:

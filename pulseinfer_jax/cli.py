@@ -105,15 +105,19 @@ def _print_stats(results) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import jax
+
     from models.loading import load_model
     from pulseinfer_jax.api import generate_long
+    from pulseinfer_jax.config import weights_layout
     from pulseinfer_jax.engine import Engine
 
     config = engine_config(args, progress=True)
     prompt = _read_prompt(args)
     if not prompt.strip():
         raise ValueError("the prompt is empty; give some text")
-    model = load_model(args.model, dtype=args.dtype)
+    model = load_model(args.model, dtype=args.dtype,
+                       layout=weights_layout(config.layer_loop, jax.devices()[0].platform))
     chat = args.chat
     if chat is None:
         chat = bool(model.tokenizer and model.tokenizer.has_chat_template)

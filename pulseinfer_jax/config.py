@@ -152,6 +152,21 @@ class EngineConfig:
         return self.slot_cache_blocks if self.slot_cache_blocks is not None else 2 * middle
 
 
+def resolve_layer_loop(choice: str, platform: str) -> str:
+    """The layer loop an engine on `platform` runs for the configured `choice` ("auto": layer-wise on a GPU)."""
+    if choice != "auto":
+        return choice
+    from pallas_kernels.common import GPU_PLATFORMS
+
+    return "layerwise" if platform in GPU_PLATFORMS else "scan"
+
+
+def weights_layout(choice: str, platform: str) -> str:
+    """How `models.loading.load_model` should lay out the layer weights for an engine with this layer loop: one
+    pytree per layer for a layer-wise engine (loaded that way, never stacked), stacked for a scan."""
+    return "layers" if resolve_layer_loop(choice, platform) == "layerwise" else "stacked"
+
+
 def resolve_decode_attention(choice: str, platform: str) -> str:
     """The decode attention an engine on `platform` uses for the configured `choice`."""
     if choice != "auto":

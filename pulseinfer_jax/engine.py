@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.loading import LoadedModel
-from pulseinfer_jax.config import EngineConfig, resolve_decode_attention
+from pulseinfer_jax.config import EngineConfig, resolve_decode_attention, resolve_layer_loop
 from pulseinfer_jax.ioaa import IOAAConfig
 from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for, bucket
 from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
@@ -54,9 +54,7 @@ class Engine:
         self.seed = 0
         self.steps = 0  # engine steps taken in the current run
         self.decode_attention = resolve_decode_attention(config.decode_attention, self.device.platform)
-        self.layer_loop = config.layer_loop
-        if self.layer_loop == "auto":
-            self.layer_loop = "layerwise" if self.on_gpu else "scan"
+        self.layer_loop = resolve_layer_loop(config.layer_loop, self.device.platform)
         if self.layer_loop == "layerwise":
             model.unstack()  # every step reads per-layer weights: keep only those (no stacked second copy)
         self._layer_ids: list[jax.Array] | None = None

@@ -209,6 +209,34 @@ def test_per_layer_params_layout_is_the_same_model(tiny):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("spec", [str(TINY / "qwen2"), "random:smollm2-135m"])  # qwen2: q/k/v biases
+def test_load_model_per_layer_layout(spec):
+    """load_model(layout="layers") gives the stacked load's weights, one pytree per layer (no stacked array)."""
+    import jax
+
+    from models.transformer import stacked_layers
+
+    a, b = load_model(spec), load_model(spec, layout="layers")
+    assert isinstance(b.params["layers"], list) and len(b.params["layers"]) == a.cfg.num_layers
+    assert b.layer_params is b.params["layers"]
+    want = jax.tree.leaves(a.params)
+    got = jax.tree.leaves({**b.params, "layers": stacked_layers(b.params)})
+    assert len(got) == len(want)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="layout='rows' must be 'stacked' or 'layers'"):
+        load_model(spec, layout="rows")
+
+
+def test_api_loads_weights_as_the_engine_reads_them():
+    from pulseinfer_jax.api import _engine_for
+
+    eng = _engine_for(str(TINY / "llama31"), "float32", EngineConfig(layer_loop="layerwise"))
+    assert isinstance(eng.model.params["layers"], list)
+    eng = _engine_for(str(TINY / "llama31"), "float32", EngineConfig())  # scan off-GPU
+    assert not isinstance(eng.model.params["layers"], list)
+
+
 def test_engine_layer_loop_layerwise_same_tokens_as_scan(tiny):
     """Layer-wise prefill and decode give the scan engine's tokens, and keep the layer weights once: the model is
     converted to the per-layer layout in place (the stacked arrays dropped), which scan steps still run."""
