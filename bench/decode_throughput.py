@@ -343,7 +343,11 @@ def main() -> int:
 
     compiles = CompileCounter()
     cache: dict = {}
-    model = load_model(args.model, dtype=args.dtype)
+    from pulseinfer_jax.config import weights_layout
+
+    # loaded as the (layer-wise on a GPU) engines read the weights; dense-scan stacks its own copy
+    model = load_model(args.model, dtype=args.dtype,
+                       layout=weights_layout(args.layer_loop or "auto", jax.devices()[0].platform))
     replay = load_replay(args.replay, args.budget_tokens)
     if args.mix_only and not args.mix:
         ap.error("--mix-only needs --mix")
