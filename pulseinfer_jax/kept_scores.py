@@ -3,8 +3,8 @@
 `select_blocks` keeps the sink and window blocks by position, so their scores never decide whether they are
 selected. They still matter to SoloHead's `normalized_sum`: it softmaxes each head's scores over the sequence's
 blocks to estimate the share of that head's attention each block holds, and a head whose mass sits in the
-window has less left to claim from the middle. Scored on middle blocks only, every head claims a full vote (1)
-from the middle, so a head that attends locally outvotes the heads that really read the middle. Measured
+window has less left to claim from the middle. Scored on middle blocks only, every head hands out a full vote
+(1) among the middle blocks, a head that attends locally as much as one that really reads the middle. Measured
 (bench/RESULTS.md): scoring the kept blocks too lowers the KL to dense 3-15% at 512-2,048-token budgets.
 
 The engine keeps no key bounds of the kept blocks (their metadata rows are written when a block leaves the
