@@ -76,9 +76,9 @@ class EngineConfig:
     decode_attention: str = "auto"
     # how a dense decode step runs the layers (runner.py): "scan" = one jitted call scanning the stacked
     # weights; "layerwise" = one jitted call per layer on that layer's own weight arrays (what the sparse
-    # pipeline does: no per-step weight slicing, one dispatch per layer; costs a second copy of the layer
-    # weights); "auto" = layerwise on a GPU (dense and offloaded requests then read weights the same way),
-    # scan elsewhere (XLA:CPU: fewer dispatches)
+    # pipeline does: no per-step weight slicing, one dispatch per layer; the engine then keeps the weights per
+    # layer only, LoadedModel.unstack, and prefills layer-wise too); "auto" = layerwise on a GPU (dense and
+    # offloaded requests then read weights the same way), scan elsewhere (XLA:CPU: fewer dispatches)
     layer_loop: str = "auto"
 
     def __post_init__(self) -> None:

@@ -104,8 +104,9 @@ class SparseDecoder:
 
     @property
     def layer_params(self) -> list[dict]:
-        """One weight pytree per layer (see layer_ops), split on first use: it costs a second copy of the
-        layer weights, so an engine that never decodes a sparse request never pays it."""
+        """One weight pytree per layer (see layer_ops), asked for on first use: the model's own per-layer weights
+        in a layer-wise engine; with stacked weights (a scan engine) a second copy, which an engine that never
+        decodes a sparse request never pays."""
         if self._layer_params is None:
             self._layer_params = self._split_weights()
         return self._layer_params
