@@ -54,7 +54,7 @@ class Engine:
         self.seed = 0
         self.steps = 0  # engine steps taken in the current run
         self.decode_attention = resolve_decode_attention(config.decode_attention, self.device.platform)
-        self.layer_loop = resolve_layer_loop(config.layer_loop, self.device.platform)
+        self.layer_loop = resolve_layer_loop(config.layer_loop, "gpu" if self.on_gpu else self.device.platform)
         if self.layer_loop == "layerwise":
             model.unstack()  # every step reads per-layer weights: keep only those (no stacked second copy)
         self._layer_ids: list[jax.Array] | None = None

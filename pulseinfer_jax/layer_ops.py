@@ -103,14 +103,15 @@ def sparse_pre(
     meta_min: Float[Array, "Rm Hkv hd"],
     meta_max: Float[Array, "Rm Hkv hd"],
     meta_offset: Int[Array, ""],
+    unit_offset: Int[Array, ""],
     x: Float[Array, "B 1 D"],
     positions: Int[Array, " B"],
-    write_unit: Int[Array, " B"],
+    newest: Int[Array, " B"],
     cand_rows: Int[Array, "B K"],
     num_blocks: Int[Array, " B"],
     retrieval_head: Int[Array, ""],
     kept_logical: Int[Array, "B KK"],
-    kept_units: Int[Array, "B KK"],
+    kept_blocks: Int[Array, "B KK"],
     *,
     budget: int,
     sink: int,
@@ -120,12 +121,15 @@ def sparse_pre(
     attention: str,
     scoring: BlockScoring = BlockScoring(),
 ) -> tuple[Array, Float[Array, "B Hq hd"], Int[Array, "B S N"]]:
-    """A sparse layer up to attention: write the new token into its window block, score every candidate
-    block from its key bounds (metadata blocks `meta_offset + cand_rows`, -1 = none; `scoring.sub_blocks`
-    rows each) and, where `scoring.scores_kept`, the always-kept logical blocks `kept_logical` from their
-    resident keys at flat units `kept_units` (-1 = none; see kept_scores.py), and select.
+    """A sparse layer up to attention: write the new token into its window block (GPU block `newest`, -1 for a
+    padding row: the null block), score every candidate block from its key bounds (metadata blocks
+    `meta_offset + cand_rows`, -1 = none; `scoring.sub_blocks` rows each) and, where `scoring.scores_kept`, the
+    always-kept logical blocks `kept_logical` from their resident keys in GPU blocks `kept_blocks` (-1 = none;
+    see kept_scores.py), and select. GPU block g of this layer is flat unit `unit_offset + g` (layer * NB + g);
+    the per-row arrays stay the same for every layer of a step, only the two offsets (device scalars) change.
 
     Returns (kv, q, selected logical blocks [B, S, budget] sorted, -1 padded; see sparse.select_blocks)."""
+    write_unit = jnp.where(newest >= 0, unit_offset + newest, 0)
     kv, q = _qkv_and_write(model, lp, kv, x, positions, write_unit)
     cand = jnp.where(cand_rows >= 0, cand_rows + meta_offset, -1)
     score_fn = block_scores if attention == "pallas" else block_scores_reference
@@ -136,6 +140,7 @@ def sparse_pre(
                       sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, K]
     if scoring.scores_kept(mode, solohead):
         lens = kept_lens(kept_logical, positions, kv.shape[3])
+        kept_units = jnp.where(kept_blocks >= 0, unit_offset + kept_blocks, -1)
         kept = kept_block_scores(q, _flat(kv), kept_units, lens, per_head=per_head, beta=scoring.beta,
                                  sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, KK]
         scores = with_kept_scores(scores, kept, kept_logical)

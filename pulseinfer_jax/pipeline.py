@@ -99,6 +99,13 @@ class SparseDecoder:
             self.meta_min = jnp.zeros((rows, c.num_kv_heads, c.head_dim), pool.dtype)
             self.meta_max = jnp.zeros((rows, c.num_kv_heads, c.head_dim), pool.dtype)
         self.kv: jax.Array | None = None
+        # per sparse layer, on the device once: (metadata row offset, flat unit offset layer * NB, retrieval head),
+        # so a decode step sends no per-layer scalars
+        heads = config.retrieval_heads or (0,) * plan.sparse_layers
+        self._layer_scalars = [
+            tuple(jax.device_put(np.int32(v), device)
+                  for v in (sl * pool.num_rows, (plan.dense_layers + sl) * num_gpu_blocks, heads[sl]))
+            for sl in range(plan.sparse_layers)]
         # per decode step: host-to-device copies and bytes issued, recall wait (bounded history)
         self.step_log: collections.deque[dict] = collections.deque(maxlen=65536)
 
@@ -229,7 +236,7 @@ class SparseDecoder:
         tok[:b_real] = tokens
         cand = np.full((bp, kc), -1, np.int32)
         nblk = np.zeros(bp, np.int32)
-        newest = np.zeros(bp, np.int32)  # GPU block of each row's newest logical block (0 = null for padding)
+        newest = np.full(bp, -1, np.int32)  # GPU block of each row's newest logical block (-1: padding row)
         for b, s in enumerate(sparse):
             n = n_blocks[b]
             # middle blocks are scored from their metadata rows; sinks and window are always selected (by position)
@@ -238,7 +245,7 @@ class SparseDecoder:
             cand[b, middle] = [s.host_rows[j] for j in middle]
             nblk[b] = n
             newest[b] = s.gpu_of[n - 1]
-        positions_d, cand_d, nblk_d = jnp.asarray(positions), jnp.asarray(cand), jnp.asarray(nblk)
+        positions_d, cand_d, nblk_d, newest_d = (jnp.asarray(a) for a in (positions, cand, nblk, newest))
         # the always-kept blocks' logical indices and GPU blocks (resident: every layer's slice is there)
         score_kept = cfg.scoring.scores_kept(p.selection, cfg.solohead)
         kept_l = kept_logical(nblk, p.sink_blocks, p.window_blocks) if score_kept else np.full((bp, 1), -1, np.int32)
@@ -247,7 +254,7 @@ class SparseDecoder:
             for i, j in enumerate(kept_l[b]):
                 if j >= 0:
                     kept_gpu[b, i] = s.gpu_of[int(j)]
-        kept_l_d = jnp.asarray(kept_l)
+        kept_l_d, kept_gpu_d = jnp.asarray(kept_l), jnp.asarray(kept_gpu)
 
         dense_lens = np.zeros((bp, 1, kc), np.int32)  # valid tokens per block: the same in every dense layer
         for b in range(b_real):
@@ -273,13 +280,10 @@ class SparseDecoder:
                                                    dense_ids[layer], dense_lens, attention=cfg.attention)
                 continue
             sl = layer - p.dense_layers
-            write = np.where(np.arange(bp) < b_real, layer * nb + newest, 0).astype(np.int32)
-            rh = cfg.retrieval_heads[sl] if cfg.retrieval_heads is not None else 0
-            kept_units = jnp.asarray(np.where(kept_gpu >= 0, layer * nb + kept_gpu, -1).astype(np.int32))
+            meta_offset, unit_offset, rh = self._layer_scalars[sl]
             self.kv, q, sel = layer_ops.sparse_pre(
-                model, lp, self.kv, self.meta_min, self.meta_max, jnp.int32(sl * self.pool.num_rows), x,
-                positions_d, jnp.asarray(write), cand_d, nblk_d, jnp.int32(rh), kept_l_d, kept_units,
-                budget=p.budget_blocks,
+                model, lp, self.kv, self.meta_min, self.meta_max, meta_offset, unit_offset, x, positions_d,
+                newest_d, cand_d, nblk_d, rh, kept_l_d, kept_gpu_d, budget=p.budget_blocks,
                 sink=p.sink_blocks, window=p.window_blocks, mode=p.selection, solohead=cfg.solohead,
                 attention=cfg.attention, scoring=cfg.scoring)
             yield "select", sel, None
