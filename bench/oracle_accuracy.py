@@ -127,7 +127,7 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
               window: int, dense_layers: int) -> jax.Array:
     """Logits [R, V] of the teacher-forced rows (tokens [R] at positions P..P+R-1) under `policy` (see module)."""
     from pallas_kernels.block_scoring import block_scores_reference, default_scale
-    from pulseinfer_jax.kept_scores import kept_block_scores, kept_lens, kept_logical, with_kept_scores
+    from pulseinfer_jax.kept_scores import score_kept_from_keys
     from pulseinfer_jax.sparse import select_blocks
 
     c = model.cfg
@@ -165,12 +165,9 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
                                                 per_head=opt["perhead"], beta=opt["beta"], sub_blocks=m,
                                                 scale=scale)  # engine's code: [R, S, NB]
                 if not opt["middle"]:  # the always-kept blocks from their keys, causally (the engine's code)
-                    kb = jnp.pad(keys, ((0, nbk * bs - t), (0, 0), (0, 0))).reshape(nbk, bs, *keys.shape[1:])
-                    pool = jnp.stack([kb, kb], axis=1)  # [NB, 2, bs, Hkv, hd] (only the K half is read)
-                    kept_l = kept_logical(nb_row, sink, window, xp=jnp)  # [R, KK]; logical block = pool block
-                    kept = kept_block_scores(qf, pool, kept_l, kept_lens(kept_l, pos, bs), per_head=opt["perhead"],
-                                             beta=opt["beta"], sub_blocks=m, scale=scale)
-                    scores = with_kept_scores(scores, kept, kept_l)
+                    scores = score_kept_from_keys(scores, qf, keys, pos, sink=sink, window=window, block_size=bs,
+                                                  per_head=opt["perhead"], beta=opt["beta"], sub_blocks=m,
+                                                  scale=scale)
             sel = select_blocks(scores, nb_row, budget_blocks=budget, sink_blocks=sink, window_blocks=window,
                                 mode="solohead" if solo else "headwise", score_scale=scale)  # [R, S, N]
             keep = jnp.zeros((r, sel.shape[1], nbk + 1), bool)

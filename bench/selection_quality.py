@@ -62,7 +62,7 @@ def quest_select(q: np.ndarray, keys: np.ndarray, positions: np.ndarray, budget:
     import jax.numpy as jnp
 
     from pallas_kernels.block_scoring import block_scores_reference, default_scale
-    from pulseinfer_jax.kept_scores import kept_block_scores, kept_lens, kept_logical, with_kept_scores
+    from pulseinfer_jax.kept_scores import score_kept_from_keys
     from pulseinfer_jax.sparse import BlockScoring, select_blocks
 
     scoring = scoring or BlockScoring()
@@ -82,13 +82,8 @@ def quest_select(q: np.ndarray, keys: np.ndarray, positions: np.ndarray, budget:
     scores = block_scores_reference(jnp.asarray(q), jnp.asarray(kmin), jnp.asarray(kmax), jnp.asarray(cand),
                                     per_head=per_head, beta=scoring.beta, sub_blocks=m, scale=scale)
     if scoring.scores_kept(mode, "normalized_sum"):
-        pool = np.pad(keys, ((0, nb * bs - t), (0, 0), (0, 0))).reshape(nb, 1, bs, hkv, hd)
-        pool = jnp.asarray(np.concatenate([pool, pool], axis=1))  # [NB, 2, bs, Hkv, hd] (the K half is read)
-        kept_l = jnp.asarray(kept_logical(n_blocks, sink, window))  # logical block = pool block here
-        lens = kept_lens(kept_l, jnp.asarray(positions, jnp.int32), bs)
-        kept = kept_block_scores(jnp.asarray(q), pool, kept_l, lens, per_head=per_head, beta=scoring.beta,
-                                 sub_blocks=m, scale=scale)
-        scores = with_kept_scores(scores, kept, kept_l)
+        scores = score_kept_from_keys(scores, q, keys, positions, sink=sink, window=window, block_size=bs,
+                                      per_head=per_head, beta=scoring.beta, sub_blocks=m, scale=scale)
     sel = np.asarray(select_blocks(scores, jnp.asarray(n_blocks, jnp.int32), budget_blocks=budget, sink_blocks=sink,
                                    window_blocks=window, mode=mode, score_scale=scale))
     keep = np.zeros((p, sel.shape[1], nb), bool)

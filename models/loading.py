@@ -45,11 +45,7 @@ class LoadedModel:
         `params["layers"]` itself; with stacked params it is split on first use and kept (every engine over this
         model shares it), a second copy of the layer weights."""
         layers = self.params["layers"]
-        if isinstance(layers, list):
-            return layers
-        if "_layer_copy" not in self.__dict__:
-            object.__setattr__(self, "_layer_copy", split_layers(self.params))
-        return self.__dict__["_layer_copy"]
+        return layers if isinstance(layers, list) else self._kept("_layer_copy", lambda: split_layers(self.params))
 
     @property
     def stacked_params(self) -> dict:
@@ -58,9 +54,13 @@ class LoadedModel:
         a model a layer-wise engine converted, e.g. a benchmark comparing the two)."""
         if not isinstance(self.params["layers"], list):
             return self.params
-        if "_stacked_copy" not in self.__dict__:
-            object.__setattr__(self, "_stacked_copy", {**self.params, "layers": stacked_layers(self.params)})
-        return self.__dict__["_stacked_copy"]
+        return self._kept("_stacked_copy", lambda: {**self.params, "layers": stacked_layers(self.params)})
+
+    def _kept(self, name: str, make) -> Any:
+        """A derived weight copy, made on first use and kept on this (frozen) instance."""
+        if name not in self.__dict__:
+            object.__setattr__(self, name, make())
+        return self.__dict__[name]
 
     def unstack(self) -> None:
         """Keep the layer weights once, one pytree per layer (in place; what an engine that runs layer by layer

@@ -13,8 +13,8 @@ partial last block from the tokens written so far, the current one included), an
 formula as the middle blocks' metadata (`block_scores_reference`, `BlockScoring`'s beta / per-head / sub-blocks).
 Sub-block slices with no token yet get no mass (-inf), so a one-token block is not credited with m keys. It reads
 (sinks + window) x block_size keys per sequence and layer, which the step's attention reads anyway: tiny next to
-the metadata scan. Used by `layer_ops.sparse_pre` and, with the same code, by `bench/oracle_accuracy.py` and
-`bench/selection_quality.py`.
+the metadata scan. Used by `layer_ops.sparse_pre` and, through `score_kept_from_keys` (the same code over a
+plain key sequence), by `bench/oracle_accuracy.py` and `bench/selection_quality.py`.
 """
 
 from __future__ import annotations
@@ -91,3 +91,33 @@ def with_kept_scores(
         return s.at[:, i].set(v.astype(s.dtype), mode="drop")
 
     return jax.vmap(one)(scores, kept, idx)
+
+
+def score_kept_from_keys(
+    scores: Float[Array, "P S K"],
+    q: Float[Array, "P Hq hd"],
+    keys: Float[Array, "T Hkv hd"],
+    positions: Int[Array, " P"],
+    *,
+    sink: int,
+    window: int,
+    block_size: int,
+    per_head: bool,
+    beta: float,
+    sub_blocks: int,
+    scale: float,
+) -> Float[Array, "P S K"]:
+    """`scores` with each query's always-kept blocks scored as the engine scores them, for queries at token
+    `positions` over one sequence's keys (logical block j = tokens [j * block_size, (j + 1) * block_size)):
+    kept_logical + kept_lens + kept_block_scores + with_kept_scores. For benches that hold plain keys, not a paged
+    cache; traceable."""
+    t = keys.shape[0]
+    nb = -(-t // block_size)
+    blocks = jnp.pad(jnp.asarray(keys), ((0, nb * block_size - t), (0, 0), (0, 0))).reshape(nb, block_size,
+                                                                                           *keys.shape[1:])
+    pool = jnp.stack([blocks, blocks], axis=1)  # [NB, 2, bs, Hkv, hd] (only the K half is read)
+    positions = jnp.asarray(positions, jnp.int32)
+    logical = kept_logical(positions // block_size + 1, sink, window, xp=jnp)  # logical block = pool block
+    kept = kept_block_scores(jnp.asarray(q), pool, logical, kept_lens(logical, positions, block_size),
+                             per_head=per_head, beta=beta, sub_blocks=sub_blocks, scale=scale)
+    return with_kept_scores(scores, kept, logical)

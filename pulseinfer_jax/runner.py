@@ -81,6 +81,14 @@ def _decode_step(
     return kv, model.logits(params, x[:, 0])
 
 
+def _one_layer(model: Transformer, lp: dict, kv: Array, x: Array, positions: Int[Array, "b t"], attend,
+               layer: Int[Array, ""]) -> tuple[Array, Array]:
+    """Layer `layer` (weights `lp`) over x at `positions`, attention by attend(layer, q, k, v, cache)."""
+    cos, sin = rope_tables(model.cfg, positions)
+    x, kv = model.layer(lp, x, cos, sin, lambda q, k, v, cache: attend(layer, q, k, v, cache), kv)
+    return kv, x
+
+
 def _decode_layer(
     model: Transformer,
     lp: dict,
@@ -93,20 +101,17 @@ def _decode_layer(
     attention: str = "jnp",
 ) -> tuple[Array, Float[Array, "B 1 D"]]:
     """Layer `layer` of `_decode_step`, with that layer's own weights `lp` (one compile serves every layer)."""
-    attend = _paged_attend(attention, block_tables, positions)
-    cos, sin = rope_tables(model.cfg, positions[:, None])
-    x, kv = model.layer(lp, x, cos, sin, lambda q, k, v, cache: attend(layer, q, k, v, cache), kv)
-    return kv, x
+    return _one_layer(model, lp, kv, x, positions[:, None], _paged_attend(attention, block_tables, positions), layer)
 
 
-def _chunk_blocks(block_table: Int[Array, " MB"], start: Int[Array, ""], c: int, bs: int) -> Int[Array, " nb"]:
-    """The c // bs blocks a prefill chunk starting at `start` (block aligned) writes (null block past the table)."""
+def _prefill_attend(block_table: Int[Array, " MB"], start: Int[Array, ""], c: int, bs: int, key_chunk: int):
+    """The attention of a c-token prefill chunk starting at `start` (block aligned): attend(layer, q, k, v, cache)
+    -> (o, cache) writes the chunk's K/V into its c // bs blocks (the null block past the table), then attends
+    over the request's keys up to each query."""
     nb = c // bs
     padded = jnp.concatenate([block_table, jnp.zeros((nb,), block_table.dtype)])
-    return jax.lax.dynamic_slice(padded, (start // bs,), (nb,))
+    chunk_blocks = jax.lax.dynamic_slice(padded, (start // bs,), (nb,))
 
-
-def _prefill_attend(block_table: Array, start: Array, chunk_blocks: Array, key_chunk: int):
     def attend(layer, q, k, v, cache):
         cache = write_prefill_kv(cache, layer, k[0], v[0], chunk_blocks)
         o = chunked_prefill_attention(q[0], cache, layer, block_table, start, key_chunk=key_chunk)
@@ -132,12 +137,10 @@ def _prefill_step(
     K/V land in the request's own (not yet used) slots or in the null block.
     """
     c = tokens.shape[0]
-    chunk_blocks = _chunk_blocks(block_table, start, c, kv.shape[3])
     positions = start + jnp.arange(c, dtype=jnp.int32)
-    x = model.embed(params, tokens[None])
-    x, kv = model.layers(params, x, positions[None], _prefill_attend(block_table, start, chunk_blocks, key_chunk), kv)
-    last = jax.lax.dynamic_index_in_dim(x[0], n_valid - 1, keepdims=False)
-    return kv, model.logits(params, last)
+    attend = _prefill_attend(block_table, start, c, kv.shape[3], key_chunk)
+    x, kv = model.layers(params, _prefill_embed(model, params, tokens), positions[None], attend, kv)
+    return kv, _prefill_logits(model, params, x, n_valid)
 
 
 def _prefill_embed(model: Transformer, params: dict, tokens: Int[Array, " C"]) -> Float[Array, "1 C D"]:
@@ -158,14 +161,13 @@ def _prefill_layer(
     """Layer `layer` of `_prefill_step`, with that layer's own weights `lp` (one compile serves every layer)."""
     c = x.shape[1]
     positions = start + jnp.arange(c, dtype=jnp.int32)
-    attend = _prefill_attend(block_table, start, _chunk_blocks(block_table, start, c, kv.shape[3]), key_chunk)
-    cos, sin = rope_tables(model.cfg, positions[None])
-    x, kv = model.layer(lp, x, cos, sin, lambda q, k, v, cache: attend(layer, q, k, v, cache), kv)
-    return kv, x
+    return _one_layer(model, lp, kv, x, positions[None], _prefill_attend(block_table, start, c, kv.shape[3],
+                                                                         key_chunk), layer)
 
 
 def _prefill_logits(model: Transformer, params: dict, x: Float[Array, "1 C D"], n_valid: Int[Array, ""]
                     ) -> Float[Array, " V"]:
+    """Logits of the chunk's last valid token."""
     return model.logits(params, jax.lax.dynamic_index_in_dim(x[0], n_valid - 1, keepdims=False))
 
 
