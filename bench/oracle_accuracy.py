@@ -35,6 +35,10 @@ combinable: `quest-solohead:perhead:beta=0.5:temp=2`):
   - `:middle`: score only the middle blocks from their bounds (the engine with `score_kept_blocks=False`: the sink
     and window blocks carry no mass in SoloHead's softmax); without it the sink and window blocks are scored too,
     from their keys up to the row's own position, with the engine's code (`pulseinfer_jax.kept_scores`).
+An option of every non-dense policy: `:est` (or `:est=mid`) adds every unselected, wholly visible block of a sparse
+layer to the attention as one pseudo-token (its mean key, or the midpoint of its key bounds, with log(block size)
+added to the logit, and its mean value): the "estimated tail" of centroid-based systems (measured: no gain over the
+engine's scorer, bench/RESULTS.md).
 The engine's default (EngineConfig: beta 0.5, per query head, 1 slice, kept blocks scored) is
 `quest-solohead:perhead:beta=0.5`.
 Rows are compared as `bench/accuracy.py` does: the prompt's last logits (dense in every policy) plus the first
@@ -94,10 +98,12 @@ def parse_policy(policy: str) -> tuple[str, dict]:
     base, *opts = policy.split(":")
     if base not in POLICIES + ("dense",):
         raise ValueError(f"unknown policy {base!r}; choose from {', '.join(POLICIES)}")
-    out = {"perhead": False, "beta": 1.0, "temp": 1.0, "sub": 1, "middle": False}
+    out = {"perhead": False, "beta": 1.0, "temp": 1.0, "sub": 1, "middle": False, "est": ""}
     for o in opts:
         key, _, val = o.partition("=")
-        if key in ("perhead", "middle") and not val:
+        if key == "est" and val in ("", "mean", "mid"):
+            out[key] = val or "mean"
+        elif key in ("perhead", "middle") and not val:
             out[key] = True
         elif key in ("beta", "temp") and val:
             out[key] = float(val)
@@ -105,7 +111,7 @@ def parse_policy(policy: str) -> tuple[str, dict]:
             out[key] = int(val)
         else:
             raise ValueError(f"bad policy option {o!r} in {policy!r} (perhead, beta=B, temp=T, sub=M, middle)")
-    if opts and not base.startswith("quest"):
+    if any(not o.startswith("est") for o in opts) and not base.startswith("quest"):
         raise ValueError(f"options apply to the quest policies only, got {policy!r}")
     if out["perhead"] and base.endswith("headwise"):
         raise ValueError(f"perhead applies to SoloHead (headwise selects per KV head already), got {policy!r}")
@@ -174,12 +180,29 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
             rows = jnp.arange(r)[:, None, None]
             heads = jnp.arange(sel.shape[1])[None, :, None]
             keep = keep.at[rows, heads, jnp.where(sel >= 0, sel, nbk)].set(True)[..., :nbk]
+            keep_blocks = keep if solo else jnp.repeat(keep, g, axis=1)  # [R, S or Hq, NB]
             keep = jnp.repeat(keep, bs, axis=-1)[..., :t]  # [R, S, T]
             keep = keep if solo else jnp.repeat(keep, g, axis=1)  # per query head
             sparse = jnp.where(keep, s, -jnp.inf)
             s = jnp.where(layer < dense_layers, s, sparse)
+        vq = jnp.repeat(vals.astype(jnp.float32), g, axis=1)  # [T, Hq, hd]
+        if policy != "dense" and opt["est"]:
+            # every unselected, fully visible block as one pseudo-token: its mean key (or the midpoint of its
+            # bounds) with log(bs) added to the logit (bs tokens) and its mean value
+            kb = _block_view(jnp.moveaxis(keys.astype(jnp.float32), 0, -1), bs)  # [Hkv, hd, NB, bs]
+            kbar = jnp.moveaxis(kb.mean(-1), -1, 0)  # [NB, Hkv, hd]
+            if opt["est"] == "mid":
+                lo, hi_ = _bounds(keys.astype(jnp.float32), bs)
+                kbar = jnp.pad((lo + hi_) / 2, ((0, nbk - lo.shape[0]), (0, 0), (0, 0)))
+            vbar = jnp.moveaxis(_block_view(jnp.moveaxis(vals.astype(jnp.float32), 0, -1), bs).mean(-1), -1, 0)
+            e = jnp.einsum("rhd,nhd->rhn", qf, jnp.repeat(kbar, g, axis=1), precision=hi) * hd ** -0.5
+            full = (jnp.arange(nbk)[None, :] + 1) * bs <= pos[:, None] + 1  # [R, NB] wholly visible
+            est_ok = full[:, None, :] & ~keep_blocks & (layer >= dense_layers)
+            e = jnp.where(est_ok, e + jnp.log(float(bs)), -jnp.inf)
+            s = jnp.concatenate([s, e], axis=-1)
+            vq = jnp.concatenate([vq, jnp.repeat(vbar, g, axis=1)], axis=0)
         pr = jax.nn.softmax(s, axis=-1)
-        o = jnp.einsum("rht,thd->rhd", pr, jnp.repeat(vals.astype(jnp.float32), g, axis=1), precision=hi)
+        o = jnp.einsum("rht,thd->rhd", pr, vq, precision=hi)
         return o[None].astype(q.dtype), state
 
     x = model.embed(params, tokens[None])
