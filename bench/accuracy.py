@@ -124,6 +124,8 @@ def main() -> int:
     ap.add_argument("--score-sub-blocks", type=int, default=None, help="EngineConfig.score_sub_blocks (default: 1)")
     ap.add_argument("--no-score-kept-blocks", action="store_true",
                     help="EngineConfig.score_kept_blocks=False (SoloHead scores the middle blocks only)")
+    ap.add_argument("--resident-bonus", type=float, default=None,
+                    help="EngineConfig.resident_bonus (default: the engine's)")
     ap.add_argument("--no-passkey", action="store_true", help="teacher-forced agreement only (quick exploration)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="accuracy_cpu", help="result file name (bench/results/NAME.json)")
@@ -161,6 +163,8 @@ def main() -> int:
         base["score_sub_blocks"] = args.score_sub_blocks
     if args.no_score_kept_blocks:
         base["score_kept_blocks"] = False
+    if args.resident_bonus is not None:
+        base["resident_bonus"] = args.resident_bonus
 
     runs = [("dense", None)] + [(v, int(b)) for b in args.budgets.split(",") for v in args.variants.split(",")]
     rows, dense_logits = [], None

@@ -40,7 +40,9 @@ layer to the attention as one pseudo-token (its mean key, or the midpoint of its
 added to the logit, and its mean value): the "estimated tail" of centroid-based systems (measured: no gain over the
 engine's scorer, bench/RESULTS.md).
 The engine's default (EngineConfig: beta 0.5, per query head, 1 slice, kept blocks scored) is
-`quest-solohead:perhead:beta=0.5`.
+`quest-solohead:perhead:beta=0.5`, with one difference: the engine's resident-block bonus (`resident_bonus`,
+which favours blocks earlier steps recalled) depends on each step's history, which the harness's parallel rows do
+not have; the harness is the engine with `resident_bonus=0`.
 Rows are compared as `bench/accuracy.py` does: the prompt's last logits (dense in every policy) plus the first
 `--tokens` - 1 decode rows; top-1 agreement of the argmax and mean KL(dense || policy).
 """

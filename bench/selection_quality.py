@@ -11,7 +11,8 @@ fraction of it ("attention recall") that the blocks each policy selects would ke
   - quest-solohead / quest-headwise: the engine's selection itself (`pallas_kernels.block_scoring`'s Quest
     bounds from per-block key min / max, the sink / window blocks scored from their keys where the engine does,
     `pulseinfer_jax.kept_scores`; `pulseinfer_jax.sparse.select_blocks` with the same sinks / window;
-    SoloHead normalized_sum: one set for all heads; headwise: each KV head its own set);
+    SoloHead normalized_sum: one set for all heads; headwise: each KV head its own set; without the resident-block
+    bonus, which needs the decode history of a slot cache: `bench/accuracy.py` measures it);
   - oracle-solohead / oracle-headwise: the same budget filled by the true attention mass (the best a
     selection of that size could keep: SoloHead by the mass summed over heads, headwise per KV head).
 Sparse attention renormalises over what it keeps, so 1 - recall is the softmax mass it drops; the gap between

@@ -135,6 +135,8 @@ def main() -> int:
     ap.add_argument("--score-per-kv-head", action="store_true", help="EngineConfig.score_per_query_head=False")
     ap.add_argument("--score-sub-blocks", type=int, default=1, help="EngineConfig.score_sub_blocks (default 1)")
     ap.add_argument("--no-score-kept-blocks", action="store_true", help="EngineConfig.score_kept_blocks=False")
+    ap.add_argument("--resident-bonus", type=float, default=None,
+                    help="EngineConfig.resident_bonus (default: the engine's)")
     ap.add_argument("--name", default=None, help="result file name (default selection_trace_cpu)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
@@ -150,6 +152,11 @@ def main() -> int:
     name = "selection_trace_smoke" if args.smoke else (args.name or "selection_trace_cpu")
     scoring = dict(score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks,
                    score_kept_blocks=not args.no_score_kept_blocks)
+    if args.resident_bonus is not None:
+        scoring["resident_bonus"] = args.resident_bonus
+    from pulseinfer_jax.config import EngineConfig
+
+    scoring["resident_bonus"] = EngineConfig(**scoring).resident_bonus  # recorded: the value that ran
     rows = []
     for budget, selection in itertools.product([int(b) for b in args.budgets.split(",")],
                                                args.selections.split(",")):
@@ -159,7 +166,8 @@ def main() -> int:
             t0 = time.perf_counter()
             dec = record(model, prompts, args.steps, base, selection, synthetic)
             meta = {"model": args.model or "SmolLM2-135M-Instruct (GGUF)", "prompts": names,
-                    "prompt_tokens": lengths, "kv": "synthetic random" if synthetic else "real prefill"}
+                    "prompt_tokens": lengths, "kv": "synthetic random" if synthetic else "real prefill",
+                    "scoring": scoring}
             tr = dec.trace(list(range(len(prompts))), args.steps, meta)
             unit = dec.pool.layer_block_bytes if selection == "solohead" else dec.pool.unit_bytes
             row = {"budget_tokens": budget, "selection": selection, "kv": meta["kv"], **analyse(tr, unit),

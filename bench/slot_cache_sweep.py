@@ -3,9 +3,12 @@
     python bench/slot_cache_sweep.py                                   # every trace in bench/results/traces
     python bench/slot_cache_sweep.py bench/results/traces/smollm2_solohead_b1024.npz --sizes 1,1.5,2,4
 
-Which blocks a step selects does not depend on the slot cache (selection scores every middle block; the cache
-only decides what must be recalled), so a recorded trace (`bench/selection_trace.py`, `bench/traces.py`) can be
-replayed through the engine's own LRU (`host_offload.slot_cache.SlotCache`) at any capacity. For each trace and
+Without the resident-block bonus (`EngineConfig.resident_bonus=0`) which blocks a step selects does not depend on
+the slot cache (selection scores every middle block; the cache only decides what must be recalled), so a trace
+recorded that way (`bench/selection_trace.py --resident-bonus 0`, `bench/traces.py`) replays exactly through the
+engine's own LRU (`host_offload.slot_cache.SlotCache`) at any capacity. A trace recorded with the bonus (the
+engine's default; its meta says) selected with its own cache's contents, so at another capacity the replay only
+approximates what the engine would do (each row says `resident_bonus`). For each trace and
 capacity (a multiple of the selection's middle blocks, capped like the engine at the request's middle blocks)
 it reports the hit rate and the blocks recalled per step over the warm steps (the first step starts cold and is
 excluded, as in selection_trace), and the GPU cost of the cache: capacity x one block of every sparse layer.
@@ -46,6 +49,12 @@ def replay_lru(tr: Trace, multiple: float) -> dict:
             "recalled_per_step": misses / max(1, t_count - 1)}
 
 
+def trace_bonus(tr: Trace) -> float:
+    """The resident-block bonus a trace was recorded with (0 for traces from before it existed: no "scoring" meta
+    or no "resident_bonus" in it)."""
+    return float(tr.meta.get("scoring", {}).get("resident_bonus", 0.0))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("traces", nargs="*", type=pathlib.Path)
@@ -60,8 +69,8 @@ def main() -> int:
     for path in paths:
         tr = load_trace(path)
         for mult in sizes:
-            row = {"trace": path.name, "selection": tr.meta["selection"],
-                   "budget_blocks": tr.meta["budget_blocks"], **replay_lru(tr, mult)}
+            row = {"trace": path.name, "selection": tr.meta["selection"], "budget_blocks": tr.meta["budget_blocks"],
+                   "resident_bonus": trace_bonus(tr), **replay_lru(tr, mult)}
             rows.append(row)
             print(f"{path.name:32s} x{mult:<5} hit {row['hit_rate']:.3f}, recalled {row['recalled_per_step']:7.1f} "
                   "per step (all requests, layers, lanes)", flush=True)

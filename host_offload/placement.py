@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from host_offload.slot_cache import SlotCache
 from pulseinfer_jax.kv_cache import blocks_for
 
@@ -131,17 +133,23 @@ class SparseKV:
         self.gpu_of: dict[int, int] = {}  # resident logical block -> GPU block
         self.spare: list[int] = []
         self.table: list[int] = []  # the prompt's GPU blocks during prefill
+        slots = plan.slots_for(n_max)
+        # [sparse layer, lane, slot] logical block held by each slot (-1 = free), written by the slot caches: one
+        # array per request for the device's resident-block bonus (BlockScoring.resident_bonus). Device placement
+        # keeps the caches as bookkeeping only (no slot blocks, nothing recalled), so that it selects exactly what
+        # host placement does
+        self.slot_keys = np.full((plan.sparse_layers, plan.lanes, slots), -1, np.int32)
+        self.caches = [[SlotCache(slots, self.slot_keys[sl, lane]) for lane in range(plan.lanes)]
+                       for sl in range(plan.sparse_layers)]
         if plan.placement == "device":
             self.table = list(gpu_blocks)
             self.slot_blocks: list[int] = []
             self.packs: list[int] = []
-            self.caches: list[list[SlotCache]] = []
             return
-        r, slots = plan.resident_blocks, plan.slots_for(n_max)
+        r = plan.resident_blocks
         self.spare = list(gpu_blocks[:r])  # resident blocks, assigned at prefill_done
         self.slot_blocks = list(gpu_blocks[r:r + slots])
         self.packs = list(gpu_blocks[r + slots:])
-        self.caches = [[SlotCache(slots) for _ in range(plan.lanes)] for _ in range(plan.sparse_layers)]
 
     # ---- prefill -------------------------------------------------------------------------------
     def prefill_table(self, scratch: list[int], prompt_tokens: int) -> list[int]:
@@ -195,6 +203,10 @@ class SparseKV:
 
     def is_resident(self, j: int) -> bool:
         return j in self.gpu_of
+
+    def is_middle(self, j: int) -> bool:
+        """Logical block j is neither a sink nor in the recent window (the blocks selection chooses among)."""
+        return self.plan.sink_blocks <= j < self.num_blocks - self.plan.window_blocks
 
     def dense_unit(self, j: int, d: int, num_gpu_blocks: int) -> int:
         """Flat unit (layer * NB + block) of logical block j in dense layer d."""

@@ -9,7 +9,9 @@ Contract of `plan(wanted)` (the middle blocks this step's selection needs in thi
   - misses: keys not resident; each gets a slot, first from never-used slots, then by evicting the least
     recently used key that is not wanted this step (so a step never evicts what it is about to read);
   - every wanted key becomes most recently used; len(wanted) > capacity is a ValueError.
-The caller must transfer each miss's data into its slot before reading it.
+The caller must transfer each miss's data into its slot before reading it. `keys` ([capacity] int32, the key in
+each slot, -1 = free) mirrors the residency as an array: the engine hands it to the device so selection can
+favour resident blocks (`BlockScoring.resident_bonus`); pass a view to have it written in place.
 """
 
 from __future__ import annotations
@@ -17,11 +19,19 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+import numpy as np
+
 
 class SlotCache:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, keys: np.ndarray | None = None):
         if capacity < 1:
             raise ValueError(f"slot cache capacity={capacity} must be >= 1")
+        if keys is None:
+            keys = np.empty(capacity, np.int32)
+        if keys.shape != (capacity,):
+            raise ValueError(f"keys must be a [capacity={capacity}] array, got shape {keys.shape}")
+        keys[:] = -1
+        self.keys = keys  # [capacity] key held by each slot, -1 = free
         self.capacity = capacity
         self._slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # key -> slot, LRU first
         self._free = list(range(capacity - 1, -1, -1))
@@ -59,6 +69,7 @@ class SlotCache:
                 victim = next(k for k in self._slot_of if k not in want)  # LRU first; exists since len <= cap
                 slot = self._slot_of.pop(victim)
             self._slot_of[key] = slot
+            self.keys[slot] = key
             misses.append((key, slot))
         self.hits += len(hits)
         self.misses += len(misses)

@@ -47,6 +47,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--score-kept-blocks", action=argparse.BooleanOptionalAction, default=True,
                    help="SoloHead also scores the sink and window blocks so their attention share is counted "
                         "(default on; --no-score-kept-blocks scores the middle blocks only)")
+    o.add_argument("--resident-bonus", type=float, default=None,
+                   help="SoloHead favours blocks already on the GPU: a block must hold (1 + bonus) x a resident "
+                        "one's estimated attention to be recalled in its place (fewer recalls; default: the engine's)")
     o.add_argument("--host-io", default="auto",
                    help="auto | xla (pinned host pool) | numpy (pageable, the fallback); default auto")
 
@@ -60,7 +63,8 @@ def engine_config(args: argparse.Namespace, **extra):
                         host_kv_tokens=args.host_kv_tokens, dense_layers=args.dense_layers, host_io=args.host_io,
                         score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks,
                         score_kept_blocks=args.score_kept_blocks,
-                        **({} if args.score_beta is None else {"score_beta": args.score_beta}), **extra)
+                        **({} if args.score_beta is None else {"score_beta": args.score_beta}),
+                        **({} if args.resident_bonus is None else {"resident_bonus": args.resident_bonus}), **extra)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ from pallas_kernels.block_scoring import block_scores, block_scores_reference, d
 from pallas_kernels.merge import merge_attention_partials
 from pallas_kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
 from pulseinfer_jax.kept_scores import kept_block_scores, kept_lens, with_kept_scores
-from pulseinfer_jax.sparse import BlockScoring, select_blocks
+from pulseinfer_jax.sparse import BlockScoring, resident_mask, select_blocks
 
 Partial = tuple[Array, Array, Array]  # (o [B, Hq, hd], m [B, Hq] f32, l [B, Hq] f32), see pallas_kernels/merge.py
 
@@ -112,6 +112,8 @@ def sparse_pre(
     retrieval_head: Int[Array, ""],
     kept_logical: Int[Array, "B KK"],
     kept_blocks: Int[Array, "B KK"],
+    slot_keys: Int[Array, "SL B C"],
+    sparse_layer: Int[Array, ""],
     *,
     budget: int,
     sink: int,
@@ -126,7 +128,9 @@ def sparse_pre(
     `meta_offset + cand_rows`, -1 = none; `scoring.sub_blocks` rows each) and, where `scoring.scores_kept`, the
     always-kept logical blocks `kept_logical` from their resident keys in GPU blocks `kept_blocks` (-1 = none;
     see kept_scores.py), and select. GPU block g of this layer is flat unit `unit_offset + g` (layer * NB + g);
-    the per-row arrays stay the same for every layer of a step, only the two offsets (device scalars) change.
+    the per-row arrays stay the same for every layer of a step, only the offsets and `sparse_layer` (device
+    scalars) change. Where `scoring.favours_resident`, the logical blocks in this layer's slot cache
+    (`slot_keys[sparse_layer]`, -1 = free slot) get the resident-block bonus; else `slot_keys` is not read.
 
     Returns (kv, q, selected logical blocks [B, S, budget] sorted, -1 padded; see sparse.select_blocks)."""
     write_unit = jnp.where(newest >= 0, unit_offset + newest, 0)
@@ -144,8 +148,13 @@ def sparse_pre(
         kept = kept_block_scores(q, _flat(kv), kept_units, lens, per_head=per_head, beta=scoring.beta,
                                  sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, KK]
         scores = with_kept_scores(scores, kept, kept_logical)
+    resident = None
+    if scoring.favours_resident(mode, solohead):
+        keys = jax.lax.dynamic_index_in_dim(slot_keys, sparse_layer, axis=0, keepdims=False)  # [B, C]
+        resident = resident_mask(keys, scores.shape[2])
     sel = select_blocks(scores, num_blocks, budget_blocks=budget, sink_blocks=sink, window_blocks=window, mode=mode,
-                        solohead=solohead, retrieval_head=retrieval_head, score_scale=scale)
+                        solohead=solohead, retrieval_head=retrieval_head, score_scale=scale, resident=resident,
+                        resident_bonus=scoring.resident_bonus)
     return kv, q, sel
 
 

@@ -11,8 +11,9 @@ One decode step of the sparse requests (`SparseDecoder.decode`):
   3. sparse layer l:
        a. `sparse_pre`: q/k/v, write the token into its window block, score the middle blocks (neither sink
           nor window) from their key metadata (SoloHead normalized_sum: the sinks and window too, from their
-          resident keys, for the softmax), select (SoloHead: one set per layer; headwise: one per KV head;
-          sinks and window always)                                                 -> STOP until sel is on host
+          resident keys, for the softmax; with a resident bonus, blocks in the layer's slot cache rank higher),
+          select (SoloHead: one set per layer; headwise: one per KV head; sinks and window always)
+                                                                                   -> STOP until sel is on host
        b. host: split the selection into resident blocks (sinks, window), slot-cache hits and misses (LRU),
           and ISSUE THE RECALL of the misses at once: coalesced = one host gather into one pinned staging
           buffer + one host-to-device copy for the whole micro-batch; fragmented = one copy per (block, head);
@@ -99,13 +100,14 @@ class SparseDecoder:
             self.meta_min = jnp.zeros((rows, c.num_kv_heads, c.head_dim), pool.dtype)
             self.meta_max = jnp.zeros((rows, c.num_kv_heads, c.head_dim), pool.dtype)
         self.kv: jax.Array | None = None
-        # per sparse layer, on the device once: (metadata row offset, flat unit offset layer * NB, retrieval head),
-        # so a decode step sends no per-layer scalars
+        # per sparse layer, on the device once: (metadata row offset, flat unit offset layer * NB, retrieval head,
+        # sparse layer index), so a decode step sends no per-layer scalars
         heads = config.retrieval_heads or (0,) * plan.sparse_layers
         self._layer_scalars = [
             tuple(jax.device_put(np.int32(v), device)
-                  for v in (sl * pool.num_rows, (plan.dense_layers + sl) * num_gpu_blocks, heads[sl]))
+                  for v in (sl * pool.num_rows, (plan.dense_layers + sl) * num_gpu_blocks, heads[sl], sl))
             for sl in range(plan.sparse_layers)]
+        self._no_slot_keys = jax.device_put(np.full((1, 1, 1), -1, np.int32), device)  # bonus off: never read
         # per decode step: host-to-device copies and bytes issued, recall wait (bounded history)
         self.step_log: collections.deque[dict] = collections.deque(maxlen=65536)
 
@@ -255,6 +257,15 @@ class SparseDecoder:
                 if j >= 0:
                     kept_gpu[b, i] = s.gpu_of[int(j)]
         kept_l_d, kept_gpu_d = jnp.asarray(kept_l), jnp.asarray(kept_gpu)
+        slot_keys_d = self._no_slot_keys
+        if cfg.scoring.favours_resident(p.selection, cfg.solohead):
+            # every sparse layer's slot-cache contents as of the previous step (this step's plans run per layer,
+            # after that layer's selection): one [SL, bp, C] copy per micro-batch and step
+            width = bucket(max(1, max(s.slot_keys.shape[2] for s in sparse)))
+            slot_keys = np.full((p.sparse_layers, bp, width), -1, np.int32)
+            for b, s in enumerate(sparse):
+                slot_keys[:, b, : s.slot_keys.shape[2]] = s.slot_keys[:, 0]
+            slot_keys_d = jnp.asarray(slot_keys)
 
         dense_lens = np.zeros((bp, 1, kc), np.int32)  # valid tokens per block: the same in every dense layer
         for b in range(b_real):
@@ -280,10 +291,10 @@ class SparseDecoder:
                                                    dense_ids[layer], dense_lens, attention=cfg.attention)
                 continue
             sl = layer - p.dense_layers
-            meta_offset, unit_offset, rh = self._layer_scalars[sl]
+            meta_offset, unit_offset, rh, sl_d = self._layer_scalars[sl]
             self.kv, q, sel = layer_ops.sparse_pre(
                 model, lp, self.kv, self.meta_min, self.meta_max, meta_offset, unit_offset, x, positions_d,
-                newest_d, cand_d, nblk_d, rh, kept_l_d, kept_gpu_d, budget=p.budget_blocks,
+                newest_d, cand_d, nblk_d, rh, kept_l_d, kept_gpu_d, slot_keys_d, sl_d, budget=p.budget_blocks,
                 sink=p.sink_blocks, window=p.window_blocks, mode=p.selection, solohead=cfg.solohead,
                 attention=cfg.attention, scoring=cfg.scoring)
             yield "select", sel, None
@@ -317,6 +328,9 @@ class SparseDecoder:
         """Selection [bp, S, N] -> per row and lane: resident entries, late (recalled) entries as (unit, len),
         and the recall list [(row index b, host row, lane, slot block)]."""
         p, nb, bs = self.plan, self.nb, self.plan.block_size
+        # device placement: every block is resident, nothing is recalled; the slot caches still track what host
+        # placement would hold where selection reads it (the resident-block bonus), so both select the same
+        bookkeep = p.placement == "device" and self.config.scoring.favours_resident(p.selection, self.config.solohead)
         res: list[list[list[tuple[int, int]]]] = []
         late: list[list[list[tuple[int, int]]]] = []
         recall: list[tuple[int, int, int, int]] = []
@@ -326,6 +340,8 @@ class SparseDecoder:
                 chosen = [int(j) for j in sel[b, lane] if j >= 0]
                 r = [(layer * nb + s.gpu_of[j], min(bs, lengths[b] - j * bs)) for j in chosen if s.is_resident(j)]
                 middle = [j for j in chosen if not s.is_resident(j)]
+                if bookkeep:
+                    s.caches[sl][lane].plan([j for j in chosen if s.is_middle(j)])
                 late_l = []
                 if middle:
                     hits, misses = s.caches[sl][lane].plan(middle)

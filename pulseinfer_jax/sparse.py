@@ -63,12 +63,16 @@ class BlockScoring:
     kept_blocks: SoloHead normalized_sum also scores the always-kept blocks (sinks, window; bounded on the fly
       from their resident keys, `pulseinfer_jax.kept_scores`), so their estimated mass is in the softmax (else the
       middle blocks share all of it). Changes no selection rule, only how the middle blocks' shares are estimated.
+    resident_bonus: SoloHead normalized_sum ranks a middle block already in the layer's GPU slot cache as if its
+      estimated mass were (1 + resident_bonus) times larger, so a block not resident must beat it by that factor
+      to be recalled in its place (hysteresis: fewer recalls, see select_blocks). 0 = off.
     """
 
     beta: float = 0.5
     per_query_head: bool = True
     sub_blocks: int = 1
     kept_blocks: bool = True
+    resident_bonus: float = 0.25
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 <= self.beta <= 1:
@@ -80,6 +84,9 @@ class BlockScoring:
             raise ValueError(f"score_sub_blocks={m!r} must be a power of two >= 1 (metadata slices per block)")
         if not isinstance(self.kept_blocks, bool):
             raise ValueError(f"score_kept_blocks={self.kept_blocks!r} must be a bool")
+        rb = self.resident_bonus
+        if isinstance(rb, bool) or not isinstance(rb, (int, float)) or not 0 <= rb < float("inf"):
+            raise ValueError(f"resident_bonus={rb!r} must be a finite number >= 0 (0 = off)")
 
     def check_block_size(self, block_size: int) -> None:
         if block_size % self.sub_blocks:
@@ -94,6 +101,11 @@ class BlockScoring:
         """Whether a selection with this mode / SoloHead variant scores the always-kept blocks (only a softmax over
         blocks, SoloHead's normalized_sum, reads their scores)."""
         return self.kept_blocks and mode == "solohead" and solohead == "normalized_sum"
+
+    def favours_resident(self, mode: str, solohead: str) -> bool:
+        """Whether a selection with this mode / SoloHead variant applies the resident-block bonus (SoloHead
+        normalized_sum: its ranking key is an estimated mass, which a factor compares across blocks)."""
+        return self.resident_bonus > 0 and mode == "solohead" and solohead == "normalized_sum"
 
 
 def bucket_budget(tokens: int, block_size: int, *, min_blocks: int = 16) -> int:
@@ -115,6 +127,15 @@ def candidate_ids(
         tables = jnp.pad(tables, ((0, 0), (0, k - tables.shape[1])), constant_values=-1)
     live = jnp.arange(k)[None, :] < num_blocks_total[:, None]
     return jnp.where(live, tables, -1).astype(jnp.int32)
+
+
+def resident_mask(slot_keys: Int[Array, "B C"], num_candidates: int) -> Bool[Array, "B K"]:
+    """Logical blocks held by each sequence's slot cache (`slot_keys`: a logical block per slot, -1 = free; see
+    host_offload/slot_cache.py) -> a [B, K] membership mask over candidates 0..K-1 (the `resident` input of
+    `select_blocks`)."""
+    b, k = slot_keys.shape[0], int(num_candidates)
+    idx = jnp.where((slot_keys >= 0) & (slot_keys < k), slot_keys, k)
+    return jnp.zeros((b, k + 1), bool).at[jnp.arange(b)[:, None], idx].set(True)[:, :k]
 
 
 def logical_to_physical(selected: Int[Array, "B S N"], block_tables: Int[Array, "B MB"]) -> Int[Array, "B S N"]:
@@ -181,6 +202,8 @@ def select_blocks(
     solohead: SoloHead = "normalized_sum",
     retrieval_head: int | Int[Array, ""] = 0,
     score_scale: float | Float[Array, ""] = 1.0,
+    resident: Bool[Array, "B K"] | None = None,
+    resident_bonus: float = 0.0,
 ) -> Int[Array, "B S N"]:
     """Select logical blocks per the module contract; returns int32 [B, S, budget_blocks] (N = budget).
 
@@ -193,6 +216,8 @@ def select_blocks(
       "retrieval_head" (the scores of head `retrieval_head`, an int or a traced per-layer scalar, clamped).
     score_scale: softmax temperature of normalized_sum (1/sqrt(hd) per query head, 1/(G sqrt(hd)) for
       group sums); unused otherwise.
+    resident, resident_bonus: normalized_sum only: blocks marked resident (already in the GPU slot cache) rank by
+      (1 + resident_bonus) x their summed share; sinks, window and the budget are unchanged.
     Jittable: the static arguments are plain Python values, scores/num_blocks_total/retrieval_head/
     score_scale may be traced.
     """
@@ -213,22 +238,33 @@ def select_blocks(
         raise ValueError(f"solohead={solohead!r} must be 'normalized_sum' or 'retrieval_head'")
     if isinstance(retrieval_head, int | np.integer) and not 0 <= int(retrieval_head) < h:
         raise ValueError(f"retrieval_head={retrieval_head} must index one of the H={h} score heads")
-    return _select_blocks(scores, num_blocks_total, retrieval_head, score_scale, budget=int(budget_blocks),
-                          sink=int(sink_blocks), window=int(window_blocks), mode=mode, solohead=solohead)
+    if resident is not None:
+        if mode != "solohead" or solohead != "normalized_sum":
+            raise ValueError("resident (the resident-block bonus) applies to SoloHead normalized_sum only, got "
+                             f"{mode=}, {solohead=}")
+        if resident.shape != (b, scores.shape[2]):
+            raise ValueError(f"resident must be [B, K] = [{b}, {scores.shape[2]}], got shape {resident.shape}")
+        if not 0 <= float(resident_bonus) < float("inf"):
+            raise ValueError(f"resident_bonus={resident_bonus!r} must be a finite number >= 0")
+    return _select_blocks(scores, num_blocks_total, retrieval_head, score_scale, resident, budget=int(budget_blocks),
+                          sink=int(sink_blocks), window=int(window_blocks), mode=mode, solohead=solohead,
+                          bonus=float(resident_bonus))
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "sink", "window", "mode", "solohead"))
+@functools.partial(jax.jit, static_argnames=("budget", "sink", "window", "mode", "solohead", "bonus"))
 def _select_blocks(
     scores: Float[Array, "B H K"],
     num_blocks_total: Int[Array, " B"],
     retrieval_head: Int[Array, ""],
     score_scale: Float[Array, ""],
+    resident: Bool[Array, "B K"] | None,
     *,
     budget: int,
     sink: int,
     window: int,
     mode: str,
     solohead: str,
+    bonus: float,
 ) -> Int[Array, "B S N"]:
     b, h, k = scores.shape
     n = num_blocks_total.astype(jnp.int32)
@@ -238,6 +274,8 @@ def _select_blocks(
     if solohead == "normalized_sum":
         valid = jnp.arange(k)[None, None, :] < n[:, None, None]
         key = jnp.sum(_softmax_over_valid(scores, valid, score_scale), axis=1)  # [B, K]
+        if resident is not None:
+            key = jnp.where(resident, key * (1.0 + bonus), key)
     else:  # retrieval_head
         head = jnp.clip(jnp.asarray(retrieval_head, jnp.int32), 0, h - 1)
         key = lax.dynamic_index_in_dim(scores, head, axis=1, keepdims=False)  # [B, K]

@@ -54,3 +54,16 @@ def tiny4(tiny):
     params = dict(tiny.params)
     params["layers"] = jax.tree.map(lambda a: jnp.concatenate([a, a[::-1]]), stacked_layers(tiny.params))
     return LoadedModel(dataclasses.replace(tiny.cfg, num_layers=4), params, tiny.tokenizer, tiny.dtype, "tiny4")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_code():
+    """Drop JAX's compiled executables after each test module. A test process compiles thousands of small
+    programs; XLA:CPU maps memory for each one (~3 mappings per small executable, measured; released by
+    `jax.clear_caches`), and a pytest worker that kept them all aborted inside the compiler near the kernel's
+    map-count limit (vm.max_map_count = 65530) once the suite passed ~480 tests. Modules rarely share shapes, so
+    this costs little recompilation (suite time unchanged)."""
+    yield
+    import jax
+
+    jax.clear_caches()

@@ -244,7 +244,7 @@ def test_throughput_mix_runs_every_request_to_completion(tiny4):
 def test_slot_cache_sweep_reproduces_the_engine_at_its_own_size(tiny4):
     """Replaying a recorded selection through the LRU at the engine's default size (2x the middle blocks) gives
     exactly the hits and misses the engine counted; a smaller cache never hits more."""
-    from bench.slot_cache_sweep import replay_lru
+    from bench.slot_cache_sweep import replay_lru, trace_bonus
 
     tr = _record(tiny4, _prompts(tiny4.cfg.vocab_size, (70, 75)), 12)
     at2 = replay_lru(tr, 2.0)
@@ -252,3 +252,7 @@ def test_slot_cache_sweep_reproduces_the_engine_at_its_own_size(tiny4):
     assert hits > 0 and misses > 0
     assert at2["hit_rate"] == hits / (hits + misses) and at2["recalled_per_step"] == misses / 11
     assert replay_lru(tr, 1.0)["hit_rate"] <= at2["hit_rate"] <= replay_lru(tr, 4.0)["hit_rate"]
+    tr.meta.pop("scoring", None)
+    assert trace_bonus(tr) == 0.0  # traces from before the bonus
+    tr.meta["scoring"] = {"resident_bonus": 0.25}
+    assert trace_bonus(tr) == 0.25

@@ -124,6 +124,21 @@ def test_slot_cache_lru_reuse_and_eviction():
         c.plan([1, 1])
 
 
+def test_slot_cache_keys_mirror_the_slots():
+    """`keys[slot]` is the key each slot holds (-1 free), written in place into a caller's view."""
+    rng = np.random.default_rng(0)
+    store = np.full((2, 5), 7, np.int32)
+    c = SlotCache(5, store[1])
+    assert (store[1] == -1).all() and (store[0] == 7).all()
+    for _ in range(40):
+        c.plan(rng.choice(12, size=int(rng.integers(1, 6)), replace=False).tolist())
+        held = {int(k): slot for slot, k in enumerate(store[1]) if k >= 0}
+        assert held == {k: c.slot(k) for k in held} and len(held) == len(c)
+    assert (store[0] == 7).all()
+    with pytest.raises(ValueError, match="capacity=5"):
+        SlotCache(5, np.zeros(4, np.int32))
+
+
 def _plan(**kw):
     base = dict(num_layers=6, dense_layers=2, block_size=4, num_kv_heads=2, sink_blocks=1, window_blocks=2,
                 budget_blocks=7, slot_blocks=8, selection="solohead", placement="host")

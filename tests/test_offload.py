@@ -54,6 +54,8 @@ def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extr
 @pytest.mark.parametrize("selection,host_io,scoring", [
     ("solohead", "xla", {}), ("headwise", "xla", {}), ("solohead", "numpy", {}),
     ("solohead", "xla", dict(score_sub_blocks=2)), ("solohead", "numpy", dict(score_per_query_head=False)),
+    ("solohead", "xla", dict(resident_bonus=0.0)),  # (the default bonus: device placement keeps the slot
+    ("solohead", "xla", dict(resident_bonus=2.0)),  # caches' bookkeeping to select what host placement does)
 ])
 def test_offloaded_sparse_equals_on_device_sparse(tiny4, selection, host_io, scoring):
     """Same selection with the KV offloaded and with every block on the GPU: token for token, while the
@@ -322,6 +324,25 @@ def test_kept_blocks_scored_only_for_solohead_softmax(tiny4, monkeypatch, kw, ru
     assert out[0].stats["score_kept_blocks"] is cfg.score_kept_blocks
 
 
+def test_resident_bonus_keeps_what_the_slot_cache_holds(tiny4):
+    """With an overwhelming bonus every sparse layer keeps re-selecting the blocks its first decode step recalled
+    (the device sees the slot caches' contents): nothing is recalled after that step. Without it, later steps
+    recall more; the bonus changes the tokens only through the selection."""
+    prompts = _prompts(tiny4.cfg.vocab_size)
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
+    cfg = EngineConfig(**kw, resident_bonus=0.0)
+    middle = cfg.budget_blocks - cfg.sink_blocks - cfg.window_blocks
+    plain = generate_long(prompts, tiny4, max_new_tokens=16, ignore_eos=True, engine_config=cfg)
+    sticky = generate_long(prompts, tiny4, max_new_tokens=16, ignore_eos=True,
+                           engine_config=EngineConfig(**kw, resident_bonus=1e30))
+    sparse_layers = tiny4.cfg.num_layers - 2
+    for r in sticky:
+        assert r.stats["resident_bonus"] == 1e30
+        assert r.stats["recalled_blocks"] == middle * sparse_layers  # the first step's selection, then hits only
+        assert r.stats["reused_blocks"] == middle * sparse_layers * (len(r.token_ids) - 2)
+    assert all(r.stats["recalled_blocks"] > middle * sparse_layers for r in plain)
+
+
 @pytest.mark.parametrize("m", [1, 2])
 def test_metadata_budgeted_as_allocated(tiny4, m):
     """The GPU budget reserves exactly the metadata the sparse decoder allocates (m rows per block with
@@ -341,6 +362,8 @@ def test_metadata_budgeted_as_allocated(tiny4, m):
     (dict(score_beta="0.5"), "score_beta"), (dict(score_sub_blocks=3), "power of two"),
     (dict(score_sub_blocks=0), "power of two"), (dict(score_sub_blocks=32), "must divide block_size=16"),
     (dict(score_per_query_head=1), "must be a bool"), (dict(score_kept_blocks=0), "must be a bool"),
+    (dict(resident_bonus=-0.1), "resident_bonus"), (dict(resident_bonus=float("inf")), "resident_bonus"),
+    (dict(resident_bonus=True), "resident_bonus"),
 ])
 def test_bad_block_scoring_configs(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -82,8 +82,9 @@ def test_main_smoke_writes_json(tmp_path):
 ])
 def test_harness_reproduces_the_engine(tiny4, policy, engine_kw):
     """The harness's teacher-forced logits are the engine's own (offloaded sparse decoding, same budget / sinks /
-    window / dense layers, same scoring), while the budget really drops blocks and scoring the kept blocks (or
-    not) really changes the SoloHead selection."""
+    window / dense layers, same scoring; the engine without the resident-block bonus, which depends on what earlier
+    steps recalled and so has no place in the harness's parallel rows), while the budget really drops blocks and
+    scoring the kept blocks (or not) really changes the SoloHead selection."""
     from bench.accuracy import teacher_forced_logits
     from pulseinfer_jax import EngineConfig
 
@@ -96,7 +97,7 @@ def test_harness_reproduces_the_engine(tiny4, policy, engine_kw):
             dense_layers=1))])
 
     cfg = EngineConfig(block_size=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1, dense_layers=1,
-                       mode="offload", budget_tokens=24, **engine_kw)
+                       mode="offload", budget_tokens=24, resident_bonus=0.0, **engine_kw)  # (no slot history)
     engine = teacher_forced_logits(tiny4, cfg, toks[:70], targets)
     same = harness(policy)
     assert engine.shape == same.shape == (len(targets), tiny4.cfg.vocab_size)

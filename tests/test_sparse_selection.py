@@ -13,6 +13,7 @@ from pulseinfer_jax.sparse import (
     calibrate_retrieval_head,
     candidate_ids,
     logical_to_physical,
+    resident_mask,
     select_blocks,
 )
 
@@ -243,3 +244,37 @@ def test_normalized_sum_is_a_softmax_over_each_heads_valid_blocks():
     for b, n in enumerate([10, 6]):
         np.testing.assert_allclose(p[b, :, :n], np.asarray(jax.nn.softmax(0.5 * s[b, :, :n], axis=-1)), rtol=1e-5)
         assert (p[b, :, n:] == 0).all()
+
+
+def test_resident_mask_marks_each_slot_key():
+    keys = np.array([[3, -1, 0, 9], [-1, -1, -1, -1], [5, 2, 7, 6]], np.int32)  # 9 / 7 / 6: past K = 6 or 7
+    got = np.asarray(resident_mask(jnp.asarray(keys), 7))
+    want = np.zeros((3, 7), bool)
+    want[0, [3, 0]] = want[2, [5, 2, 6]] = True
+    np.testing.assert_array_equal(got, want)
+
+
+def test_resident_bonus_is_hysteresis_on_normalized_sum():
+    """A resident middle block keeps its place unless a non-resident one holds more than (1 + bonus) x its
+    estimated share; sinks, window and the budget are untouched; bonus 0 or no mask = the plain selection."""
+    # one head, logits -> shares; blocks 0 (sink) and 7 (window) forced, budget 4 -> 2 middle slots
+    s = np.log(np.array([[[5, 1.0, 2.0, 1.9, 1.5, 0.5, 0.2, 5]]], np.float32))
+    n = jnp.array([8], jnp.int32)
+    kw = dict(budget_blocks=4, sink_blocks=1, window_blocks=1, mode="solohead")
+    plain = np.asarray(select_blocks(jnp.asarray(s), n, **kw))[0, 0]
+    assert plain.tolist() == [0, 2, 3, 7]
+    res = np.zeros((1, 8), bool)
+    res[0, [1, 4]] = True  # blocks 1 (share 1.0) and 4 (1.5) sit in the slot cache
+    sel = lambda bonus: np.asarray(select_blocks(jnp.asarray(s), n, resident=jnp.asarray(res),  # noqa: E731
+                                                 resident_bonus=bonus, **kw))[0, 0].tolist()
+    assert sel(0.0) == plain.tolist()
+    assert sel(0.2) == [0, 2, 3, 7]  # block 4: 1.5 x 1.2 = 1.8 < 1.9 (block 3): no change
+    assert sel(0.3) == [0, 2, 4, 7]  # 1.95 > 1.9: block 4 stays, 3 is not recalled
+    assert sel(1.5) == [0, 1, 4, 7]  # 3.75 and 2.5 beat 2.0
+    res[0, 0] = res[0, 7] = True  # residency of forced blocks changes nothing
+    assert sel(1.5) == [0, 1, 4, 7]
+    with pytest.raises(ValueError, match="normalized_sum only"):
+        select_blocks(jnp.asarray(s), n, resident=jnp.asarray(res), resident_bonus=1.0,
+                      **{**kw, "mode": "headwise"})
+    with pytest.raises(ValueError, match=r"\[B, K\]"):
+        select_blocks(jnp.asarray(s), n, resident=jnp.asarray(res[:, :5]), resident_bonus=1.0, **kw)
