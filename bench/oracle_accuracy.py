@@ -95,6 +95,12 @@ def _block_view(a: jax.Array, bs: int) -> jax.Array:
     return jnp.pad(a, pad).reshape(*a.shape[:-1], nb, bs)
 
 
+def _block_mean(a: jax.Array, bs: int) -> jax.Array:
+    """[T, Hkv, hd] -> float32 per-block means [NB, Hkv, hd] (only whole blocks' means are meaningful: the partial
+    last block is zero-padded)."""
+    return jnp.moveaxis(_block_view(jnp.moveaxis(a.astype(jnp.float32), 0, -1), bs).mean(-1), -1, 0)
+
+
 def parse_policy(policy: str) -> tuple[str, dict]:
     """'quest-solohead:perhead:beta=0.5:temp=2' -> ('quest-solohead', {'perhead': True, 'beta': 0.5, 'temp': 2.0})."""
     base, *opts = policy.split(":")
@@ -191,12 +197,12 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
         if policy != "dense" and opt["est"]:
             # every unselected, fully visible block as one pseudo-token: its mean key (or the midpoint of its
             # bounds) with log(bs) added to the logit (bs tokens) and its mean value
-            kb = _block_view(jnp.moveaxis(keys.astype(jnp.float32), 0, -1), bs)  # [Hkv, hd, NB, bs]
-            kbar = jnp.moveaxis(kb.mean(-1), -1, 0)  # [NB, Hkv, hd]
             if opt["est"] == "mid":
                 lo, hi_ = _bounds(keys.astype(jnp.float32), bs)
                 kbar = jnp.pad((lo + hi_) / 2, ((0, nbk - lo.shape[0]), (0, 0), (0, 0)))
-            vbar = jnp.moveaxis(_block_view(jnp.moveaxis(vals.astype(jnp.float32), 0, -1), bs).mean(-1), -1, 0)
+            else:
+                kbar = _block_mean(keys, bs)
+            vbar = _block_mean(vals, bs)
             e = jnp.einsum("rhd,nhd->rhn", qf, jnp.repeat(kbar, g, axis=1), precision=hi) * hd ** -0.5
             full = (jnp.arange(nbk)[None, :] + 1) * bs <= pos[:, None] + 1  # [R, NB] wholly visible
             est_ok = full[:, None, :] & ~keep_blocks & (layer >= dense_layers)

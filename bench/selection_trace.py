@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 
 from bench.common import RESULTS, write_result  # noqa: E402
 from bench.traces import RecordingDecoder, Trace  # noqa: E402
+from pulseinfer_jax.config import EngineConfig  # noqa: E402
 
 LICENSES = pathlib.Path("/usr/share/common-licenses")
 TEXTS = [LICENSES / "GPL-3", pathlib.Path(sysconfig.get_paths()["stdlib"]) / "idlelib" / "NEWS.txt",
@@ -63,7 +64,7 @@ def load_prompts(model, lengths: list[int]) -> tuple[list[list[int]], list[str]]
 def record(model, prompts: list[list[int]], steps: int, base: dict, selection: str, synthetic: bool):
     """Decode all prompts together for `steps` tokens in an offloaded engine that records its selections."""
     from bench.synthetic import SyntheticKVEngine
-    from pulseinfer_jax import Engine, EngineConfig, SamplingParams
+    from pulseinfer_jax import Engine, SamplingParams
 
     cls = SyntheticKVEngine if synthetic else Engine
     eng = type("RecordingEngine", (cls,), {"decoder_class": RecordingDecoder})(
@@ -151,12 +152,8 @@ def main() -> int:
     prompts, names = load_prompts(model, lengths)
     name = "selection_trace_smoke" if args.smoke else (args.name or "selection_trace_cpu")
     scoring = dict(score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks,
-                   score_kept_blocks=not args.no_score_kept_blocks)
-    if args.resident_bonus is not None:
-        scoring["resident_bonus"] = args.resident_bonus
-    from pulseinfer_jax.config import EngineConfig
-
-    scoring["resident_bonus"] = EngineConfig(**scoring).resident_bonus  # recorded: the value that ran
+                   score_kept_blocks=not args.no_score_kept_blocks,
+                   resident_bonus=EngineConfig.resident_bonus if args.resident_bonus is None else args.resident_bonus)
     rows = []
     for budget, selection in itertools.product([int(b) for b in args.budgets.split(",")],
                                                args.selections.split(",")):

@@ -261,7 +261,7 @@ class SparseDecoder:
         if cfg.scoring.favours_resident(p.selection, cfg.solohead):
             # every sparse layer's slot-cache contents as of the previous step (this step's plans run per layer,
             # after that layer's selection): one [SL, bp, C] copy per micro-batch and step
-            width = bucket(max(1, max(s.slot_keys.shape[2] for s in sparse)))
+            width = bucket(max(s.slot_keys.shape[2] for s in sparse))  # (slots_for >= 1)
             slot_keys = np.full((p.sparse_layers, bp, width), -1, np.int32)
             for b, s in enumerate(sparse):
                 slot_keys[:, b, : s.slot_keys.shape[2]] = s.slot_keys[:, 0]
