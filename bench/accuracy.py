@@ -126,6 +126,8 @@ def main() -> int:
                     help="EngineConfig.score_kept_blocks=False (SoloHead scores the middle blocks only)")
     ap.add_argument("--resident-bonus", type=float, default=None,
                     help="EngineConfig.resident_bonus (default: the engine's)")
+    ap.add_argument("--score-bounds-dtype", default=None,
+                    help="EngineConfig.score_bounds_dtype: float8_e4m3fn | kv (default: the engine's)")
     ap.add_argument("--no-passkey", action="store_true", help="teacher-forced agreement only (quick exploration)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="accuracy_cpu", help="result file name (bench/results/NAME.json)")
@@ -165,6 +167,8 @@ def main() -> int:
         base["score_kept_blocks"] = False
     if args.resident_bonus is not None:
         base["resident_bonus"] = args.resident_bonus
+    if args.score_bounds_dtype is not None:
+        base["score_bounds_dtype"] = args.score_bounds_dtype
 
     runs = [("dense", None)] + [(v, int(b)) for b in args.budgets.split(",") for v in args.variants.split(",")]
     rows, dense_logits = [], None

@@ -11,11 +11,12 @@ Sections (each runs on its own; a failing or missing one is recorded in the JSON
   [Hkv, pages, page_size, hd] once, outside the timing). Achieved bandwidth = K/V bytes the selected
   blocks hold (B * Hkv * K * bs * hd * 2 * itemsize) / time; q and o are ignored (tiny).
 - scoring: `pallas_kernels.block_scoring.block_scores` over every block of a context (Quest min/max
-  metadata in the KV dtype, as the engine keeps it) alone: per KV head (group sums), per query head (the
-  engine's SoloHead default) and per query head with 2 sub-blocks (`score_sub_blocks=2`: twice the rows);
-  then fused in one jit with `pulseinfer_jax.sparse.select_blocks` as the engine runs them (solohead on
-  per-query-head scores, headwise on group sums; `jax.lax.top_k` on the head-summed scores if that module is
-  missing). GB/s counts the metadata rows read (2 * m * B * K * Hkv * hd * itemsize, m sub-blocks).
+  metadata in the KV dtype, and in float8 as the engine keeps it by default: rows `... f8`) alone: per KV
+  head (group sums), per query head (the engine's SoloHead default) and per query head with 2 sub-blocks
+  (`score_sub_blocks=2`: twice the rows); then fused in one jit with `pulseinfer_jax.sparse.select_blocks`
+  as the engine runs them (solohead on per-query-head scores, headwise on group sums; `jax.lax.top_k` on the
+  head-summed scores if that module is missing), on float8 bounds. GB/s counts the metadata rows read
+  (2 * m * B * K * Hkv * hd * itemsize, m sub-blocks).
 - gather: `pallas_kernels.gather_scatter` whole-block and per-(block, head) gathers and scatters (scatter
   in place, cache donated) against their jnp references; GB/s counts bytes read + written.
 Data are synthetic (random values, random distinct block ids), seeded. Timing: `--warmup` untimed calls
@@ -74,7 +75,7 @@ def record(section: str, impl: str, config: str, t: dict, nbytes: int | None) ->
            "samples_ms": [s * 1e3 for s in t["samples_s"]]}
     if nbytes:
         out.update(bytes=nbytes, gb_per_s=gbps)
-    print(f"  {section:9s} {impl:28s} {config:26s} {t['median_s'] * 1e3:9.3f} ms"
+    print(f"  {section:9s} {impl:30s} {config:26s} {t['median_s'] * 1e3:9.3f} ms"
           + (f" {gbps:8.1f} GB/s" if gbps else ""), flush=True)
     return out
 
@@ -85,7 +86,7 @@ def try_timed(section: str, impl: str, config: str, nbytes: int | None, tk: dict
         return record(section, impl, config, timeit(lambda: fn(*args, **kw), **tk), nbytes)
     except Exception as e:  # noqa: BLE001 - a benchmark keeps going and reports what failed
         msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
-        print(f"  {section:9s} {impl:28s} {config:26s} FAILED {msg}", flush=True)
+        print(f"  {section:9s} {impl:30s} {config:26s} FAILED {msg}", flush=True)
         ROWS.append((section, impl, config, float("nan"), None))
         return {"impl": impl, "error": msg, "traceback": traceback.format_exc()[-3000:]}
 
@@ -220,8 +221,12 @@ def bench_scoring(a, tk) -> dict:
     from pallas_kernels.block_scoring import default_scale  # the module is there: block_scores imported
 
     hq, hkv, hd, bs = a.hq, a.hkv, a.hd, a.bs
-    # metadata rows per block (sub_blocks) -> {name: per_head}
-    variants = {1: {"block_scores": False, "block_scores per_head": True}, 2: {"block_scores per_head sub2": True}}
+    kv_dt, f8 = jnp.dtype(a.dtype), jnp.dtype(jnp.float8_e4m3fn)
+    # (metadata rows per block, bounds dtype) -> {name: per_head}; float8 is the engine's default storage
+    # (score_bounds_dtype), the KV dtype its exact alternative; the selectors run on the default
+    variants = {(1, kv_dt): {"block_scores": False, "block_scores per_head": True},
+                (2, kv_dt): {"block_scores per_head sub2": True},
+                (1, f8): {"block_scores per_head f8": True}, (2, f8): {"block_scores per_head sub2 f8": True}}
     out = []
     for ctx in a.contexts:
         kc = ctx // bs
@@ -231,23 +236,23 @@ def bench_scoring(a, tk) -> dict:
         for b in a.batches:
             cfg = f"ctx {ctx} B {b} top{kb}"
             nb = b * kc + 1
-            mdt = jnp.dtype(a.dtype)  # the engine keeps the key bounds in the KV dtype
-            q = rand(3 + b, (b, hq, hd), jnp.dtype(a.dtype))
+            q = rand(3 + b, (b, hq, hd), kv_dt)
             cand = jnp.arange(1, nb, dtype=jnp.int32).reshape(b, kc)
             ntot = jnp.full((b,), kc, jnp.int32)
-            nbytes = b * kc * hkv * hd * mdt.itemsize * 2  # both bound rows of every candidate
-            entry = {"context": ctx, "batch": b, "candidates": kc, "selected": kb, "meta_bytes": nbytes,
-                     "impls": []}
-            for m, named in variants.items():
+            rows = b * kc * hkv * hd * 2  # both bound rows of every candidate, per metadata row per block
+            entry = {"context": ctx, "batch": b, "candidates": kc, "selected": kb, "meta_bytes": rows * kv_dt.itemsize,
+                     "meta_bytes_f8": rows * f8.itemsize, "impls": []}
+            for (m, mdt), named in variants.items():
                 lo = rand(ctx + b, (nb * m, hkv, hd), jnp.float32)
                 hi = (lo + jnp.abs(rand(ctx + b + 1, (nb * m, hkv, hd), jnp.float32))).astype(mdt)
                 lo = lo.astype(mdt)
+                nbytes = rows * m * mdt.itemsize
                 for name, ph in named.items():
-                    entry["impls"].append(try_timed("scoring", name, cfg, nbytes * m, tk, scores_fn, q, lo, hi,
+                    entry["impls"].append(try_timed("scoring", name, cfg, nbytes, tk, scores_fn, q, lo, hi,
                                                     cand, per_head=ph, sub_blocks=m))
-                if m == 1:
+                if (m, mdt) == (1, f8):
                     for name, fused in selectors.items():
-                        entry["impls"].append(try_timed("scoring", f"scores+{name}"[:28], cfg, nbytes, tk,
+                        entry["impls"].append(try_timed("scoring", f"scores+{name}"[:30], cfg, nbytes, tk,
                                                         fused, q, lo, hi, cand, ntot))
                 del lo, hi
                 free()
@@ -377,9 +382,9 @@ def main() -> int:
                                "data": "synthetic random values, random distinct block ids (seeded)",
                                "total_s": total, **results}, a.out)
     print(f"wrote {path} ({total:.1f} s)")
-    print(f"\n{'section':9s} {'implementation':28s} {'config':26s} {'ms':>9s} {'GB/s':>8s}")
+    print(f"\n{'section':9s} {'implementation':30s} {'config':26s} {'ms':>9s} {'GB/s':>8s}")
     for sec, impl, cfg, ms, gbps in ROWS:
-        print(f"{sec:9s} {impl:28s} {cfg:26s} {ms:9.3f} " + (f"{gbps:8.1f}" if gbps else f"{'-':>8s}"))
+        print(f"{sec:9s} {impl:30s} {cfg:26s} {ms:9.3f} " + (f"{gbps:8.1f}" if gbps else f"{'-':>8s}"))
     return 0
 
 

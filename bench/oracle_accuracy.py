@@ -34,12 +34,14 @@ combinable: `quest-solohead:perhead:beta=0.5:temp=2`):
     `score_sub_blocks`);
   - `:middle`: score only the middle blocks from their bounds (the engine with `score_kept_blocks=False`: the sink
     and window blocks carry no mass in SoloHead's softmax); without it the sink and window blocks are scored too,
-    from their keys up to the row's own position, with the engine's code (`pulseinfer_jax.kept_scores`).
+    from their keys up to the row's own position, with the engine's code (`pulseinfer_jax.kept_scores`);
+  - `:bounds=D`: the middle blocks' bounds stored as the engine stores them in dtype D (`float8_e4m3fn`, the
+    engine's default, rounded outward) or `kv` (exact, as computed from the model's keys).
 An option of every non-dense policy: `:est` (or `:est=mid`) adds every unselected, wholly visible block of a sparse
 layer to the attention as one pseudo-token (its mean key, or the midpoint of its key bounds, with log(block size)
 added to the logit, and its mean value): the "estimated tail" of centroid-based systems (measured: no gain over the
 engine's scorer, bench/RESULTS.md).
-The engine's default (EngineConfig: beta 0.5, per query head, 1 slice, kept blocks scored) is
+The engine's default (EngineConfig: beta 0.5, per query head, 1 slice, kept blocks scored, float8 bounds) is
 `quest-solohead:perhead:beta=0.5`, with one difference: the engine's resident-block bonus (`resident_bonus`,
 which favours blocks earlier steps recalled) depends on each step's history, which the harness's parallel rows do
 not have; the harness is the engine with `resident_bonus=0`.
@@ -62,6 +64,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
+from pulseinfer_jax.sparse import BOUNDS_DTYPES, BlockScoring  # noqa: E402
 
 POLICIES = ("quest-solohead", "quest-headwise", "oracle-solohead", "oracle-headwise")
 
@@ -106,7 +109,8 @@ def parse_policy(policy: str) -> tuple[str, dict]:
     base, *opts = policy.split(":")
     if base not in POLICIES + ("dense",):
         raise ValueError(f"unknown policy {base!r}; choose from {', '.join(POLICIES)}")
-    out = {"perhead": False, "beta": 1.0, "temp": 1.0, "sub": 1, "middle": False, "est": ""}
+    out = {"perhead": False, "beta": 1.0, "temp": 1.0, "sub": 1, "middle": False, "est": "",
+           "bounds": BlockScoring().bounds_dtype}
     for o in opts:
         key, _, val = o.partition("=")
         if key == "est" and val in ("", "mean", "mid"):
@@ -117,8 +121,11 @@ def parse_policy(policy: str) -> tuple[str, dict]:
             out[key] = float(val)
         elif key == "sub" and val.isdigit() and int(val) >= 1:
             out[key] = int(val)
+        elif key == "bounds" and val in BOUNDS_DTYPES:
+            out[key] = val
         else:
-            raise ValueError(f"bad policy option {o!r} in {policy!r} (perhead, beta=B, temp=T, sub=M, middle)")
+            raise ValueError(f"bad policy option {o!r} in {policy!r} (perhead, beta=B, temp=T, sub=M, middle, "
+                             f"bounds={'|'.join(BOUNDS_DTYPES)})")
     if any(not o.startswith("est") for o in opts) and not base.startswith("quest"):
         raise ValueError(f"options apply to the quest policies only, got {policy!r}")
     if out["perhead"] and base.endswith("headwise"):
@@ -140,6 +147,7 @@ def _bounds(keys: jax.Array, bs: int) -> tuple[jax.Array, jax.Array]:
 def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget: int, bs: int, sink: int,
               window: int, dense_layers: int) -> jax.Array:
     """Logits [R, V] of the teacher-forced rows (tokens [R] at positions P..P+R-1) under `policy` (see module)."""
+    from pallas_kernels.block_metadata import round_bounds_outward
     from pallas_kernels.block_scoring import block_scores_reference, default_scale
     from pulseinfer_jax.kept_scores import score_kept_from_keys
     from pulseinfer_jax.sparse import select_blocks
@@ -172,6 +180,9 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
                 m = opt["sub"]
                 kmin, kmax = _bounds(keys.astype(jnp.float32), bs // m)  # m rows per block, in order
                 kmin, kmax = (jnp.pad(a, ((0, nbk * m - a.shape[0]), (0, 0), (0, 0))) for a in (kmin, kmax))
+                if opt["bounds"] != "kv":  # stored as the engine stores them (rounded outward), read back
+                    dt = BlockScoring(bounds_dtype=opt["bounds"]).metadata_dtype(keys.dtype)
+                    kmin, kmax = (a.astype(jnp.float32) for a in round_bounds_outward(kmin, kmax, dt))
                 j = jnp.arange(nbk)[None, :]
                 mid = (j >= sink) & (j < nb_row[:, None] - window)  # [R, NB]: the engine's metadata candidates
                 scale = opt["temp"] * default_scale(hd, g, opt["perhead"])

@@ -62,6 +62,7 @@ def quest_select(q: np.ndarray, keys: np.ndarray, positions: np.ndarray, budget:
     select_blocks) as bool [P, S, NB]."""
     import jax.numpy as jnp
 
+    from pallas_kernels.block_metadata import round_bounds_outward
     from pallas_kernels.block_scoring import block_scores_reference, default_scale
     from pulseinfer_jax.kept_scores import score_kept_from_keys
     from pulseinfer_jax.sparse import BlockScoring, select_blocks
@@ -74,6 +75,8 @@ def quest_select(q: np.ndarray, keys: np.ndarray, positions: np.ndarray, budget:
     m = scoring.sub_blocks
     kb = np.pad(keys, ((0, nb * bs - t), (0, 0), (0, 0))).reshape(nb * m, bs // m, hkv, hd)
     kmin, kmax = kb.min(1), kb.max(1)  # only full middle blocks use these (the partial one is in the window)
+    kmin, kmax = (np.asarray(a.astype(jnp.float32)) for a in  # stored as the engine stores them
+                  round_bounds_outward(kmin, kmax, scoring.metadata_dtype(keys.dtype)))
     cand = np.full((p, nb), -1, np.int32)
     for i in range(p):
         n = int(n_blocks[i])
@@ -116,6 +119,8 @@ def main() -> int:
                     help="quest-solohead scores per KV head (EngineConfig.score_per_query_head=False)")
     ap.add_argument("--score-sub-blocks", type=int, default=None, help="EngineConfig.score_sub_blocks (default: 1)")
     ap.add_argument("--no-score-kept-blocks", action="store_true", help="EngineConfig.score_kept_blocks=False")
+    ap.add_argument("--score-bounds-dtype", default=None,
+                    help="EngineConfig.score_bounds_dtype (default: the engine's)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default=None, help="result file name (default selection_quality_cpu)")
     ap.add_argument("--out", default=None)
@@ -133,7 +138,8 @@ def main() -> int:
     scoring = dataclasses.replace(scoring, beta=scoring.beta if args.score_beta is None else args.score_beta,
                                   per_query_head=not args.score_per_kv_head,
                                   sub_blocks=args.score_sub_blocks or scoring.sub_blocks,
-                                  kept_blocks=not args.no_score_kept_blocks)
+                                  kept_blocks=not args.no_score_kept_blocks,
+                                  bounds_dtype=args.score_bounds_dtype or scoring.bounds_dtype)
 
     model = load_model(args.model)
     c = model.cfg

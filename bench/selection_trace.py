@@ -138,6 +138,8 @@ def main() -> int:
     ap.add_argument("--no-score-kept-blocks", action="store_true", help="EngineConfig.score_kept_blocks=False")
     ap.add_argument("--resident-bonus", type=float, default=None,
                     help="EngineConfig.resident_bonus (default: the engine's)")
+    ap.add_argument("--score-bounds-dtype", default=None,
+                    help="EngineConfig.score_bounds_dtype (default: the engine's)")
     ap.add_argument("--name", default=None, help="result file name (default selection_trace_cpu)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
@@ -153,7 +155,8 @@ def main() -> int:
     name = "selection_trace_smoke" if args.smoke else (args.name or "selection_trace_cpu")
     scoring = dict(score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks,
                    score_kept_blocks=not args.no_score_kept_blocks,
-                   resident_bonus=EngineConfig.resident_bonus if args.resident_bonus is None else args.resident_bonus)
+                   resident_bonus=EngineConfig.resident_bonus if args.resident_bonus is None else args.resident_bonus,
+                   score_bounds_dtype=args.score_bounds_dtype or EngineConfig.score_bounds_dtype)
     rows = []
     for budget, selection in itertools.product([int(b) for b in args.budgets.split(",")],
                                                args.selections.split(",")):

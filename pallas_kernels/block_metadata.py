@@ -6,10 +6,12 @@ block `b` and KV head `h` is the pair of vectors
     kmin[b, h, d] = min_t K[b, t, h, d]      kmax[b, h, d] = max_t K[b, t, h, d]
 
 over the block's *valid* tokens t < len(b). `block_scoring.block_scores` turns them into an upper bound
-of every q.k inside the block. The engine keeps per-layer arrays `meta_min/meta_max: [NB * m, Hkv, hd]` in
-the KV dtype next to the (possibly offloaded) cache and refreshes a block's rows when the block fills
-(`update_bounds`); the sink and window blocks (the partial last one included) have no metadata rows while they
-are resident: where SoloHead scores them, `pulseinfer_jax.kept_scores` bounds them from their keys each step.
+of every q.k inside the block. The engine keeps per-layer arrays `meta_min/meta_max: [NB * m, Hkv, hd]` next
+to the (possibly offloaded) cache, in float8_e4m3fn by default (rounded outward by `round_bounds_outward`, so
+they still bound; `BlockScoring.bounds_dtype`) or in the KV dtype (exact), and refreshes a block's rows when the
+block fills (`update_bounds`); the sink and window blocks (the partial last one included) have no metadata rows
+while they are resident: where SoloHead scores them, `pulseinfer_jax.kept_scores` bounds them from their keys each
+step.
 With m = `sub_blocks` > 1 each block has m rows, the bounds of its m equal token slices (finer bounds,
 m times the bytes; `block_scoring` combines them).
 
@@ -111,6 +113,44 @@ def block_key_bounds_reference(
     return jnp.stack(kmins), jnp.stack(kmaxs)
 
 
+def _round_directed(x: Float[Array, "..."], dtype: jnp.dtype, *, down: bool) -> Array:
+    """x (any float) -> `dtype`, rounded toward -inf (down) or +inf, saturating at the dtype's finite range."""
+    dt = jnp.dtype(dtype)
+    bits = dt.itemsize * 8
+    uint = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bits]
+    fmax = float(jnp.finfo(dt).max)
+    xc = jnp.clip(x.astype(jnp.float32), -fmax, fmax)
+    y = xc.astype(dt)  # round to nearest
+    yf = y.astype(jnp.float32)
+    b = jax.lax.bitcast_convert_type(y, uint)
+    sign = jnp.asarray(1 << (bits - 1), uint)
+    one = jnp.asarray(1, uint)
+    neg, zero = b >= sign, (b & (sign - one)) == 0
+    # IEEE-style sign-magnitude: the next value away from zero is bits + 1, toward zero bits - 1; from +-0 the
+    # next value down is the smallest negative subnormal (sign | 1), up the smallest positive one (1)
+    if down:
+        wrong = yf > xc
+        nxt = jnp.where(zero, sign | one, jnp.where(neg, b + one, b - one))
+    else:
+        wrong = yf < xc
+        nxt = jnp.where(zero, one, jnp.where(neg, b - one, b + one))
+    return jax.lax.bitcast_convert_type(jnp.where(wrong, nxt, b), dt)
+
+
+def round_bounds_outward(
+    kmin: Float[Array, "*s"], kmax: Float[Array, "*s"], dtype
+) -> tuple[Float[Array, "*s"], Float[Array, "*s"]]:
+    """Store key bounds in `dtype` so that they still bound: kmin rounded toward -inf, kmax toward +inf (each
+    moves by at most one step of `dtype`). A cast that is exact (bf16 keys' bounds stored in bf16 or float32)
+    changes nothing. Values beyond the dtype's finite range saturate at +-max (float8_e4m3fn: +-448), the one
+    case where a stored bound no longer bounds; it only affects which blocks are selected, never the attention
+    over them. NaN stays NaN."""
+    dt = jnp.dtype(dtype)
+    if not jnp.issubdtype(dt, jnp.floating) or dt.itemsize not in (1, 2, 4):
+        raise ValueError(f"key bounds need a 1-, 2- or 4-byte float dtype, got {dt}")
+    return _round_directed(kmin, dt, down=True), _round_directed(kmax, dt, down=False)
+
+
 def init_bounds(num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[Array, Array]:
     """Zero per-layer metadata arrays (meta_min, meta_max), each [NB, Hkv, hd] float32."""
     shape = (num_blocks, num_kv_heads, head_dim)
@@ -125,15 +165,18 @@ def update_bounds(
     kmax: Float[Array, "n Hkv hd"],
 ) -> tuple[Float[Array, "NB Hkv hd"], Float[Array, "NB Hkv hd"]]:
     """Write the bounds of blocks `block_ids` into one layer's metadata rows (jittable; donate the metadata
-    in the caller's jit to update in place). Ids < 0 (padding) and ids >= NB are dropped, not wrapped."""
-    if meta_min.shape != meta_max.shape or meta_min.ndim != 3:
-        raise ValueError(f"meta_min {meta_min.shape} and meta_max {meta_max.shape} must both be [NB, Hkv, hd]")
+    in the caller's jit to update in place), rounded outward to the metadata's dtype (`round_bounds_outward`).
+    Ids < 0 (padding) and ids >= NB are dropped, not wrapped."""
+    if meta_min.shape != meta_max.shape or meta_min.ndim != 3 or meta_min.dtype != meta_max.dtype:
+        raise ValueError(f"meta_min {meta_min.shape} {meta_min.dtype} and meta_max {meta_max.shape} {meta_max.dtype} "
+                         "must both be [NB, Hkv, hd] of one dtype")
     if kmin.shape != kmax.shape or kmin.shape != (block_ids.shape[0], *meta_min.shape[1:]):
         raise ValueError(f"kmin {kmin.shape} / kmax {kmax.shape} must be [n, Hkv, hd] = "
                          f"[{block_ids.shape[0]}, {meta_min.shape[1]}, {meta_min.shape[2]}] to match block_ids "
                          "and the metadata")
     nb = meta_min.shape[0]
     ids = jnp.where(block_ids < 0, nb, block_ids)  # negative ids would wrap around: send them out of range
-    meta_min = meta_min.at[ids].set(kmin.astype(meta_min.dtype), mode="drop")
-    meta_max = meta_max.at[ids].set(kmax.astype(meta_max.dtype), mode="drop")
+    kmin, kmax = round_bounds_outward(kmin, kmax, meta_min.dtype)
+    meta_min = meta_min.at[ids].set(kmin, mode="drop")
+    meta_max = meta_max.at[ids].set(kmax, mode="drop")
     return meta_min, meta_max

@@ -147,7 +147,8 @@ def _io_stats(r: Request, engine: Engine) -> dict[str, Any]:
         out.update(selection=cfg.selection, io=cfg.io, recall=cfg.recall, budget_tokens=cfg.budget_tokens,
                    decode_attention=engine.sparse_attention, host_io=engine.host_io, score_beta=cfg.score_beta,
                    score_per_query_head=cfg.score_per_query_head, score_sub_blocks=cfg.score_sub_blocks,
-                   score_kept_blocks=cfg.score_kept_blocks, resident_bonus=cfg.resident_bonus)
+                   score_kept_blocks=cfg.score_kept_blocks, resident_bonus=cfg.resident_bonus,
+                   score_bounds_dtype=engine.scoring.bounds_dtype)  # (falls back to "kv" if a GPU rejects float8)
     return out
 
 

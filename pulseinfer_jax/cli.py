@@ -50,6 +50,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--resident-bonus", type=float, default=None,
                    help="SoloHead favours blocks already on the GPU: a block must hold (1 + bonus) x a resident "
                         "one's estimated attention to be recalled in its place (fewer recalls; default: the engine's)")
+    o.add_argument("--score-bounds-dtype", default=None,
+                   help="how the key bounds are stored on the GPU: float8_e4m3fn (rounded outward, half of bf16's "
+                        "bytes) | kv (the KV dtype, exact); default: the engine's")
     o.add_argument("--host-io", default="auto",
                    help="auto | xla (pinned host pool) | numpy (pageable, the fallback); default auto")
 
@@ -64,7 +67,9 @@ def engine_config(args: argparse.Namespace, **extra):
                         score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks,
                         score_kept_blocks=args.score_kept_blocks,
                         **({} if args.score_beta is None else {"score_beta": args.score_beta}),
-                        **({} if args.resident_bonus is None else {"resident_bonus": args.resident_bonus}), **extra)
+                        **({} if args.resident_bonus is None else {"resident_bonus": args.resident_bonus}),
+                        **({} if args.score_bounds_dtype is None else {"score_bounds_dtype": args.score_bounds_dtype}),
+                        **extra)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,6 +54,10 @@ class EngineConfig:
     # estimated attention share: a block not resident must beat it by that factor to be recalled (0 = off).
     # 0.25: 15-20% less recall on SmolLM2, KL to dense unchanged at 2,048 tokens, +1-9% at 1,024 (RESULTS.md)
     resident_bonus: float = 0.25
+    # how the key bounds are stored on the GPU (read by every scoring step, kept for every block of an offloaded
+    # request): "float8_e4m3fn", rounded outward (half of bf16's bytes; KL to dense within +-9% on SmolLM2,
+    # bench/RESULTS.md), or "kv" (the KV dtype, exact)
+    score_bounds_dtype: str = "float8_e4m3fn"
     io: str = "coalesced"  # one gathered copy per layer and step, or "fragmented" (one per (block, head))
     recall: str = "interruptible"  # attend resident blocks while recall is in flight, or "sync" (wait first)
     # offloaded batch split; the driver runs whichever has its data ready. None = 2 on a GPU (a copy engine
@@ -141,7 +145,7 @@ class EngineConfig:
     def scoring(self) -> BlockScoring:
         return BlockScoring(beta=self.score_beta, per_query_head=self.score_per_query_head,
                             sub_blocks=self.score_sub_blocks, kept_blocks=self.score_kept_blocks,
-                            resident_bonus=self.resident_bonus)
+                            resident_bonus=self.resident_bonus, bounds_dtype=self.score_bounds_dtype)
 
     @property
     def window_blocks(self) -> int:

@@ -25,6 +25,7 @@ from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for, bucke
 from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
 from pulseinfer_jax.sampling import SamplingParams, greedy_sample, sample
 from pulseinfer_jax.scheduler import FixedStepTime, Request, Scheduler, Status
+from pulseinfer_jax.sparse import BlockScoring
 
 CPU_NOMINAL_H2D = 16e9  # IOAA's bandwidth off-GPU, where "host to device" is a memcpy (meaningless for timing)
 
@@ -65,6 +66,7 @@ class Engine:
         self.scratch: list[int] = []  # GPU blocks outside the allocator that offloaded prompts prefill into
         self.sparse = None  # pipeline.SparseDecoder
         self.sparse_attention: str | None = None  # attention of the sparse pipeline, resolved on first use
+        self.scoring: BlockScoring = config.scoring  # its block scoring (the bounds dtype may fall back on a GPU)
         self.h2d_bytes_per_s: float | None = config.h2d_bytes_per_s
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids if model.tokenizer else model.cfg.eos_token_ids)
 
@@ -117,8 +119,9 @@ class Engine:
             c = self.model.cfg
             plan = offload.sparse_plan(cfg, c.num_layers, c.num_kv_heads)
             rows = offload.host_rows_for(cfg, requests)
-            cap_bytes -= offload.metadata_bytes(plan, rows, c.head_dim, jnp.dtype(self.model.dtype).itemsize,
-                                                cfg.score_sub_blocks)
+            _, scoring = self._resolve_sparse_kernels()  # (the metadata dtype may fall back on a GPU)
+            meta_item = scoring.metadata_dtype(self.model.dtype).itemsize
+            cap_bytes -= offload.metadata_bytes(plan, rows, c.head_dim, meta_item, scoring.sub_blocks)
             if cap_bytes < 2 * per_block:
                 raise ValueError(f"gpu_kv_budget={cfg.gpu_kv_budget} does not even hold the key metadata of a "
                                  f"{rows}-block host pool; raise gpu_kv_budget or lower host_kv_tokens")
@@ -153,7 +156,6 @@ class Engine:
 
     def _ensure_offload(self, plan, rows: int, num_blocks: int) -> None:
         from host_offload.host_pool import HostKVPool
-        from pulseinfer_jax.offload import probe_pallas
         from pulseinfer_jax.pipeline import PipelineConfig, SparseDecoder
 
         cfg, c = self.config, self.model.cfg
@@ -167,22 +169,40 @@ class Engine:
                                         dtype=self.model.dtype, device=self.device, io=io)
         else:
             self.host_pool.allocator = BlockAllocator(rows)
-        if self.sparse_attention is None:
-            self.sparse_attention = self.decode_attention
-            if self.sparse_attention == "pallas" and cfg.decode_attention == "auto":
-                err = probe_pallas(self.device, self.model.dtype, cfg.scoring)
-                if err is not None:
-                    warnings.warn(f"Pallas sparse kernels failed on {self.device.platform} ({err}); the sparse "
-                                  "pipeline uses the jnp attention", RuntimeWarning, stacklevel=3)
-                    self.sparse_attention = "jnp"
+        attention, scoring = self._resolve_sparse_kernels()
         mbs = cfg.micro_batches or (2 if self.on_gpu else 1)
-        pcfg = PipelineConfig(io=cfg.io, recall=cfg.recall, micro_batches=mbs,
-                              attention=self.sparse_attention, solohead=cfg.solohead, scoring=cfg.scoring,
-                              retrieval_heads=cfg.retrieval_heads)
+        pcfg = PipelineConfig(io=cfg.io, recall=cfg.recall, micro_batches=mbs, attention=attention,
+                              solohead=cfg.solohead, scoring=scoring, retrieval_heads=cfg.retrieval_heads)
         if self.sparse is None or self.sparse.plan != plan or self.sparse.nb != num_blocks:
             cls = self.decoder_class or SparseDecoder
             self.sparse = cls(self.model.transformer, self.model.params, plan, pcfg, self.host_pool, num_blocks,
                               self.device, split_weights=lambda: self.layer_params)
+
+    def _resolve_sparse_kernels(self) -> tuple[str, BlockScoring]:
+        """The sparse pipeline's attention and block scoring, resolved once per engine: as configured, except under
+        decode_attention="auto" on a GPU, where the Pallas kernels are probed first. If only the float8 key bounds
+        fail there, the bounds fall back to the KV dtype (Pallas kept); if the kernels fail either way, the
+        pipeline falls back to the jnp attention (float8 bounds kept: jnp reads them). Each with a warning."""
+        if self.sparse_attention is None:
+            from pulseinfer_jax.offload import probe_pallas
+
+            cfg = self.config
+            attention, scoring = self.decode_attention, cfg.scoring
+            if attention == "pallas" and cfg.decode_attention == "auto":
+                err = probe_pallas(self.device, self.model.dtype, scoring)
+                if err is not None and scoring.bounds_dtype != "kv":
+                    exact = dataclasses.replace(scoring, bounds_dtype="kv")
+                    if probe_pallas(self.device, self.model.dtype, exact) is None:
+                        warnings.warn(f"the Pallas block scoring failed on {scoring.bounds_dtype} key bounds on "
+                                      f"{self.device.platform} ({err}); the key bounds are kept in the KV dtype "
+                                      "(2-4x the metadata bytes)", RuntimeWarning, stacklevel=4)
+                        err, scoring = None, exact
+                if err is not None:
+                    warnings.warn(f"Pallas sparse kernels failed on {self.device.platform} ({err}); the sparse "
+                                  "pipeline uses the jnp attention", RuntimeWarning, stacklevel=4)
+                    attention = "jnp"
+            self.sparse_attention, self.scoring = attention, scoring
+        return self.sparse_attention, self.scoring
 
     def _resolve_host_io(self) -> str:
         """The host pool's I/O backend: host_io as configured; under "auto" on a GPU, "xla" if its start-up probe

@@ -41,8 +41,8 @@ def host_rows_for(config: EngineConfig, requests: Sequence[Request]) -> int:
 
 
 def metadata_bytes(plan: SparsePlan, host_rows: int, head_dim: int, itemsize: int, sub_blocks: int = 1) -> int:
-    """Key bounds (min and max) of every sparse layer and host row (`sub_blocks` slices of it), stored in the KV
-    dtype (`itemsize` bytes)."""
+    """Key bounds (min and max) of every sparse layer and host row (`sub_blocks` slices of it), stored in the
+    metadata dtype (`itemsize` bytes: `BlockScoring.metadata_dtype`)."""
     return 2 * plan.sparse_layers * host_rows * sub_blocks * plan.num_kv_heads * head_dim * itemsize
 
 
@@ -108,8 +108,8 @@ class OffloadPlacer:
 
 
 def probe_pallas(device: jax.Device, dtype=None, scoring: BlockScoring = BlockScoring()) -> str | None:
-    """Compile and run the sparse decode kernels once on tiny shapes in the KV dtype (default bfloat16; the key
-    bounds use it too) and with the engine's block scoring (per query head and per KV head, its beta and
+    """Compile and run the sparse decode kernels once on tiny shapes in the KV dtype (default bfloat16) and with the
+    engine's block scoring (key bounds in its metadata dtype; per query head and per KV head, its beta and
     sub-blocks); None if fine, else the error text."""
     import jax.numpy as jnp
 
@@ -123,7 +123,7 @@ def probe_pallas(device: jax.Device, dtype=None, scoring: BlockScoring = BlockSc
             pool = jnp.ones((4, 2, 16, 2, 64), dtype)
             ids = jnp.array([[[1, 2]]], jnp.int32)
             jax.block_until_ready(sparse_decode_attention(q, pool, ids, jnp.full_like(ids, 16)))
-            meta = jnp.ones((4 * scoring.sub_blocks, 2, 64), dtype)
+            meta = jnp.ones((4 * scoring.sub_blocks, 2, 64), scoring.metadata_dtype(dtype))
             for per_head in {False, scoring.per_query_head}:
                 jax.block_until_ready(block_scores(q, meta, meta, ids[:, 0], per_head=per_head, beta=scoring.beta,
                                                    sub_blocks=scoring.sub_blocks))

@@ -93,12 +93,13 @@ class SparseDecoder:
         self.nb = num_gpu_blocks
         rows = plan.sparse_layers * pool.num_rows * config.scoring.sub_blocks  # metadata rows (m per block)
         config.scoring.check_block_size(plan.block_size)
-        # key bounds in the KV dtype: the min / max of bf16 keys are bf16 values, so nothing is rounded (and the
-        # bounds cost half of float32's GPU memory: at 128K they would be the largest part of an offloaded
-        # request's GPU footprint); scoring computes in float32
+        # key bounds in float8 by default (rounded outward: block_metadata.round_bounds_outward) or in the KV dtype
+        # (exact: the min / max of bf16 keys are bf16 values): at 128K they are the largest part of an offloaded
+        # request's GPU footprint and of what a scoring step reads; scoring computes in float32
+        meta_dtype = config.scoring.metadata_dtype(pool.dtype)
         with jax.default_device(device):
-            self.meta_min = jnp.zeros((rows, c.num_kv_heads, c.head_dim), pool.dtype)
-            self.meta_max = jnp.zeros((rows, c.num_kv_heads, c.head_dim), pool.dtype)
+            self.meta_min = jnp.zeros((rows, c.num_kv_heads, c.head_dim), meta_dtype)
+            self.meta_max = jnp.zeros((rows, c.num_kv_heads, c.head_dim), meta_dtype)
         self.kv: jax.Array | None = None
         # per sparse layer, on the device once: (metadata row offset, flat unit offset layer * NB, retrieval head,
         # sparse layer index), so a decode step sends no per-layer scalars

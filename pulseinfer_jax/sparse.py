@@ -50,6 +50,9 @@ Mode = Literal["headwise", "solohead"]
 SoloHead = Literal["normalized_sum", "retrieval_head"]
 
 
+BOUNDS_DTYPES = ("float8_e4m3fn", "kv")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockScoring:
     """How blocks are scored from their key bounds (`pallas_kernels.block_scoring`; measured in bench/RESULTS.md).
@@ -66,6 +69,9 @@ class BlockScoring:
     resident_bonus: SoloHead normalized_sum ranks a middle block already in the layer's GPU slot cache as if its
       estimated mass were (1 + resident_bonus) times larger, so a block not resident must beat it by that factor
       to be recalled in its place (hysteresis: fewer recalls, see select_blocks). 0 = off.
+    bounds_dtype: how the key bounds (the metadata the GPU keeps for every block of an offloaded request and
+      reads every step) are stored: "float8_e4m3fn" (rounded outward so they still bound: a quarter / half of the
+      bytes of float32 / bfloat16 bounds) or "kv" (the KV dtype: exact).
     """
 
     beta: float = 0.5
@@ -73,6 +79,7 @@ class BlockScoring:
     sub_blocks: int = 1
     kept_blocks: bool = True
     resident_bonus: float = 0.25
+    bounds_dtype: str = "float8_e4m3fn"
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 <= self.beta <= 1:
@@ -87,6 +94,12 @@ class BlockScoring:
         rb = self.resident_bonus
         if isinstance(rb, bool) or not isinstance(rb, (int, float)) or not 0 <= rb < float("inf"):
             raise ValueError(f"resident_bonus={rb!r} must be a finite number >= 0 (0 = off)")
+        if self.bounds_dtype not in BOUNDS_DTYPES:
+            raise ValueError(f"score_bounds_dtype={self.bounds_dtype!r}; use one of {', '.join(BOUNDS_DTYPES)}")
+
+    def metadata_dtype(self, kv_dtype) -> jnp.dtype:
+        """The dtype the key bounds are stored in for a KV cache of `kv_dtype`."""
+        return jnp.dtype(kv_dtype if self.bounds_dtype == "kv" else self.bounds_dtype)
 
     def check_block_size(self, block_size: int) -> None:
         if block_size % self.sub_blocks:

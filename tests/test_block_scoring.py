@@ -15,6 +15,7 @@ from pallas_kernels.block_metadata import (
     block_key_bounds,
     block_key_bounds_reference,
     init_bounds,
+    round_bounds_outward,
     update_bounds,
 )
 from pallas_kernels.block_scoring import block_scores, block_scores_reference
@@ -168,8 +169,68 @@ def test_update_bounds_writes_listed_rows_and_drops_padding():
         update_bounds(meta_min, meta_max, ids, lo[:2], hi[:2])
 
 
-def _scoring_case(seed, bs, group, hd, k, hkv=2, batch=2):
-    """Random pool + metadata (NaN rows for blocks nobody lists) + shuffled, -1 padded candidate lists."""
+def _all_finite_values(dtype) -> np.ndarray:
+    """Every finite value of a 1- or 2-byte float dtype, ascending (float64), from its bit patterns."""
+    dt = jnp.dtype(dtype)
+    bits = np.arange(2 ** (8 * dt.itemsize), dtype=np.uint8 if dt.itemsize == 1 else np.uint16)
+    vals = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(bits), dt).astype(jnp.float32), np.float64)
+    return np.unique(vals[np.isfinite(vals)])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float16])
+def test_round_bounds_outward_is_the_nearest_enclosing_pair(dtype):
+    """kmin goes to the largest value of the dtype <= it, kmax to the smallest >= it (brute force over every
+    finite value of the dtype): stored bounds still bound, and by as little as the dtype allows; in-range
+    values the dtype holds exactly stay as they are; beyond the finite range they saturate; NaN stays NaN."""
+    vals = _all_finite_values(dtype)
+    top = vals.max()
+    rng = np.random.default_rng(5)
+    step = max(1, len(vals) // 4000)
+    x = np.concatenate([rng.standard_normal(4000) * s for s in (1e-3, 0.3, 4.0, 60.0)]
+                       + [vals[::step], ((vals[:-1] + vals[1:]) / 2)[::step], [0.0, -0.0, 1e-30, -1e-30]]
+                       ).astype(np.float32)
+    # in range; XLA flushes float32 subnormals to zero (bf16's subnormals are float32 subnormals): not tested
+    x = x[(np.abs(x) <= top) & ((np.abs(x) >= np.finfo(np.float32).tiny) | (x == 0))]
+    lo, hi = round_bounds_outward(jnp.asarray(x), jnp.asarray(x), dtype)
+    assert lo.dtype == hi.dtype == jnp.dtype(dtype)
+    lo, hi = (np.asarray(a.astype(jnp.float32), np.float64) for a in (lo, hi))
+    want_lo = vals[np.searchsorted(vals, x, side="right") - 1]
+    want_hi = vals[np.searchsorted(vals, x, side="left")]
+    np.testing.assert_array_equal(lo, want_lo)
+    np.testing.assert_array_equal(hi, want_hi)
+    exact = np.isin(x.astype(np.float64), vals)
+    assert exact.sum() > 200 and (lo[exact] == x[exact]).all() and (hi[exact] == x[exact]).all()
+    lo, hi = round_bounds_outward(jnp.asarray([3 * top, -3 * top, np.nan]), jnp.asarray([3 * top, -3 * top, np.nan]),
+                                  dtype)
+    lo, hi = np.asarray(lo.astype(jnp.float32)), np.asarray(hi.astype(jnp.float32))
+    assert lo[0] == hi[0] == top and lo[1] == hi[1] == -top and np.isnan(lo[2]) and np.isnan(hi[2])
+    with pytest.raises(ValueError, match="float dtype"):
+        round_bounds_outward(jnp.zeros(2), jnp.zeros(2), jnp.int8)
+
+
+def test_update_bounds_rounds_outward_into_float8_rows():
+    rng = np.random.default_rng(9)
+    nb, hkv, hd = 5, 2, 64
+    meta = jnp.full((nb, hkv, hd), jnp.nan, jnp.float8_e4m3fn)
+    lo = jnp.asarray(rng.standard_normal((2, hkv, hd)) * 3, jnp.float32)
+    hi = lo + jnp.asarray(rng.uniform(0, 2, (2, hkv, hd)), jnp.float32)
+    new_min, new_max = update_bounds(meta, meta, jnp.asarray([3, 0], jnp.int32), lo, hi)
+    assert new_min.dtype == new_max.dtype == jnp.float8_e4m3fn
+    want_min, want_max = round_bounds_outward(lo, hi, jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(new_min[jnp.asarray([3, 0])].astype(jnp.float32)),
+                                  np.asarray(want_min.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(new_max[jnp.asarray([3, 0])].astype(jnp.float32)),
+                                  np.asarray(want_max.astype(jnp.float32)))
+    assert (np.asarray(new_min[jnp.asarray([3, 0])].astype(jnp.float32)) <= np.asarray(lo)).all()
+    assert (np.asarray(new_max[jnp.asarray([3, 0])].astype(jnp.float32)) >= np.asarray(hi)).all()
+    assert not (np.asarray(new_min.astype(jnp.float32)) == np.asarray(lo)[0]).all()  # float8 really rounded
+    with pytest.raises(ValueError, match="one dtype"):
+        update_bounds(meta, meta.astype(jnp.float32), jnp.asarray([3, 0], jnp.int32), lo, hi)
+
+
+def _scoring_case(seed, bs, group, hd, k, hkv=2, batch=2, meta_dtype=jnp.float32):
+    """Random pool + metadata in `meta_dtype` (NaN rows for blocks nobody lists) + shuffled, -1 padded candidate
+    lists."""
     rng = np.random.default_rng(seed)
     nb = 2 * k + 3
     lens = [int(n) for n in rng.integers(1, bs + 1, size=nb)]
@@ -181,18 +242,22 @@ def _scoring_case(seed, bs, group, hd, k, hkv=2, batch=2):
     flat[slots] = listed
     kmin, kmax = block_key_bounds(jnp.asarray(pool), jnp.asarray(listed, jnp.int32),
                                   jnp.asarray([lens[i] for i in listed], jnp.int32))
-    meta_min, meta_max = update_bounds(jnp.full((nb, hkv, hd), jnp.nan), jnp.full((nb, hkv, hd), jnp.nan),
-                                       jnp.asarray(listed, jnp.int32), kmin, kmax)
+    nan = jnp.full((nb, hkv, hd), jnp.nan, meta_dtype)
+    meta_min, meta_max = update_bounds(nan, nan, jnp.asarray(listed, jnp.int32), kmin, kmax)
     q = (rng.standard_normal((batch, hkv * group, hd)) * 0.5).astype(np.float32)
     return q, meta_min, meta_max, cand, keys
 
 
 @pytest.mark.parametrize(
-    "bs,group,hd,k,tile_k",
-    [(8, 1, 64, 5, None), (16, 2, 128, 20, 8), (32, 4, 64, 12, None), (16, 8, 128, 9, 4), (8, 3, 64, 17, 16)],
+    "bs,group,hd,k,tile_k,meta_dtype",
+    [(8, 1, 64, 5, None, jnp.float32), (16, 2, 128, 20, 8, jnp.float32), (32, 4, 64, 12, None, jnp.float32),
+     (16, 8, 128, 9, 4, jnp.float32), (8, 3, 64, 17, 16, jnp.float32),
+     (16, 4, 128, 20, 8, jnp.float8_e4m3fn), (8, 3, 64, 17, None, jnp.float8_e4m3fn)],
 )
-def test_block_scores_matches_reference_and_bounds_true_scores(bs, group, hd, k, tile_k):
-    q, meta_min, meta_max, cand, keys = _scoring_case(bs * 97 + group * 13 + hd + k, bs, group, hd, k)
+def test_block_scores_matches_reference_and_bounds_true_scores(bs, group, hd, k, tile_k, meta_dtype):
+    """float8 metadata (the engine's default storage, rounded outward) still bounds every true q.k."""
+    q, meta_min, meta_max, cand, keys = _scoring_case(bs * 97 + group * 13 + hd + k, bs, group, hd, k,
+                                                      meta_dtype=meta_dtype)
     hkv = meta_min.shape[1]
     out = block_scores(jnp.asarray(q), meta_min, meta_max, jnp.asarray(cand), tile_k=tile_k)
     ref = block_scores_reference(jnp.asarray(q), meta_min, meta_max, jnp.asarray(cand))
@@ -327,7 +392,9 @@ def test_block_scores_lowers_to_triton_ir():
                                                                 (4, 128, 64, False, jnp.bfloat16, 1.0, 1),
                                                                 (4, 128, 64, True, jnp.bfloat16, 0.5, 1),
                                                                 (4, 128, 64, True, jnp.bfloat16, 0.5, 2),
-                                                                (3, 64, 40, False, jnp.float32, 0.5, 4)]:
+                                                                (3, 64, 40, False, jnp.float32, 0.5, 4),
+                                                                (4, 128, 64, True, jnp.float8_e4m3fn, 0.5, 1),
+                                                                (4, 128, 64, True, jnp.float8_e4m3fn, 0.5, 2)]:
                 q = jax.ShapeDtypeStruct((2, 2 * group, hd), jnp.bfloat16)
                 meta = jax.ShapeDtypeStruct((24 * m, 2, hd), meta_dtype)
                 ids = jax.ShapeDtypeStruct((2, k), jnp.int32)

@@ -2,6 +2,7 @@
 transfer counts of the coalesced and fragmented paths, slot-cache reuse, IOAA placement, bad configurations."""
 
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import record_sampled_logits
@@ -56,6 +57,7 @@ def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extr
     ("solohead", "xla", dict(score_sub_blocks=2)), ("solohead", "numpy", dict(score_per_query_head=False)),
     ("solohead", "xla", dict(resident_bonus=0.0)),  # (the default bonus: device placement keeps the slot
     ("solohead", "xla", dict(resident_bonus=2.0)),  # caches' bookkeeping to select what host placement does)
+    ("solohead", "numpy", dict(score_bounds_dtype="kv")),  # exact bounds (the default: float8, rounded outward)
 ])
 def test_offloaded_sparse_equals_on_device_sparse(tiny4, selection, host_io, scoring):
     """Same selection with the KV offloaded and with every block on the GPU: token for token, while the
@@ -343,18 +345,36 @@ def test_resident_bonus_keeps_what_the_slot_cache_holds(tiny4):
     assert all(r.stats["recalled_blocks"] > middle * sparse_layers for r in plain)
 
 
-@pytest.mark.parametrize("m", [1, 2])
-def test_metadata_budgeted_as_allocated(tiny4, m):
+@pytest.mark.parametrize("m,bounds,dtype", [(1, "float8_e4m3fn", "float8_e4m3fn"),
+                                            (2, "float8_e4m3fn", "float8_e4m3fn"), (1, "kv", "float32")])
+def test_metadata_budgeted_as_allocated(tiny4, m, bounds, dtype):
     """The GPU budget reserves exactly the metadata the sparse decoder allocates (m rows per block with
-    score_sub_blocks = m), in the KV dtype."""
+    score_sub_blocks = m), in float8 (the default) or the KV dtype (score_bounds_dtype="kv"); the float8 rows
+    bound the keys of their blocks."""
     from pulseinfer_jax import offload
 
-    eng = Engine(tiny4, EngineConfig(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_sub_blocks=m))
-    _run_until_last_token(eng, _prompts(tiny4.cfg.vocab_size, lengths=(45,)), 4)
+    eng = Engine(tiny4, EngineConfig(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_sub_blocks=m,
+                                     score_bounds_dtype=bounds))
+    (req,) = _run_until_last_token(eng, _prompts(tiny4.cfg.vocab_size, lengths=(45,)), 4)
+    assert eng.sparse.meta_min.dtype == eng.sparse.meta_max.dtype == jnp.dtype(dtype)
     itemsize = eng.sparse.meta_min.dtype.itemsize
     want = offload.metadata_bytes(eng.sparse.plan, eng.host_pool.num_rows, tiny4.cfg.head_dim, itemsize, m)
     assert eng.sparse.metadata_bytes == want
     assert eng.sparse.meta_min.shape[0] == eng.sparse.plan.sparse_layers * eng.host_pool.num_rows * m
+    # every middle block's rows bound its keys (read back from the host pool), slice by slice
+    s, rows, bs = req.sparse, eng.host_pool.num_rows, BASE["block_size"]
+    lo = np.asarray(eng.sparse.meta_min.astype(jnp.float32))
+    hi = np.asarray(eng.sparse.meta_max.astype(jnp.float32))
+    checked = 0
+    for j in range(1, 45 // bs - 2):  # whole prompt blocks past the sink, before the window
+        for sl in range(s.plan.sparse_layers):
+            keys = eng.host_pool.read(sl, s.host_rows[j])[0].reshape(m, bs // m, *lo.shape[1:])  # [m, bs/m, Hkv, hd]
+            r = (sl * rows + s.host_rows[j]) * m
+            assert (lo[r:r + m] <= keys.min(1)).all() and (hi[r:r + m] >= keys.max(1)).all()
+            if bounds == "kv":  # exact
+                np.testing.assert_array_equal(lo[r:r + m], keys.min(1))
+            checked += 1
+    assert checked == (45 // bs - 3) * s.plan.sparse_layers
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -363,7 +383,8 @@ def test_metadata_budgeted_as_allocated(tiny4, m):
     (dict(score_sub_blocks=0), "power of two"), (dict(score_sub_blocks=32), "must divide block_size=16"),
     (dict(score_per_query_head=1), "must be a bool"), (dict(score_kept_blocks=0), "must be a bool"),
     (dict(resident_bonus=-0.1), "resident_bonus"), (dict(resident_bonus=float("inf")), "resident_bonus"),
-    (dict(resident_bonus=True), "resident_bonus"),
+    (dict(resident_bonus=True), "resident_bonus"), (dict(score_bounds_dtype="int8"), "score_bounds_dtype"),
+    (dict(score_bounds_dtype="bfloat16"), "score_bounds_dtype"),
 ])
 def test_bad_block_scoring_configs(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -421,3 +442,36 @@ def test_auto_host_io_falls_back_to_numpy_when_the_probe_fails(tiny4, monkeypatc
     eng2 = Engine(tiny4, EngineConfig(**kw, host_io="xla"))
     generate_long(prompts[:1], eng2, max_new_tokens=4, ignore_eos=True, engine_config=eng2.config)
     assert len(calls) == 1 and eng2.host_pool.io_name == "xla"
+
+
+def test_auto_kernels_fall_back_on_a_gpu_that_rejects_them(tiny4, monkeypatch):
+    """Under decode_attention="auto" on a GPU the sparse kernels are probed once per engine (emulated: the engine
+    told it runs Pallas, the probe scripted). A GPU that rejects only float8 key bounds keeps Pallas with the bounds
+    in the KV dtype (and budgets their bytes); one that rejects the kernels either way falls back to the jnp
+    attention, float8 bounds kept. Each warns; the tokens are those of the same configuration run directly."""
+    from pulseinfer_jax import offload
+
+    prompts = _prompts(tiny4.cfg.vocab_size, lengths=(37,))
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
+    for rejects, attention, bounds, match in [("float8_e4m3fn", "pallas", "kv", "key bounds are kept in the KV dtype"),
+                                              ("all", "jnp", "float8_e4m3fn", "uses the jnp attention")]:
+        calls = []
+
+        def probe(device, dtype=None, scoring=BlockScoring(), rejects=rejects, calls=calls):
+            calls.append(scoring.bounds_dtype)
+            return "NotImplementedError: no" if rejects in ("all", scoring.bounds_dtype) else None
+
+        monkeypatch.setattr(offload, "probe_pallas", probe)
+        eng = Engine(tiny4, EngineConfig(**kw))
+        eng.decode_attention = "pallas"  # what "auto" resolves to on a GPU
+        with pytest.warns(RuntimeWarning, match=match):
+            got = generate_long(prompts, eng, max_new_tokens=5, ignore_eos=True, engine_config=eng.config)
+        assert calls == ["float8_e4m3fn", "kv"]  # probed once (and the exact bounds once more), not per run
+        assert eng.sparse_attention == attention and eng.scoring.bounds_dtype == bounds
+        assert eng.sparse.meta_min.dtype == eng.scoring.metadata_dtype(tiny4.dtype)
+        assert got[0].stats["score_bounds_dtype"] == bounds and got[0].stats["decode_attention"] == attention
+        want = generate_long(prompts, tiny4, max_new_tokens=5, ignore_eos=True, engine_config=EngineConfig(
+            **kw, decode_attention=attention, score_bounds_dtype=bounds))
+        assert got[0].token_ids == want[0].token_ids
+        generate_long(prompts, eng, max_new_tokens=2, ignore_eos=True, engine_config=eng.config)
+        assert len(calls) == 2

@@ -12,13 +12,16 @@ from bench import oracle_accuracy as oa
 
 def test_parse_policy():
     assert oa.parse_policy("quest-solohead:perhead:beta=0.5:temp=2") == (
-        "quest-solohead", {"perhead": True, "beta": 0.5, "temp": 2.0, "sub": 1, "middle": False, "est": ""})
+        "quest-solohead", {"perhead": True, "beta": 0.5, "temp": 2.0, "sub": 1, "middle": False, "est": "",
+                           "bounds": "float8_e4m3fn"})
+    assert oa.parse_policy("quest-solohead:bounds=kv")[1]["bounds"] == "kv"
     assert oa.parse_policy("oracle-solohead:est")[1]["est"] == "mean"
     assert oa.parse_policy("quest-headwise:est=mid")[1]["est"] == "mid"
     assert oa.parse_policy("quest-solohead:middle")[1]["middle"] is True
     assert oa.parse_policy("quest-solohead:sub=2")[1]["sub"] == 2
     for bad in ("quest", "oracle-solohead:beta=1", "quest-headwise:perhead", "quest-solohead:gamma=1",
-                "quest-solohead:sub=0", "quest-solohead:sub=x", "quest-solohead:est=max", "oracle-solohead:est:sub=2"):
+                "quest-solohead:sub=0", "quest-solohead:sub=x", "quest-solohead:est=max", "oracle-solohead:est:sub=2",
+                "quest-solohead:bounds=int8", "oracle-solohead:bounds=kv"):
         with pytest.raises(ValueError):
             oa.parse_policy(bad)
 
@@ -75,6 +78,7 @@ def test_main_smoke_writes_json(tmp_path):
 
 @pytest.mark.parametrize("policy,engine_kw", [
     ("quest-solohead:perhead:beta=0.5", {}),  # the engine's default scoring (sink and window blocks scored too)
+    ("quest-solohead:perhead:beta=0.5:bounds=kv", dict(score_bounds_dtype="kv")),  # exact bounds
     ("quest-solohead:perhead:beta=0.5:middle", dict(score_kept_blocks=False)),
     ("quest-solohead:beta=0.5:sub=2", dict(score_per_query_head=False, score_sub_blocks=2)),
     ("quest-solohead:perhead:beta=0.5:sub=2:middle", dict(score_sub_blocks=2, score_kept_blocks=False)),
