@@ -55,8 +55,8 @@ class EngineConfig:
     # 0.25: 15-20% less recall on SmolLM2, KL to dense unchanged at 2,048 tokens, +1-9% at 1,024 (RESULTS.md)
     resident_bonus: float = 0.25
     # how the key bounds are stored on the GPU (read by every scoring step, kept for every block of an offloaded
-    # request): "float8_e4m3fn", rounded outward (half of bf16's bytes; KL to dense within +-9% on SmolLM2,
-    # bench/RESULTS.md), or "kv" (the KV dtype, exact)
+    # request): "float8_e4m3fn", rounded outward (half of bf16's bytes; KL to dense -5% to +12% on SmolLM2, no
+    # passkey lost, bench/RESULTS.md), or "kv" (the KV dtype, exact)
     score_bounds_dtype: str = "float8_e4m3fn"
     io: str = "coalesced"  # one gathered copy per layer and step, or "fragmented" (one per (block, head))
     recall: str = "interruptible"  # attend resident blocks while recall is in flight, or "sync" (wait first)
