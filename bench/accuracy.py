@@ -32,7 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from bench.common import write_result  # noqa: E402
+from bench.common import add_block_layout_args, write_result  # noqa: E402
 
 TEXTS = [pathlib.Path("/usr/share/common-licenses/GPL-3"), pathlib.Path(sysconfig.get_paths()["stdlib"]) / "idlelib"
          / "NEWS.txt"]
@@ -114,10 +114,7 @@ def main() -> int:
     ap.add_argument("--tf-context", type=int, default=4000)
     ap.add_argument("--tf-tokens", type=int, default=128)
     ap.add_argument("--text", default=None)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--window-tokens", type=int, default=64)
-    ap.add_argument("--sink-blocks", type=int, default=1)
-    ap.add_argument("--dense-layers", type=int, default=2)
+    add_block_layout_args(ap)
     ap.add_argument("--score-beta", type=float, default=None, help="EngineConfig.score_beta (default: the engine's)")
     ap.add_argument("--score-per-kv-head", action="store_true",
                     help="EngineConfig.score_per_query_head=False (SoloHead scores per KV head, the old default)")

@@ -44,6 +44,15 @@ def git_rev() -> str:
         return ""
 
 
+def add_block_layout_args(ap) -> None:
+    """The sparse layout options the accuracy benches share (defaults: the engine's): block size, always-kept sink
+    blocks and recent-window tokens, leading dense layers."""
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--sink-blocks", type=int, default=1)
+    ap.add_argument("--window-tokens", type=int, default=64)
+    ap.add_argument("--dense-layers", type=int, default=2)
+
+
 def write_result(name: str, payload: dict, out_dir: pathlib.Path | None = None) -> pathlib.Path:
     out_dir = pathlib.Path(out_dir or RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -29,11 +29,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import write_result  # noqa: E402
+from bench.accuracy import TEXTS  # noqa: E402
+from bench.common import add_block_layout_args, write_result  # noqa: E402
 from bench.oracle_accuracy import _block_view, prompt_pass  # noqa: E402
-
-NEWS = pathlib.Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "idlelib" \
-    / "NEWS.txt"
 
 
 def mass_curves(model, prompt: list[int], rows: list[int], *, bs: int, sink: int, window: int) -> np.ndarray:
@@ -100,15 +98,12 @@ def dropped(curves: np.ndarray, alloc: dict[int, int]) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    ap.add_argument("--texts", default=f"/usr/share/common-licenses/GPL-3,{NEWS}",
+    ap.add_argument("--texts", default=",".join(map(str, TEXTS)),
                     help="two or more comma-separated texts (each split is also tried on the others)")
     ap.add_argument("--context", type=int, default=4000)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--budgets", default="256,512,1024,2048", help="tokens per sparse layer (uniform)")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--sink-blocks", type=int, default=1)
-    ap.add_argument("--window-tokens", type=int, default=64)
-    ap.add_argument("--dense-layers", type=int, default=2)
+    add_block_layout_args(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, random-weight SmolLM2 shape, token ids")
     ap.add_argument("--name", default=None, help="result file name (default layer_budgets_<platform>)")
     ap.add_argument("--out", default=None)

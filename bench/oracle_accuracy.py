@@ -63,7 +63,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import write_result  # noqa: E402
+from bench.common import add_block_layout_args, write_result  # noqa: E402
 from pulseinfer_jax.sparse import BOUNDS_DTYPES, BlockScoring  # noqa: E402
 
 POLICIES = ("quest-solohead", "quest-headwise", "oracle-solohead", "oracle-headwise")
@@ -239,10 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=256, help="teacher-forced tokens (compared rows)")
     ap.add_argument("--budgets", default="256,512,1024,2048")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--sink-blocks", type=int, default=1)
-    ap.add_argument("--window-tokens", type=int, default=64)
-    ap.add_argument("--dense-layers", type=int, default=2)
+    add_block_layout_args(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
     ap.add_argument("--name", default=None, help="result file name (default oracle_accuracy_<platform>)")
     ap.add_argument("--out", default=None)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from bench.common import write_result  # noqa: E402
+from bench.common import add_block_layout_args, write_result  # noqa: E402
 
 POLICIES = ("quest-solohead", "quest-headwise", "oracle-solohead", "oracle-headwise")
 
@@ -109,10 +109,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=4000)
     ap.add_argument("--queries", type=int, default=128, help="query positions (the last ones of the sequence)")
     ap.add_argument("--budgets", default="256,512,1024,2048")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--sink-blocks", type=int, default=1)
-    ap.add_argument("--window-tokens", type=int, default=64)
-    ap.add_argument("--dense-layers", type=int, default=2)
+    add_block_layout_args(ap)
     ap.add_argument("--score-beta", type=float, default=None,
                     help="block-score range weight of the quest policies (default: EngineConfig's)")
     ap.add_argument("--score-per-kv-head", action="store_true",
