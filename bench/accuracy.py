@@ -125,6 +125,10 @@ def main() -> int:
                     help="EngineConfig.resident_bonus (default: the engine's)")
     ap.add_argument("--score-bounds-dtype", default=None,
                     help="EngineConfig.score_bounds_dtype: float8_e4m3fn | kv (default: the engine's)")
+    ap.add_argument("--score-coarse-group", type=int, default=None,
+                    help="EngineConfig.score_coarse_group (two-level scoring; default: 1 = off)")
+    ap.add_argument("--score-coarse-keep", type=float, default=None,
+                    help="EngineConfig.score_coarse_keep (default: the engine's)")
     ap.add_argument("--no-passkey", action="store_true", help="teacher-forced agreement only (quick exploration)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="accuracy_cpu", help="result file name (bench/results/NAME.json)")
@@ -166,6 +170,10 @@ def main() -> int:
         base["resident_bonus"] = args.resident_bonus
     if args.score_bounds_dtype is not None:
         base["score_bounds_dtype"] = args.score_bounds_dtype
+    if args.score_coarse_group is not None:
+        base["score_coarse_group"] = args.score_coarse_group
+    if args.score_coarse_keep is not None:
+        base["score_coarse_keep"] = args.score_coarse_keep
 
     runs = [("dense", None)] + [(v, int(b)) for b in args.budgets.split(",") for v in args.variants.split(",")]
     rows, dense_logits = [], None

@@ -16,7 +16,8 @@ Sections (each runs on its own; a failing or missing one is recorded in the JSON
   (`score_sub_blocks=2`: twice the rows); then fused in one jit with `pulseinfer_jax.sparse.select_blocks`
   as the engine runs them (solohead on per-query-head scores, headwise on group sums; `jax.lax.top_k` on the
   head-summed scores if that module is missing), on float8 bounds. GB/s counts the metadata rows read
-  (2 * m * B * K * Hkv * hd * itemsize, m sub-blocks).
+  (2 * m * B * K * Hkv * hd * itemsize, m sub-blocks). At the largest batch also two-level scoring
+  (`score_coarse_group` / `score_coarse_keep`: every group's row, then only the kept groups' blocks).
 - gather: `pallas_kernels.gather_scatter` whole-block and per-(block, head) gathers and scatters (scatter
   in place, cache donated) against their jnp references; GB/s counts bytes read + written.
 Data are synthetic (random values, random distinct block ids), seeded. Timing: `--warmup` untimed calls
@@ -254,12 +255,40 @@ def bench_scoring(a, tk) -> dict:
                     for name, fused in selectors.items():
                         entry["impls"].append(try_timed("scoring", f"scores+{name}"[:30], cfg, nbytes, tk,
                                                         fused, q, lo, hi, cand, ntot))
+                    if b == max(a.batches):  # two-level scoring, at the largest batch only (compile time)
+                        entry["impls"].append(_two_level_row(a, scores_fn, q, lo, hi, cand, kb, cfg, tk))
                 del lo, hi
                 free()
             out.append(entry)
             del q, cand
             free()
     return {"sink_blocks": a.sink_blocks, "window_blocks": a.window_blocks, "grid": out}
+
+
+def _two_level_row(a, scores_fn, q, lo, hi, cand, kb: int, cfg: str, tk) -> dict:
+    """`layer_ops.two_level_scores` (EngineConfig.score_coarse_group / _keep = --coarse-group / --coarse-keep) on the
+    float8 bounds: the groups' rows (random, one per group), then the kept groups' blocks. GB/s counts the rows it
+    reads: every group's and the kept groups' blocks'."""
+    two_level, why = lazy_import("pulseinfer_jax.layer_ops", "two_level_scores")
+    name = f"two-level g{a.coarse_group} k{a.coarse_keep:g} f8"
+    if two_level is None:
+        return {"impl": name, "config": cfg, "error": why}
+    from pallas_kernels.block_scoring import default_scale
+    from pulseinfer_jax.sparse import BlockScoring, coarse_groups_kept
+
+    b, kc = cand.shape
+    f = a.coarse_group
+    ng = -(-kc // f)
+    keep = coarse_groups_kept(kb, min(a.sink_blocks, kb // 4), min(a.window_blocks, kb // 2), f, a.coarse_keep)
+    glo = rand(kc + b + 7, (b * ng + 1, a.hkv, a.hd), jnp.float32)
+    ghi = (glo + jnp.abs(rand(kc + b + 8, glo.shape, jnp.float32))).astype(lo.dtype)
+    groups = jnp.arange(1, b * ng + 1, dtype=jnp.int32).reshape(b, ng)
+    scoring = BlockScoring(coarse_group=f, coarse_keep=a.coarse_keep)
+    fn = jax.jit(lambda q, lo, hi, cand, glo, ghi, groups: two_level(
+        scores_fn, q, lo, hi, cand, glo, ghi, groups, keep=keep, scoring=scoring, per_head=True,
+        scale=default_scale(a.hd, a.hq // a.hkv, True)))
+    nbytes = b * (ng + min(keep, ng) * f) * a.hkv * a.hd * 2 * lo.dtype.itemsize
+    return try_timed("scoring", name, cfg, nbytes, tk, fn, q, lo, hi, cand, glo.astype(lo.dtype), ghi, groups)
 
 
 class _Scatter:
@@ -341,6 +370,8 @@ def main() -> int:
     ap.add_argument("--batches", type=ints, default=[1, 4, 16, 64])
     ap.add_argument("--contexts", type=ints, default=[32768, 131072], help="scoring: tokens per sequence")
     ap.add_argument("--select-budget", type=int, default=2048, help="scoring: tokens selected per sequence")
+    ap.add_argument("--coarse-group", type=int, default=16, help="scoring: two-level scoring's blocks per group")
+    ap.add_argument("--coarse-keep", type=float, default=4.0, help="scoring: two-level groups kept (middle budgets)")
     ap.add_argument("--sink-blocks", type=int, default=1, help="scoring: always-kept leading blocks")
     ap.add_argument("--window-blocks", type=int, default=4, help="scoring: always-kept trailing blocks")
     ap.add_argument("--gather-blocks", type=ints, default=[64, 512, 4096])
@@ -353,7 +384,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.smoke:
         a.hq, a.hkv, a.hd, a.bs, a.copy_mib = 4, 2, 64, 16, 4
-        a.budgets, a.batches, a.contexts, a.select_budget = [32, 64], [1, 2], [256], 64
+        a.budgets, a.batches, a.contexts, a.select_budget, a.coarse_group = [32, 64], [1, 2], [256], 64, 4
         a.gather_blocks, a.pool_blocks, a.warmup, a.runs, a.inner = [4, 16], 64, 2, 2, 1
     backend = jax.default_backend()
     if backend == "cpu" and not a.smoke:

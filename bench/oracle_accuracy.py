@@ -36,7 +36,11 @@ combinable: `quest-solohead:perhead:beta=0.5:temp=2`):
     and window blocks carry no mass in SoloHead's softmax); without it the sink and window blocks are scored too,
     from their keys up to the row's own position, with the engine's code (`pulseinfer_jax.kept_scores`);
   - `:bounds=D`: the middle blocks' bounds stored as the engine stores them in dtype D (`float8_e4m3fn`, the
-    engine's default, rounded outward) or `kv` (exact, as computed from the model's keys).
+    engine's default, rounded outward) or `kv` (exact, as computed from the model's keys);
+  - `:coarse=F` (with `:keep=X`, default 2): two-level scoring (the engine's `score_coarse_group` /
+    `score_coarse_keep`): groups of F consecutive blocks are scored first from the min / max of their middle
+    blocks' bounds, and only the blocks of the best groups (X times the middle budget's worth,
+    `sparse.top_groups`) are scored from their own bounds and compete for the budget.
 An option of every non-dense policy: `:est` (or `:est=mid`) adds every unselected, wholly visible block of a sparse
 layer to the attention as one pseudo-token (its mean key, or the midpoint of its key bounds, with log(block size)
 added to the logit, and its mean value): the "estimated tail" of centroid-based systems (measured: no gain over the
@@ -110,22 +114,22 @@ def parse_policy(policy: str) -> tuple[str, dict]:
     if base not in POLICIES + ("dense",):
         raise ValueError(f"unknown policy {base!r}; choose from {', '.join(POLICIES)}")
     out = {"perhead": False, "beta": 1.0, "temp": 1.0, "sub": 1, "middle": False, "est": "",
-           "bounds": BlockScoring().bounds_dtype}
+           "bounds": BlockScoring().bounds_dtype, "coarse": 1, "keep": 2.0}
     for o in opts:
         key, _, val = o.partition("=")
         if key == "est" and val in ("", "mean", "mid"):
             out[key] = val or "mean"
         elif key in ("perhead", "middle") and not val:
             out[key] = True
-        elif key in ("beta", "temp") and val:
+        elif key in ("beta", "temp", "keep") and val:
             out[key] = float(val)
-        elif key == "sub" and val.isdigit() and int(val) >= 1:
+        elif key in ("sub", "coarse") and val.isdigit() and int(val) >= 1:
             out[key] = int(val)
         elif key == "bounds" and val in BOUNDS_DTYPES:
             out[key] = val
         else:
             raise ValueError(f"bad policy option {o!r} in {policy!r} (perhead, beta=B, temp=T, sub=M, middle, "
-                             f"bounds={'|'.join(BOUNDS_DTYPES)})")
+                             f"bounds={'|'.join(BOUNDS_DTYPES)}, coarse=F, keep=X)")
     if any(not o.startswith("est") for o in opts) and not base.startswith("quest"):
         raise ValueError(f"options apply to the quest policies only, got {policy!r}")
     if out["perhead"] and base.endswith("headwise"):
@@ -143,6 +147,31 @@ def _bounds(keys: jax.Array, bs: int) -> tuple[jax.Array, jax.Array]:
     return blocks.min(axis=1), blocks.max(axis=1)
 
 
+def _coarse_keep(qf: jax.Array, kmin: jax.Array, kmax: jax.Array, mid: jax.Array, opt: dict, scale: float, *,
+                 kept_groups: int) -> jax.Array:
+    """Two-level scoring's first level, per row: qf [R, Hq, hd], bounds [NB * m, Hkv, hd] (m rows per block), mid
+    [R, NB] the row's middle blocks -> [R, NB] bool, the blocks of its kept groups (every block when all are kept)."""
+    from pallas_kernels.block_scoring import block_scores_reference
+    from pulseinfer_jax.sparse import group_mask, top_groups
+
+    f, m = opt["coarse"], opt["sub"]
+    r, nb = mid.shape
+    ng = -(-nb // f)
+    if kept_groups >= ng:
+        return jnp.ones_like(mid)
+    hkv, hd = kmin.shape[1:]
+    member = jnp.pad(mid, ((0, 0), (0, ng * f - nb)))  # [R, NG * F]
+    rows = jnp.repeat(member, m, axis=1)[:, :, None, None]  # [R, NG * F * m, 1, 1]
+    pad = ((0, ng * f * m - kmin.shape[0]), (0, 0), (0, 0))
+    lo = jnp.where(rows, jnp.pad(kmin, pad)[None], jnp.inf).reshape(r, ng, f * m, hkv, hd).min(2)
+    hi = jnp.where(rows, jnp.pad(kmax, pad)[None], -jnp.inf).reshape(r, ng, f * m, hkv, hd).max(2)
+    live = member.reshape(r, ng, f).any(-1)  # [R, NG] groups holding a middle block
+    ids = jnp.where(live, jnp.arange(r)[:, None] * ng + jnp.arange(ng)[None], -1).astype(jnp.int32)
+    cs = block_scores_reference(qf, lo.reshape(r * ng, hkv, hd), hi.reshape(r * ng, hkv, hd), ids,
+                                per_head=opt["perhead"], beta=opt["beta"], scale=scale)  # [R, S, NG]
+    return jnp.repeat(group_mask(top_groups(cs, kept_groups, scale), ng), f, axis=1)[:, :nb]
+
+
 @functools.partial(jax.jit, static_argnames=("model", "policy", "budget", "bs", "sink", "window", "dense_layers"))
 def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget: int, bs: int, sink: int,
               window: int, dense_layers: int) -> jax.Array:
@@ -150,7 +179,7 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
     from pallas_kernels.block_metadata import round_bounds_outward
     from pallas_kernels.block_scoring import block_scores_reference, default_scale
     from pulseinfer_jax.kept_scores import score_kept_from_keys
-    from pulseinfer_jax.sparse import select_blocks
+    from pulseinfer_jax.sparse import coarse_groups_kept, select_blocks
 
     c = model.cfg
     policy, opt = parse_policy(policy)
@@ -186,6 +215,9 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
                 j = jnp.arange(nbk)[None, :]
                 mid = (j >= sink) & (j < nb_row[:, None] - window)  # [R, NB]: the engine's metadata candidates
                 scale = opt["temp"] * default_scale(hd, g, opt["perhead"])
+                if opt["coarse"] > 1:  # first level: only the best groups' middle blocks stay candidates
+                    mid = mid & _coarse_keep(qf, kmin, kmax, mid, opt, scale, kept_groups=coarse_groups_kept(
+                        budget, sink, window, opt["coarse"], opt["keep"]))
                 scores = block_scores_reference(qf, kmin, kmax, jnp.where(mid, j, -1).astype(jnp.int32),
                                                 per_head=opt["perhead"], beta=opt["beta"], sub_blocks=m,
                                                 scale=scale)  # engine's code: [R, S, NB]

@@ -6,7 +6,8 @@ Layout (the GPU cache's, minus the dense layers):
 
 Row 0 is the null row (never allocated): padded entries of a transfer read it, so transfers keep a few
 bucketed shapes without masking. Rows are handed out by a `BlockAllocator`, one row per logical block of an
-offloaded request (all Ls layers of it).
+offloaded request (all Ls layers of it); with `row_align` > 1 (two-level scoring) by an `ExtentAllocator`, in
+aligned extents of that many rows.
 
 Transfers (all asynchronous: they return arrays whose copies may still be in flight):
   - `write_back(kv, gpu_blocks, rows)`: device -> host, sparse layers of whole GPU blocks into rows (a block
@@ -35,7 +36,7 @@ from jaxtyping import Array, Float
 
 from host_offload.numpy_io import NumpyHostIO
 from host_offload.xla_io import XlaHostIO
-from pulseinfer_jax.kv_cache import BlockAllocator, OutOfBlocksError, bucket
+from pulseinfer_jax.kv_cache import BlockAllocator, ExtentAllocator, OutOfBlocksError, bucket
 
 NULL_ROW = 0
 HOST_IO = {"xla": XlaHostIO, "numpy": NumpyHostIO}
@@ -55,7 +56,7 @@ class HostKVPool:
     """
 
     def __init__(self, *, num_rows: int, first_layer: int, num_layers: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype, device: jax.Device, io: str = "xla"):
+                 head_dim: int, dtype, device: jax.Device, io: str = "xla", row_align: int = 1):
         if num_rows < 2:
             raise ValueError(f"host pool num_rows={num_rows} must be >= 2 (row 0 is the null row)")
         if io not in HOST_IO:
@@ -65,7 +66,8 @@ class HostKVPool:
         self.dtype = jnp.dtype(dtype)
         self.device = device
         self.io = HOST_IO[io](device, first_layer)
-        self.allocator = BlockAllocator(num_rows)
+        self.row_align = row_align  # rows go out in aligned extents of this many (two-level scoring's groups)
+        self.reset_allocator()
         # transfers issued (real entries only, padding excluded): the I/O accounting every path shares
         self.h2d_copies = 0
         self.h2d_bytes = 0
@@ -102,6 +104,11 @@ class HostKVPool:
             return self.allocator.allocate(n, owner)
         except OutOfBlocksError as e:
             raise OutOfBlocksError(f"host KV pool: {e}; raise host_kv_tokens") from None
+
+    def reset_allocator(self) -> None:
+        """Every row free again (a new run over the same pool)."""
+        n, a = self.num_rows, self.row_align
+        self.allocator = BlockAllocator(n) if a == 1 else ExtentAllocator(n, a)
 
     def free(self, rows: list[int], owner: int) -> None:
         self.allocator.free(rows, owner)

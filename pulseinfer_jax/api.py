@@ -148,7 +148,8 @@ def _io_stats(r: Request, engine: Engine) -> dict[str, Any]:
                    decode_attention=engine.sparse_attention, host_io=engine.host_io, score_beta=cfg.score_beta,
                    score_per_query_head=cfg.score_per_query_head, score_sub_blocks=cfg.score_sub_blocks,
                    score_kept_blocks=cfg.score_kept_blocks, resident_bonus=cfg.resident_bonus,
-                   score_bounds_dtype=engine.scoring.bounds_dtype)  # (falls back to "kv" if a GPU rejects float8)
+                   score_bounds_dtype=engine.scoring.bounds_dtype,  # (falls back to "kv" if a GPU rejects float8)
+                   score_coarse_group=cfg.score_coarse_group, score_coarse_keep=cfg.score_coarse_keep)
     return out
 
 

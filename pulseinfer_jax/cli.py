@@ -53,6 +53,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--score-bounds-dtype", default=None,
                    help="how the key bounds are stored on the GPU: float8_e4m3fn (rounded outward, half of bf16's "
                         "bytes) | kv (the KV dtype, exact); default: the engine's")
+    o.add_argument("--score-coarse-group", type=int, default=1,
+                   help="two-level scoring: score groups of this many blocks first, then only the best groups' blocks "
+                        "(less metadata read per step at long contexts); default 1 = off")
+    o.add_argument("--score-coarse-keep", type=float, default=None,
+                   help="groups two-level scoring keeps, in middle budgets' worth of blocks (default: the engine's)")
     o.add_argument("--host-io", default="auto",
                    help="auto | xla (pinned host pool) | numpy (pageable, the fallback); default auto")
 
@@ -65,7 +70,8 @@ def engine_config(args: argparse.Namespace, **extra):
                         selection=args.selection, io=args.io, recall=args.recall, gpu_kv_budget=args.gpu_kv_budget,
                         host_kv_tokens=args.host_kv_tokens, dense_layers=args.dense_layers, host_io=args.host_io,
                         score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks,
-                        score_kept_blocks=args.score_kept_blocks,
+                        score_kept_blocks=args.score_kept_blocks, score_coarse_group=args.score_coarse_group,
+                        **({} if args.score_coarse_keep is None else {"score_coarse_keep": args.score_coarse_keep}),
                         **({} if args.score_beta is None else {"score_beta": args.score_beta}),
                         **({} if args.resident_bonus is None else {"resident_bonus": args.resident_bonus}),
                         **({} if args.score_bounds_dtype is None else {"score_bounds_dtype": args.score_bounds_dtype}),

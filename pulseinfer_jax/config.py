@@ -58,6 +58,11 @@ class EngineConfig:
     # request): "float8_e4m3fn", rounded outward (half of bf16's bytes; KL to dense -5% to +12% on SmolLM2, no
     # passkey lost, bench/RESULTS.md), or "kv" (the KV dtype, exact)
     score_bounds_dtype: str = "float8_e4m3fn"
+    # two-level scoring (1 = off): score groups of this many blocks first from their combined bounds, then only the
+    # blocks of the best groups (score_coarse_keep x the middle budget's worth): at long contexts a step reads
+    # ~1 / group of the metadata instead of all of it (bench/RESULTS.md); host rows are allocated in groups
+    score_coarse_group: int = 1
+    score_coarse_keep: float = 2.0
     io: str = "coalesced"  # one gathered copy per layer and step, or "fragmented" (one per (block, head))
     recall: str = "interruptible"  # attend resident blocks while recall is in flight, or "sync" (wait first)
     # offloaded batch split; the driver runs whichever has its data ready. None = 2 on a GPU (a copy engine
@@ -145,7 +150,8 @@ class EngineConfig:
     def scoring(self) -> BlockScoring:
         return BlockScoring(beta=self.score_beta, per_query_head=self.score_per_query_head,
                             sub_blocks=self.score_sub_blocks, kept_blocks=self.score_kept_blocks,
-                            resident_bonus=self.resident_bonus, bounds_dtype=self.score_bounds_dtype)
+                            resident_bonus=self.resident_bonus, bounds_dtype=self.score_bounds_dtype,
+                            coarse_group=self.score_coarse_group, coarse_keep=self.score_coarse_keep)
 
     @property
     def window_blocks(self) -> int:

@@ -121,7 +121,8 @@ class Engine:
             rows = offload.host_rows_for(cfg, requests)
             _, scoring = self._resolve_sparse_kernels()  # (the metadata dtype may fall back on a GPU)
             meta_item = scoring.metadata_dtype(self.model.dtype).itemsize
-            cap_bytes -= offload.metadata_bytes(plan, rows, c.head_dim, meta_item, scoring.sub_blocks)
+            cap_bytes -= offload.metadata_bytes(plan, rows, c.head_dim, meta_item, scoring.sub_blocks,
+                                                scoring.coarse_group)
             if cap_bytes < 2 * per_block:
                 raise ValueError(f"gpu_kv_budget={cfg.gpu_kv_budget} does not even hold the key metadata of a "
                                  f"{rows}-block host pool; raise gpu_kv_budget or lower host_kv_tokens")
@@ -161,14 +162,16 @@ class Engine:
         cfg, c = self.config, self.model.cfg
         io = self._resolve_host_io()
         pool = self.host_pool
-        if pool is None or (pool.num_rows, pool.first_layer, pool.io_name) != (rows, plan.dense_layers, io):
+        align = cfg.score_coarse_group
+        if pool is None or (pool.num_rows, pool.first_layer, pool.io_name, pool.row_align) != (
+                rows, plan.dense_layers, io, align):
             self.sparse = None
             self.host_pool = None
             self.host_pool = HostKVPool(num_rows=rows, first_layer=plan.dense_layers, num_layers=c.num_layers,
                                         block_size=cfg.block_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                        dtype=self.model.dtype, device=self.device, io=io)
+                                        dtype=self.model.dtype, device=self.device, io=io, row_align=align)
         else:
-            self.host_pool.allocator = BlockAllocator(rows)
+            self.host_pool.reset_allocator()
         attention, scoring = self._resolve_sparse_kernels()
         mbs = cfg.micro_batches or (2 if self.on_gpu else 1)
         pcfg = PipelineConfig(io=cfg.io, recall=cfg.recall, micro_batches=mbs, attention=attention,

@@ -131,3 +131,51 @@ class BlockAllocator:
             raise AssertionError(f"blocks both free and owned: {sorted(free & set(self._owner))}")
         if free | set(self._owner) != set(range(1, self.num_blocks)):
             raise AssertionError("blocks leaked: free + owned != all usable blocks")
+
+
+class ExtentAllocator:
+    """`BlockAllocator`'s contract over rows handed out in aligned extents of `extent` rows: `allocate(n)` returns
+    n rows filling ceil(n / extent) whole extents in order (rows e * extent .. e * extent + extent - 1 of extent e;
+    the last extent's unused rows stay with the owner), so logical block j of a request lies in extent j // extent
+    of its own: two-level scoring keys a group's bound by `row // extent`. Extent 0 holds the null row 0 and is
+    never handed out; sizes are in rows (`capacity`, `num_free`: whole free extents)."""
+
+    def __init__(self, num_rows: int, extent: int):
+        if extent < 1 or num_rows % extent or num_rows < 2 * extent:
+            raise ValueError(f"num_rows={num_rows} must be a multiple of extent={extent}, at least two extents (the "
+                             "first holds the null row)")
+        self.extent = extent
+        self.num_blocks = num_rows
+        self._extents = BlockAllocator(num_rows // extent)
+
+    @property
+    def num_free(self) -> int:
+        return self._extents.num_free * self.extent
+
+    @property
+    def capacity(self) -> int:
+        return self._extents.capacity * self.extent
+
+    def can_allocate(self, n: int) -> bool:
+        return self._extents.can_allocate(-(-n // self.extent))
+
+    def allocate(self, n: int, owner: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate n={n} rows")
+        e = self.extent
+        try:
+            extents = self._extents.allocate(-(-n // e), owner)
+        except OutOfBlocksError:
+            raise OutOfBlocksError(f"need {n} rows ({-(-n // e)} extents of {e}) but only {self.num_free} of "
+                                   f"{self.capacity} rows are free") from None
+        return [x * e + i for x in extents for i in range(e)][:n]
+
+    def free(self, rows: list[int], owner: int) -> None:
+        self._extents.free(sorted({r // self.extent for r in rows}), owner)
+
+    def owned_by(self, owner: int) -> list[int]:
+        return [x * self.extent + i for x in self._extents.owned_by(owner) for i in range(self.extent)]
+
+    def check_integrity(self) -> None:
+        self._extents.check_integrity()
+

@@ -29,7 +29,7 @@ from pallas_kernels.block_scoring import block_scores, block_scores_reference, d
 from pallas_kernels.merge import merge_attention_partials
 from pallas_kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
 from pulseinfer_jax.kept_scores import kept_block_scores, kept_lens, with_kept_scores
-from pulseinfer_jax.sparse import BlockScoring, resident_mask, select_blocks
+from pulseinfer_jax.sparse import BlockScoring, resident_mask, select_blocks, top_groups
 
 Partial = tuple[Array, Array, Array]  # (o [B, Hq, hd], m [B, Hq] f32, l [B, Hq] f32), see pallas_kernels/merge.py
 
@@ -91,9 +91,32 @@ def dense_layer(
     return kv, model.layer_finish(lp, x, o[:, None])
 
 
+def two_level_scores(score_fn, q, meta_min, meta_max, cand, cmeta_min, cmeta_max, cand_groups, *, keep: int,
+                      scoring: BlockScoring, per_head: bool, scale: float) -> Float[Array, "B S K"]:
+    """Two-level scoring (BlockScoring.coarse_group): score the groups from their bounds (`cand_groups`: metadata row
+    of each sequence's group of blocks, -1 = no scored block), keep the best `keep` (`sparse.top_groups`), score only
+    their blocks (`cand`: metadata row of each logical block, -1 = none) and return every candidate's score, -inf
+    for the blocks of the groups not kept: [B, S, K]. Reads KG + keep * group metadata rows instead of K."""
+    f = scoring.coarse_group
+    b, k = cand.shape
+    coarse = score_fn(q, cmeta_min, cmeta_max, cand_groups, per_head=per_head, beta=scoring.beta, sub_blocks=1,
+                      scale=scale)  # [B, S, KG]
+    groups = top_groups(coarse, keep, scale)  # [B, keep]
+    logical = jnp.where(groups[:, :, None] >= 0, groups[:, :, None] * f + jnp.arange(f), -1).reshape(b, -1)
+    inside = (logical >= 0) & (logical < k)
+    rows = jnp.where(inside, jnp.take_along_axis(cand, jnp.clip(logical, 0, k - 1), axis=1), -1)  # [B, keep * f]
+    fine = score_fn(q, meta_min, meta_max, rows, per_head=per_head, beta=scoring.beta, sub_blocks=scoring.sub_blocks,
+                    scale=scale)  # [B, S, keep * f]
+    target = jnp.where(rows >= 0, logical, k)  # the other entries land in a dropped column
+    out = jnp.full((b, fine.shape[1], k + 1), -jnp.inf, jnp.float32)
+    out = out.at[jnp.arange(b)[:, None, None], jnp.arange(fine.shape[1])[None, :, None], target[:, None, :]].set(
+        fine.astype(jnp.float32))
+    return out[:, :, :k]
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "budget", "sink", "window", "mode", "solohead", "attention", "scoring"),
+    static_argnames=("model", "budget", "sink", "window", "mode", "solohead", "attention", "scoring", "coarse"),
     donate_argnames=("kv",),
 )
 def sparse_pre(
@@ -114,6 +137,10 @@ def sparse_pre(
     kept_blocks: Int[Array, "B KK"],
     slot_keys: Int[Array, "SL B C"],
     sparse_layer: Int[Array, ""],
+    cmeta_min: Float[Array, "Rc Hkv hd"],
+    cmeta_max: Float[Array, "Rc Hkv hd"],
+    coarse_offset: Int[Array, ""],
+    cand_groups: Int[Array, "B KG"],
     *,
     budget: int,
     sink: int,
@@ -122,6 +149,7 @@ def sparse_pre(
     solohead: str,
     attention: str,
     scoring: BlockScoring = BlockScoring(),
+    coarse: int = 0,
 ) -> tuple[Array, Float[Array, "B Hq hd"], Int[Array, "B S N"]]:
     """A sparse layer up to attention: write the new token into its window block (GPU block `newest`, -1 for a
     padding row: the null block), score every candidate block from its key bounds (metadata blocks
@@ -131,6 +159,9 @@ def sparse_pre(
     the per-row arrays stay the same for every layer of a step, only the offsets and `sparse_layer` (device
     scalars) change. Where `scoring.favours_resident`, the logical blocks in this layer's slot cache
     (`slot_keys[sparse_layer]`, -1 = free slot) get the resident-block bonus; else `slot_keys` is not read.
+    With `coarse` > 0 (two-level scoring, `BlockScoring.coarse_group`) the groups are scored first from their bounds
+    (coarse metadata rows `coarse_offset + cand_groups`, -1 = none) and only the best `coarse` groups' blocks from
+    their own (`two_level_scores`); else the coarse inputs are not read.
 
     Returns (kv, q, selected logical blocks [B, S, budget] sorted, -1 padded; see sparse.select_blocks)."""
     write_unit = jnp.where(newest >= 0, unit_offset + newest, 0)
@@ -140,8 +171,13 @@ def sparse_pre(
     per_head = scoring.per_head(mode, solohead)
     c = model.cfg
     scale = default_scale(c.head_dim, c.group_size, per_head)
-    scores = score_fn(q, meta_min, meta_max, cand, per_head=per_head, beta=scoring.beta,
-                      sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, K]
+    if coarse:
+        groups = jnp.where(cand_groups >= 0, cand_groups + coarse_offset, -1)
+        scores = two_level_scores(score_fn, q, meta_min, meta_max, cand, cmeta_min, cmeta_max, groups, keep=coarse,
+                                   scoring=scoring, per_head=per_head, scale=scale)  # [B, Hq or Hkv, K]
+    else:
+        scores = score_fn(q, meta_min, meta_max, cand, per_head=per_head, beta=scoring.beta,
+                          sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, K]
     if scoring.scores_kept(mode, solohead):
         lens = kept_lens(kept_logical, positions, kv.shape[3])
         kept_units = jnp.where(kept_blocks >= 0, unit_offset + kept_blocks, -1)
@@ -237,3 +273,25 @@ def refresh_meta(
     m = sub_blocks
     dst = jnp.where(rows[:, None] >= 0, rows[:, None] * m + jnp.arange(m), -1).reshape(-1)
     return update_bounds(meta_min, meta_max, dst, kmin, kmax)
+
+
+@functools.partial(jax.jit, static_argnames=("sub_blocks",), donate_argnames=("cmeta_min", "cmeta_max"))
+def refresh_coarse(
+    meta_min: Float[Array, "Rm Hkv hd"],
+    meta_max: Float[Array, "Rm Hkv hd"],
+    cmeta_min: Float[Array, "Rc Hkv hd"],
+    cmeta_max: Float[Array, "Rc Hkv hd"],
+    members: Int[Array, "n F"],
+    rows: Int[Array, " n"],
+    *,
+    sub_blocks: int = 1,
+) -> tuple[Array, Array]:
+    """Two-level scoring's group bounds: coarse row `rows[i]` (-1 = skip) = the element-wise min / max over the
+    metadata blocks `members[i]` (-1 = not a member; `sub_blocks` rows each) of their bounds. Exact: the min / max of
+    values stored in the metadata dtype is one of them."""
+    m = sub_blocks
+    idx = jnp.where(members >= 0, members, 0)[:, :, None] * m + jnp.arange(m)  # [n, F, m]
+    member = (members >= 0)[:, :, None, None, None]
+    lo = jnp.where(member, meta_min[idx].astype(jnp.float32), jnp.inf).min(axis=(1, 2))  # [n, Hkv, hd]
+    hi = jnp.where(member, meta_max[idx].astype(jnp.float32), -jnp.inf).max(axis=(1, 2))
+    return update_bounds(cmeta_min, cmeta_max, rows, lo, hi)

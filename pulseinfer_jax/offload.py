@@ -2,9 +2,9 @@
 
 GPU memory (one pool, one allocator, `gpu_kv_budget` bytes in all) holds the dense requests' KV and the
 resident part of offloaded ones (see host_offload/placement.py); the per-block key metadata of every sparse
-layer (min and max, [sparse layers * host rows, Hkv, hd] each, in the KV dtype: the min / max of keys stored
-in a dtype are exact in it) is also on the GPU and is charged to the same budget. The pinned host pool holds
-one row per logical block of every sparse request.
+layer (min and max, [sparse layers * host rows, Hkv, hd] each, in float8 rounded outward or the KV dtype; with
+two-level scoring one more per group of blocks) is also on the GPU and is charged to the same budget. The pinned
+host pool holds one row per logical block of every sparse request.
 """
 
 from __future__ import annotations
@@ -33,17 +33,24 @@ def sparse_plan(config: EngineConfig, num_layers: int, num_kv_heads: int) -> Spa
 
 
 def host_rows_for(config: EngineConfig, requests: Sequence[Request]) -> int:
-    """Host pool rows (incl. the null row): host_kv_tokens, or what every request would need offloaded."""
-    bs = config.block_size
+    """Host pool rows (incl. the null row): host_kv_tokens, or what every request would need offloaded. With
+    two-level scoring rows go out in aligned extents of `score_coarse_group` rows (the first holds the null row), so
+    the count is a multiple of it and each request's rows are rounded up to whole extents."""
+    bs, a = config.block_size, config.score_coarse_group
     if config.host_kv_tokens is not None:
-        return blocks_for(config.host_kv_tokens, bs) + 1
-    return sum(blocks_for(r.need_tokens, bs) for r in requests) + 1
+        return a * (1 + -(-blocks_for(config.host_kv_tokens, bs) // a)) if a > 1 else blocks_for(
+            config.host_kv_tokens, bs) + 1
+    return a * (1 + sum(-(-blocks_for(r.need_tokens, bs) // a) for r in requests)) if a > 1 else sum(
+        blocks_for(r.need_tokens, bs) for r in requests) + 1
 
 
-def metadata_bytes(plan: SparsePlan, host_rows: int, head_dim: int, itemsize: int, sub_blocks: int = 1) -> int:
+def metadata_bytes(plan: SparsePlan, host_rows: int, head_dim: int, itemsize: int, sub_blocks: int = 1,
+                   coarse_group: int = 1) -> int:
     """Key bounds (min and max) of every sparse layer and host row (`sub_blocks` slices of it), stored in the
-    metadata dtype (`itemsize` bytes: `BlockScoring.metadata_dtype`)."""
-    return 2 * plan.sparse_layers * host_rows * sub_blocks * plan.num_kv_heads * head_dim * itemsize
+    metadata dtype (`itemsize` bytes: `BlockScoring.metadata_dtype`), plus with two-level scoring one bound per
+    group of `coarse_group` rows."""
+    rows = host_rows * sub_blocks + (host_rows // coarse_group if coarse_group > 1 else 0)
+    return 2 * plan.sparse_layers * rows * plan.num_kv_heads * head_dim * itemsize
 
 
 def gpu_blocks_wanted(config: EngineConfig, plan: SparsePlan, requests: Sequence[Request]) -> int:
@@ -75,7 +82,8 @@ class OffloadPlacer:
 
     def _sizes(self, req: Request) -> tuple[int, int, int]:
         dense = blocks_for(req.need_tokens, self.block_size)
-        return dense, self.plan.gpu_blocks(req.need_tokens), dense  # rows = one per logical block
+        a = self.pool.row_align  # rows = one per logical block, in whole extents
+        return dense, self.plan.gpu_blocks(req.need_tokens), -(-dense // a) * a
 
     def candidate(self, req: Request) -> Candidate:
         dense, peak, rows = self._sizes(req)

@@ -10,7 +10,8 @@ One decode step of the sparse requests (`SparseDecoder.decode`):
   2. dense layer l < dense_layers: one jitted call (write the token, attend over every block, MLP);
   3. sparse layer l:
        a. `sparse_pre`: q/k/v, write the token into its window block, score the middle blocks (neither sink
-          nor window) from their key metadata (SoloHead normalized_sum: the sinks and window too, from their
+          nor window) from their key metadata (two-level scoring: groups of blocks first, then only the blocks of
+          the best groups; SoloHead normalized_sum: the sinks and window too, from their
           resident keys, for the softmax; with a resident bonus, blocks in the layer's slot cache rank higher),
           select (SoloHead: one set per layer; headwise: one per KV head; sinks and window always)
                                                                                    -> STOP until sel is on host
@@ -97,16 +98,26 @@ class SparseDecoder:
         # (exact: the min / max of bf16 keys are bf16 values): at 128K they are the largest part of an offloaded
         # request's GPU footprint and of what a scoring step reads; scoring computes in float32
         meta_dtype = config.scoring.metadata_dtype(pool.dtype)
+        # two-level scoring: one bound per group of `f` blocks = per aligned extent of f host rows (the pool's
+        # ExtentAllocator), coarse row = host row // f; off: a one-row placeholder never read
+        f = config.scoring.coarse_group
+        if f > 1 and pool.row_align != f:
+            raise ValueError(f"score_coarse_group={f} needs a host pool with row_align={f} (got {pool.row_align})")
+        self._group_rows = pool.num_rows // f if f > 1 else 1  # coarse rows per sparse layer
+        crows = plan.sparse_layers * self._group_rows if f > 1 else 1
         with jax.default_device(device):
             self.meta_min = jnp.zeros((rows, c.num_kv_heads, c.head_dim), meta_dtype)
             self.meta_max = jnp.zeros((rows, c.num_kv_heads, c.head_dim), meta_dtype)
+            self.cmeta_min = jnp.zeros((crows, c.num_kv_heads, c.head_dim), meta_dtype)
+            self.cmeta_max = jnp.zeros((crows, c.num_kv_heads, c.head_dim), meta_dtype)
         self.kv: jax.Array | None = None
         # per sparse layer, on the device once: (metadata row offset, flat unit offset layer * NB, retrieval head,
-        # sparse layer index), so a decode step sends no per-layer scalars
+        # sparse layer index, coarse metadata row offset), so a decode step sends no per-layer scalars
         heads = config.retrieval_heads or (0,) * plan.sparse_layers
         self._layer_scalars = [
             tuple(jax.device_put(np.int32(v), device)
-                  for v in (sl * pool.num_rows, (plan.dense_layers + sl) * num_gpu_blocks, heads[sl], sl))
+                  for v in (sl * pool.num_rows, (plan.dense_layers + sl) * num_gpu_blocks, heads[sl], sl,
+                            sl * self._group_rows if f > 1 else 0))
             for sl in range(plan.sparse_layers)]
         self._no_slot_keys = jax.device_put(np.full((1, 1, 1), -1, np.int32), device)  # bonus off: never read
         # per decode step: host-to-device copies and bytes issued, recall wait (bounded history)
@@ -123,7 +134,7 @@ class SparseDecoder:
 
     @property
     def metadata_bytes(self) -> int:
-        return 2 * self.meta_min.nbytes
+        return 2 * self.meta_min.nbytes + (2 * self.cmeta_min.nbytes if self.config.scoring.coarse_group > 1 else 0)
 
     # ---- prompt spill --------------------------------------------------------------------------
     def spill_prompt(self, kv: jax.Array, s: SparseKV, prompt_tokens: int) -> jax.Array:
@@ -133,7 +144,7 @@ class SparseDecoder:
         spill, meta_blocks, resident = s.prefill_done(prompt_tokens)
         if spill:
             self.pool.write_back(kv, [table[j] for j in spill], [s.host_rows[j] for j in spill])
-        self._refresh_meta(kv, [(table[j], s.host_rows[j]) for j in meta_blocks])
+        self._refresh_meta(kv, [(table[j], s.host_rows[j]) for j in meta_blocks], [(s, j) for j in meta_blocks])
         pairs = [(layer * self.nb + src, layer * self.nb + dst) for src, dst in resident
                  for layer in range(s.plan.num_layers)]
         if s.plan.placement == "host" and s.plan.dense_layers:
@@ -146,8 +157,9 @@ class SparseDecoder:
             kv = layer_ops.copy_units(kv, jnp.asarray(src), jnp.asarray(dst))
         return kv
 
-    def _refresh_meta(self, kv: jax.Array, blocks: list[tuple[int, int]]) -> None:
-        """Key bounds of full GPU blocks into their metadata rows, every sparse layer: [(gpu block, host row)]."""
+    def _refresh_meta(self, kv: jax.Array, blocks: list[tuple[int, int]], logical: list[tuple[SparseKV, int]]) -> None:
+        """Key bounds of full GPU blocks into their metadata rows, every sparse layer: [(gpu block, host row)], the
+        same blocks as (request, logical block) in `logical`; with two-level scoring then their groups' bounds."""
         if not blocks:
             return
         p = self.plan
@@ -158,25 +170,47 @@ class SparseDecoder:
         r = np.full(n, -1, np.int32)
         lens = np.zeros(n, np.int32)
         u[: len(units)], r[: len(rows)], lens[: len(units)] = units, rows, p.block_size
+        m = self.config.scoring.sub_blocks
         self.meta_min, self.meta_max = layer_ops.refresh_meta(kv, self.meta_min, self.meta_max, jnp.asarray(u),
-                                                              jnp.asarray(lens), jnp.asarray(r),
-                                                              sub_blocks=self.config.scoring.sub_blocks)
+                                                              jnp.asarray(lens), jnp.asarray(r), sub_blocks=m)
+        f = self.config.scoring.coarse_group
+        if f == 1:
+            return
+        # each touched group's bound from all of its blocks that have metadata (the middle ones): recomputed, not
+        # accumulated, so a group row never carries a previous owner's bounds
+        groups = {(id(s), j // f): s for s, j in logical}
+        members, dst = [], []
+        for (_, g), s in groups.items():
+            rows_g = [s.host_rows[i] for i in range(g * f, min(g * f + f, len(s.host_rows))) if s.is_middle(i)]
+            for sl in range(p.sparse_layers):
+                members.append([sl * self.pool.num_rows + x for x in rows_g])
+                dst.append(sl * self._group_rows + s.host_rows[g * f] // f)
+        width = bucket(len(dst))
+        mem = np.full((width, f), -1, np.int32)
+        d = np.full(width, -1, np.int32)
+        for i, row in enumerate(members):
+            mem[i, : len(row)] = row
+        d[: len(dst)] = dst
+        self.cmeta_min, self.cmeta_max = layer_ops.refresh_coarse(self.meta_min, self.meta_max, self.cmeta_min,
+                                                                  self.cmeta_max, jnp.asarray(mem), jnp.asarray(d),
+                                                                  sub_blocks=m)
 
     # ---- decode --------------------------------------------------------------------------------
     def decode(self, kv: jax.Array, sparse: list[SparseKV], tokens: list[int], lengths: list[int]
                ) -> tuple[jax.Array, np.ndarray]:
         """One decode step: the token tokens[i] sits at position lengths[i] - 1 of request sparse[i].
         Returns (kv, logits [len(sparse), V] numpy)."""
-        write_back, meta = [], []
+        write_back, meta, logical = [], [], []
         for s, length in zip(sparse, lengths, strict=True):
             for j, blk in s.advance(length):
                 if s.plan.placement == "host":
                     write_back.append((blk, s.host_rows[j]))
                     s.counters.written_back_blocks += 1
                 meta.append((blk, s.host_rows[j]))
+                logical.append((s, j))
         if write_back:
             self.pool.write_back(kv, [b for b, _ in write_back], [r for _, r in write_back])
-        self._refresh_meta(kv, meta)
+        self._refresh_meta(kv, meta, logical)
         for s in sparse:
             s.counters.last_step_recall_bytes = 0
 
@@ -248,7 +282,16 @@ class SparseDecoder:
             cand[b, middle] = [s.host_rows[j] for j in middle]
             nblk[b] = n
             newest[b] = s.gpu_of[n - 1]
+        f = cfg.scoring.coarse_group
+        coarse = cfg.scoring.coarse_groups(p.budget_blocks, p.sink_blocks, p.window_blocks, kc)
+        groups = np.full((bp, -(-kc // f) if coarse else 1), -1, np.int32)
+        if coarse:  # each group holding a middle block -> its coarse row (its extent: host row // f)
+            for b, s in enumerate(sparse):
+                lo, hi = p.sink_blocks, n_blocks[b] - p.window_blocks  # middle blocks lo..hi-1
+                for g in range(lo // f, -(-hi // f) if hi > lo else 0):
+                    groups[b, g] = s.host_rows[g * f] // f
         positions_d, cand_d, nblk_d, newest_d = (jnp.asarray(a) for a in (positions, cand, nblk, newest))
+        groups_d = jnp.asarray(groups)
         # the always-kept blocks' logical indices and GPU blocks (resident: every layer's slice is there)
         score_kept = cfg.scoring.scores_kept(p.selection, cfg.solohead)
         kept_l = kept_logical(nblk, p.sink_blocks, p.window_blocks) if score_kept else np.full((bp, 1), -1, np.int32)
@@ -292,12 +335,13 @@ class SparseDecoder:
                                                    dense_ids[layer], dense_lens, attention=cfg.attention)
                 continue
             sl = layer - p.dense_layers
-            meta_offset, unit_offset, rh, sl_d = self._layer_scalars[sl]
+            meta_offset, unit_offset, rh, sl_d, coarse_offset = self._layer_scalars[sl]
             self.kv, q, sel = layer_ops.sparse_pre(
                 model, lp, self.kv, self.meta_min, self.meta_max, meta_offset, unit_offset, x, positions_d,
-                newest_d, cand_d, nblk_d, rh, kept_l_d, kept_gpu_d, slot_keys_d, sl_d, budget=p.budget_blocks,
-                sink=p.sink_blocks, window=p.window_blocks, mode=p.selection, solohead=cfg.solohead,
-                attention=cfg.attention, scoring=cfg.scoring)
+                newest_d, cand_d, nblk_d, rh, kept_l_d, kept_gpu_d, slot_keys_d, sl_d, self.cmeta_min,
+                self.cmeta_max, coarse_offset, groups_d, budget=p.budget_blocks, sink=p.sink_blocks,
+                window=p.window_blocks, mode=p.selection, solohead=cfg.solohead, attention=cfg.attention,
+                scoring=cfg.scoring, coarse=coarse)
             yield "select", sel, None
             res, late, recall = self._plan_layer(np.asarray(sel), sparse, lengths, layer, sl)
             staging = self._issue_recall(sl, recall, sparse)

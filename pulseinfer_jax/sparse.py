@@ -72,6 +72,11 @@ class BlockScoring:
     bounds_dtype: how the key bounds (the metadata the GPU keeps for every block of an offloaded request and
       reads every step) are stored: "float8_e4m3fn" (rounded outward so they still bound: a quarter / half of the
       bytes of float32 / bfloat16 bounds) or "kv" (the KV dtype: exact).
+    coarse_group, coarse_keep: two-level scoring (1 = off): the GPU also keeps one bound per group of `coarse_group`
+      consecutive blocks (the min / max over its blocks' bounds, 1 / coarse_group more metadata); a step scores the
+      groups first, keeps `coarse_keep` x the middle budget's worth of the best ones (`top_groups`) and scores only
+      their blocks' own bounds. At long contexts that cuts the metadata a step reads from every block's to
+      1 / coarse_group of it plus the kept groups'; the selection rule after that is unchanged.
     """
 
     beta: float = 0.5
@@ -80,6 +85,8 @@ class BlockScoring:
     kept_blocks: bool = True
     resident_bonus: float = 0.25
     bounds_dtype: str = "float8_e4m3fn"
+    coarse_group: int = 1
+    coarse_keep: float = 2.0
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 <= self.beta <= 1:
@@ -96,6 +103,12 @@ class BlockScoring:
             raise ValueError(f"resident_bonus={rb!r} must be a finite number >= 0 (0 = off)")
         if self.bounds_dtype not in BOUNDS_DTYPES:
             raise ValueError(f"score_bounds_dtype={self.bounds_dtype!r}; use one of {', '.join(BOUNDS_DTYPES)}")
+        f = self.coarse_group
+        if isinstance(f, bool) or not isinstance(f, int) or f < 1 or f & (f - 1):
+            raise ValueError(f"score_coarse_group={f!r} must be a power of two >= 1 (blocks per group; 1 = off)")
+        ck = self.coarse_keep
+        if isinstance(ck, bool) or not isinstance(ck, (int, float)) or not 1 <= ck < float("inf"):
+            raise ValueError(f"score_coarse_keep={ck!r} must be a finite number >= 1 (groups kept, in middle budgets)")
 
     def metadata_dtype(self, kv_dtype) -> jnp.dtype:
         """The dtype the key bounds are stored in for a KV cache of `kv_dtype`."""
@@ -105,6 +118,14 @@ class BlockScoring:
         if block_size % self.sub_blocks:
             raise ValueError(f"score_sub_blocks={self.sub_blocks} must divide block_size={block_size} (equal "
                              "token slices per block); lower score_sub_blocks")
+
+    def coarse_groups(self, budget_blocks: int, sink_blocks: int, window_blocks: int, candidates: int) -> int:
+        """Groups two-level scoring keeps for `candidates` logical blocks; 0 = score every block (off, or the kept
+        groups would cover them all anyway)."""
+        if self.coarse_group == 1:
+            return 0
+        kept = coarse_groups_kept(budget_blocks, sink_blocks, window_blocks, self.coarse_group, self.coarse_keep)
+        return kept if kept < -(-candidates // self.coarse_group) else 0
 
     def per_head(self, mode: str, solohead: str) -> bool:
         """Whether a selection with this mode / SoloHead variant scores per query head."""
@@ -293,6 +314,37 @@ def _select_blocks(
         head = jnp.clip(jnp.asarray(retrieval_head, jnp.int32), 0, h - 1)
         key = lax.dynamic_index_in_dim(scores, head, axis=1, keepdims=False)  # [B, K]
     return _top_blocks(key, n, budget, sink, window)[:, None, :]
+
+
+def coarse_groups_kept(budget_blocks: int, sink_blocks: int, window_blocks: int, group: int, keep: float) -> int:
+    """Two-level scoring: how many groups of `group` blocks the first level keeps, `keep` x the middle budget's worth
+    (static: shapes depend on it)."""
+    middle = max(1, budget_blocks - sink_blocks - window_blocks)
+    return max(1, -(-int(np.ceil(keep * middle)) // group))
+
+
+def top_groups(
+    scores: Float[Array, "B H G"], keep_groups: int, score_scale: float | Float[Array, ""]
+) -> Int[Array, "B KG"]:
+    """First level of two-level scoring: the `keep_groups` groups of blocks with the largest estimated attention
+    share, from one bound per group (`scores`: a group's block score from the min / max of its blocks' key bounds,
+    -inf or NaN = a group with no scored block). The share is SoloHead normalized_sum's: a softmax per score head over
+    the valid groups, summed over heads (for every selection mode: the groups only prefilter which blocks the second
+    level scores). Ties go to the lower index; groups with no valid score are never kept. Returns the kept groups'
+    indices [B, min(keep_groups, G)] int32, best first, -1 where fewer groups are valid."""
+    valid = scores.astype(jnp.float32) > -jnp.inf  # (False for NaN)
+    share = jnp.sum(_softmax_over_valid(scores, valid, score_scale), axis=1)  # [B, G]
+    any_valid = jnp.any(valid, axis=1)
+    key = jnp.where(any_valid, share, -1.0)  # shares are >= 0: an invalid group ranks last
+    _, idx = lax.top_k(key, min(int(keep_groups), scores.shape[2]))  # lower index first on ties
+    return jnp.where(jnp.take_along_axis(any_valid, idx, axis=1), idx, -1).astype(jnp.int32)
+
+
+def group_mask(groups: Int[Array, "B KG"], num_groups: int) -> Bool[Array, "B G"]:
+    """Kept group indices (`top_groups`, -1 = none) -> a [B, num_groups] membership mask."""
+    b = groups.shape[0]
+    idx = jnp.where(groups >= 0, groups, num_groups)
+    return jnp.zeros((b, num_groups + 1), bool).at[jnp.arange(b)[:, None], idx].set(True)[:, :num_groups]
 
 
 def block_attention_mass(

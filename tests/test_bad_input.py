@@ -136,13 +136,14 @@ def test_cli_generate_and_info(capsys, tmp_path):
                  "offload", "--dense-layers", "1", "--block-size", "4", "--budget-tokens", "96", "--no-chat",
                  "--host-io", "numpy", "--score-beta", "0.25", "--score-per-kv-head", "--score-sub-blocks", "2",
                  "--no-score-kept-blocks", "--resident-bonus", "0.5", "--score-bounds-dtype", "kv",
-                 "hello " * 50]) == 0
+                 "--score-coarse-group", "2", "--score-coarse-keep", "1.5", "hello " * 50]) == 0
     stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
     assert stats["mode"] == "offload" and stats["offloaded"] is True and stats["prompt_tokens"] > 150
     assert stats["host_io"] == "numpy" and stats["score_beta"] == 0.25
     assert stats["score_per_query_head"] is False and stats["score_sub_blocks"] == 2
     assert stats["score_kept_blocks"] is False and stats["resident_bonus"] == 0.5
     assert stats["score_bounds_dtype"] == "kv"
+    assert stats["score_coarse_group"] == 2 and stats["score_coarse_keep"] == 1.5
     assert stats["recall_bytes"] > 0 and stats["recall_transfers"] > 0 and "recall_wait_s" in stats
     assert main(["info", "random:llama-3.1-8b"]) == 0  # config only: no 8B weights are built
     info = json.loads(capsys.readouterr().out)

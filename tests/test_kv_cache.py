@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from pulseinfer_jax.kv_cache import NULL_BLOCK, BlockAllocator, OutOfBlocksError, blocks_for
+from pulseinfer_jax.kv_cache import NULL_BLOCK, BlockAllocator, ExtentAllocator, OutOfBlocksError, blocks_for
 from pulseinfer_jax.sampling import SamplingParams
 from pulseinfer_jax.scheduler import Request, Scheduler, Status
 
@@ -49,6 +49,40 @@ def test_allocator_rejects_foreign_free_and_detects_corruption():
         alloc.check_integrity()
     with pytest.raises(ValueError, match="num_blocks"):
         BlockAllocator(1)
+
+
+def test_extent_allocator_hands_out_aligned_extents():
+    """Rows come in whole aligned extents, in order (logical block j of an owner lies in its extent j // 4), never
+    from extent 0 (the null row's); the sizes are in rows and a failed allocation changes nothing."""
+    rng = random.Random(1)
+    alloc = ExtentAllocator(48, 4)  # 11 usable extents
+    assert alloc.capacity == 44 and alloc.num_free == 44
+    owned: dict[int, list[int]] = {}
+    for step in range(1500):
+        if owned and rng.random() < 0.45:
+            owner = rng.choice(sorted(owned))
+            alloc.free(owned.pop(owner), owner)
+        else:
+            n = rng.randint(0, 13)
+            if alloc.can_allocate(n):
+                rows = alloc.allocate(n, step)
+                assert len(rows) == n and min(rows, default=4) >= 4
+                for j, r in enumerate(rows):  # aligned: block j at offset j % 4 of the extent of block j - j % 4
+                    assert r % 4 == j % 4 and r // 4 == rows[j - j % 4] // 4
+                owned[step] = rows
+            else:
+                free_before = alloc.num_free
+                with pytest.raises(OutOfBlocksError, match="extents of 4"):
+                    alloc.allocate(n, step)
+                assert alloc.num_free == free_before and -(-n // 4) * 4 > free_before
+        alloc.check_integrity()
+        extents = [r // 4 for rows in owned.values() for r in rows]
+        assert alloc.num_free == alloc.capacity - 4 * len(set(extents))
+        assert len({(o, r // 4) for o, rows in owned.items() for r in rows}) == len(set(extents))  # not shared
+    with pytest.raises(ValueError, match="multiple of extent"):
+        ExtentAllocator(10, 4)
+    with pytest.raises(ValueError, match="two extents"):
+        ExtentAllocator(4, 4)
 
 
 def _req(i, prompt_len, max_new=4):

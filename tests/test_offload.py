@@ -58,6 +58,8 @@ def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extr
     ("solohead", "xla", dict(resident_bonus=0.0)),  # (the default bonus: device placement keeps the slot
     ("solohead", "xla", dict(resident_bonus=2.0)),  # caches' bookkeeping to select what host placement does)
     ("solohead", "numpy", dict(score_bounds_dtype="kv")),  # exact bounds (the default: float8, rounded outward)
+    ("solohead", "xla", dict(score_coarse_group=2, score_coarse_keep=1.0)),  # two-level scoring
+    ("headwise", "numpy", dict(score_coarse_group=4, score_coarse_keep=1.0, score_sub_blocks=2)),
 ])
 def test_offloaded_sparse_equals_on_device_sparse(tiny4, selection, host_io, scoring):
     """Same selection with the KV offloaded and with every block on the GPU: token for token, while the
@@ -377,7 +379,65 @@ def test_metadata_budgeted_as_allocated(tiny4, m, bounds, dtype):
     assert checked == (45 // bs - 3) * s.plan.sparse_layers
 
 
+def test_two_level_scoring_scores_kept_groups_only(tiny4, monkeypatch):
+    """score_coarse_group: host rows go out in aligned extents, every group row holds the min / max of its middle
+    blocks' bounds (exactly), a step scores the groups and then only the kept groups' blocks (the fine scoring call
+    gets keep * group candidates, not every block), the GPU budget counts the group rows, and the Pallas kernels
+    select the same tokens as the jnp reference."""
+    from pulseinfer_jax import layer_ops, offload
+
+    widths = []
+    real = layer_ops.block_scores_reference
+
+    def spy(q, meta_min, meta_max, cand, **k):
+        widths.append((meta_min.shape[0], cand.shape[1]))
+        return real(q, meta_min, meta_max, cand, **k)
+
+    monkeypatch.setattr(layer_ops, "block_scores_reference", spy)
+    layer_ops.sparse_pre.clear_cache()
+    f, prompts = 2, _prompts(tiny4.cfg.vocab_size, lengths=(61, 45))
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_coarse_group=f, score_coarse_keep=1.0)
+    eng = Engine(tiny4, EngineConfig(**kw))
+    reqs = _run_until_last_token(eng, prompts, 8)
+    dec = eng.sparse
+    rows, sl_n = eng.host_pool.num_rows, dec.plan.sparse_layers
+    assert rows % f == 0 and dec.cmeta_min.shape[0] == sl_n * rows // f
+    want = offload.metadata_bytes(dec.plan, rows, tiny4.cfg.head_dim, dec.meta_min.dtype.itemsize, 1, f)
+    assert dec.metadata_bytes == want == 2 * (dec.meta_min.nbytes + dec.cmeta_min.nbytes)
+    lo, hi = (np.asarray(a.astype(jnp.float32)) for a in (dec.meta_min, dec.meta_max))
+    clo, chi = (np.asarray(a.astype(jnp.float32)) for a in (dec.cmeta_min, dec.cmeta_max))
+    checked = 0
+    for r in reqs:
+        s = r.sparse
+        assert all(s.host_rows[j] // f == s.host_rows[j - j % f] // f for j in range(len(s.host_rows)))
+        for g in range(-(-s.num_blocks // f)):
+            members = [j for j in range(g * f, min(g * f + f, s.num_blocks)) if s.is_middle(j)]
+            if not members:
+                continue
+            for sl in range(sl_n):
+                fine = [sl * rows + s.host_rows[j] for j in members]
+                c = sl * rows // f + s.host_rows[g * f] // f
+                np.testing.assert_array_equal(clo[c], lo[fine].min(0))
+                np.testing.assert_array_equal(chi[c], hi[fine].max(0))
+                checked += 1
+    assert checked >= 2 * sl_n * 6
+    # group scoring reads the coarse rows, block scoring keep * f candidates: fewer than the blocks it skips
+    keep = EngineConfig(**kw).scoring.coarse_groups(6, 1, 2, 16)
+    assert keep == 2
+    coarse_calls = [w for w in widths if w[0] == dec.cmeta_min.shape[0]]
+    fine_calls = [w for w in widths if w[0] == dec.meta_min.shape[0]]
+    assert coarse_calls and {w[1] for w in fine_calls} == {keep * f}
+    host = [r.output for r in reqs]
+    pallas = _run_until_last_token(Engine(tiny4, EngineConfig(**kw, decode_attention="pallas")), prompts, 8)
+    assert [r.output for r in pallas] == host
+    plain = _run_until_last_token(Engine(tiny4, EngineConfig(**{**kw, "score_coarse_group": 1})), prompts, 8)
+    assert [r.output for r in plain] != host, "the first level dropped nothing the plain scorer would select"
+
+
 @pytest.mark.parametrize("kw,match", [
+    (dict(score_coarse_group=3), "score_coarse_group"), (dict(score_coarse_group=0), "score_coarse_group"),
+    (dict(score_coarse_group=True), "score_coarse_group"), (dict(score_coarse_keep=0.5), "score_coarse_keep"),
+    (dict(score_coarse_keep=float("inf")), "score_coarse_keep"),
     (dict(score_beta=1.5), "score_beta"), (dict(score_beta=-0.5), "score_beta"), (dict(score_beta=True), "score_beta"),
     (dict(score_beta="0.5"), "score_beta"), (dict(score_sub_blocks=3), "power of two"),
     (dict(score_sub_blocks=0), "power of two"), (dict(score_sub_blocks=32), "must divide block_size=16"),

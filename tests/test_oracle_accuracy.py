@@ -13,15 +13,18 @@ from bench import oracle_accuracy as oa
 def test_parse_policy():
     assert oa.parse_policy("quest-solohead:perhead:beta=0.5:temp=2") == (
         "quest-solohead", {"perhead": True, "beta": 0.5, "temp": 2.0, "sub": 1, "middle": False, "est": "",
-                           "bounds": "float8_e4m3fn"})
+                           "bounds": "float8_e4m3fn", "coarse": 1, "keep": 2.0})
     assert oa.parse_policy("quest-solohead:bounds=kv")[1]["bounds"] == "kv"
+    assert oa.parse_policy("quest-solohead:coarse=16:keep=4")[1] == {
+        **oa.parse_policy("quest-solohead")[1], "coarse": 16, "keep": 4.0}
     assert oa.parse_policy("oracle-solohead:est")[1]["est"] == "mean"
     assert oa.parse_policy("quest-headwise:est=mid")[1]["est"] == "mid"
     assert oa.parse_policy("quest-solohead:middle")[1]["middle"] is True
     assert oa.parse_policy("quest-solohead:sub=2")[1]["sub"] == 2
     for bad in ("quest", "oracle-solohead:beta=1", "quest-headwise:perhead", "quest-solohead:gamma=1",
                 "quest-solohead:sub=0", "quest-solohead:sub=x", "quest-solohead:est=max", "oracle-solohead:est:sub=2",
-                "quest-solohead:bounds=int8", "oracle-solohead:bounds=kv"):
+                "quest-solohead:bounds=int8", "oracle-solohead:bounds=kv", "quest-solohead:coarse=x",
+                "oracle-solohead:coarse=4"):
         with pytest.raises(ValueError):
             oa.parse_policy(bad)
 
@@ -83,6 +86,9 @@ def test_main_smoke_writes_json(tmp_path):
     ("quest-solohead:beta=0.5:sub=2", dict(score_per_query_head=False, score_sub_blocks=2)),
     ("quest-solohead:perhead:beta=0.5:sub=2:middle", dict(score_sub_blocks=2, score_kept_blocks=False)),
     ("quest-headwise:beta=0.5", dict(selection="headwise")),
+    ("quest-solohead:perhead:beta=0.5:coarse=2:keep=1", dict(score_coarse_group=2, score_coarse_keep=1.0)),
+    ("quest-headwise:beta=0.5:sub=2:coarse=4:keep=1", dict(selection="headwise", score_sub_blocks=2,
+                                                          score_coarse_group=4, score_coarse_keep=1.0)),
 ])
 def test_harness_reproduces_the_engine(tiny4, policy, engine_kw):
     """The harness's teacher-forced logits are the engine's own (offloaded sparse decoding, same budget / sinks /
@@ -109,6 +115,8 @@ def test_harness_reproduces_the_engine(tiny4, policy, engine_kw):
     np.testing.assert_allclose(same, engine, rtol=0, atol=1e-5 * scale)
     dense = teacher_forced_logits(tiny4, EngineConfig(block_size=4, prefill_chunk=32, key_chunk=32), toks[:70], targets)
     assert np.abs(dense - engine).max() > 1e-3 * scale  # 6 of 18-21 blocks: the selection matters
+    if ":coarse" in policy:  # the first level really drops blocks the plain scorer would select
+        assert np.abs(harness(policy.split(":coarse")[0]) - engine).max() > 1e-3 * scale
     if policy.startswith("quest-solohead"):
         other = policy.replace(":middle", "") if policy.endswith(":middle") else policy + ":middle"
         assert np.abs(harness(other) - engine).max() > 1e-3 * scale  # the kept blocks' scores change selections

@@ -12,9 +12,11 @@ from pulseinfer_jax.sparse import (
     bucket_budget,
     calibrate_retrieval_head,
     candidate_ids,
+    group_mask,
     logical_to_physical,
     resident_mask,
     select_blocks,
+    top_groups,
 )
 
 
@@ -278,3 +280,77 @@ def test_resident_bonus_is_hysteresis_on_normalized_sum():
                       **{**kw, "mode": "headwise"})
     with pytest.raises(ValueError, match=r"\[B, K\]"):
         select_blocks(jnp.asarray(s), n, resident=jnp.asarray(res[:, :5]), resident_bonus=1.0, **kw)
+
+
+def test_top_groups_keeps_the_largest_summed_shares():
+    """First level of two-level scoring: per row, the groups with the largest softmax share summed over heads
+    (numpy reference; ties to the lower index), groups with no finite score never kept (-1 when too few)."""
+    rng = np.random.default_rng(7)
+    b, h, g, keep, scale = 4, 3, 10, 4, 0.7
+    scores = rng.integers(-3, 3, size=(b, h, g)).astype(np.float32)  # few values: ties
+    scores[1, :, 2:] = -np.inf  # row 1: only groups 0, 1 valid -> [0|1, 1|0, -1, -1]
+    scores[2, 0, 5] = np.nan  # NaN on one head only: the group stays valid through the other heads
+    got = np.asarray(top_groups(jnp.asarray(scores), keep, scale))
+    assert got.shape == (b, keep) and got.dtype == np.int32
+    for i in range(b):
+        s = np.where(np.isnan(scores[i]), -np.inf, scores[i]) * scale
+        valid = np.isfinite(s)
+        e = np.where(valid, np.exp(s - np.max(np.where(valid, s, -np.inf), axis=1, keepdims=True)), 0.0)
+        share = (e / e.sum(1, keepdims=True)).sum(0)
+        order = [j for j in sorted(range(g), key=lambda j: (-share[j], j)) if valid[:, j].any()][:keep]
+        want = order + [-1] * (keep - len(order))
+        assert got[i].tolist() == want, (i, got[i], want)
+    mask = np.asarray(group_mask(jnp.asarray(got), g))
+    assert mask.sum(1).tolist() == [(got[i] >= 0).sum() for i in range(b)] and mask[1, :2].all() and mask[1].sum() == 2
+
+
+@pytest.mark.parametrize("kernel", ["reference", "pallas"])
+def testtwo_level_scores_equal_plain_scores_on_kept_groups(kernel):
+    """`layer_ops.two_level_scores`: inside the kept groups every block's score is the plain scorer's (bit for bit),
+    outside it is -inf; the kept groups are `top_groups` of the groups' scores from the min / max of their blocks'
+    bounds; keeping every group reproduces plain scoring. Shuffled metadata rows, NaN-poisoned unused rows, -1
+    candidates (no metadata) and a group with none."""
+    from pallas_kernels.block_scoring import block_scores_reference
+    from pulseinfer_jax.layer_ops import two_level_scores
+    from pulseinfer_jax.sparse import BlockScoring
+
+    fn = block_scores if kernel == "pallas" else block_scores_reference
+    rng = np.random.default_rng(3)
+    b, hq, hkv, hd, k, f, m = 2, 4, 2, 64, 16, 4, 2
+    nrows = 40  # metadata blocks (m rows each); rows not listed are NaN
+    meta = rng.standard_normal((2, nrows * m, hkv, hd)).astype(np.float32)
+    meta_min, meta_max = np.minimum(meta[0], meta[1]), np.maximum(meta[0], meta[1])
+    cand = np.full((b, k), -1, np.int32)
+    perm = rng.permutation(np.arange(1, nrows))
+    cand[0, 1:14] = perm[:13]  # sequence 0: blocks 1..13 scored (group 3 holds 12, 13 only)
+    cand[1, 4:11] = perm[13:20]  # sequence 1: group 0 has no scored block
+    used = np.unique(cand[cand >= 0])
+    unused = np.setdiff1d(np.arange(nrows), used)
+    for a in (meta_min, meta_max):
+        a.reshape(nrows, m, hkv, hd)[unused] = np.nan
+    # group bounds as the engine keeps them: min / max over each group's scored blocks, one row per group
+    kg = k // f
+    gmin = np.full((b * kg, hkv, hd), np.nan, np.float32)
+    gmax = np.full((b * kg, hkv, hd), np.nan, np.float32)
+    groups = np.full((b, kg), -1, np.int32)
+    for i in range(b):
+        for g in range(kg):
+            rows = [r for r in cand[i, g * f:(g + 1) * f] if r >= 0]
+            if rows:
+                idx = (np.array(rows)[:, None] * m + np.arange(m)).ravel()
+                gmin[i * kg + g], gmax[i * kg + g] = meta_min[idx].min(0), meta_max[idx].max(0)
+                groups[i, g] = i * kg + g
+    q = jnp.asarray(rng.standard_normal((b, hq, hd)).astype(np.float32))
+    scoring = BlockScoring(sub_blocks=m, coarse_group=f)
+    args = (q, jnp.asarray(meta_min), jnp.asarray(meta_max), jnp.asarray(cand), jnp.asarray(gmin), jnp.asarray(gmax),
+            jnp.asarray(groups))
+    plain = np.asarray(fn(q, args[1], args[2], args[3], per_head=True, beta=scoring.beta, sub_blocks=m, scale=0.1))
+    everything = np.asarray(two_level_scores(fn, *args, keep=kg, scoring=scoring, per_head=True, scale=0.1))
+    np.testing.assert_array_equal(everything, np.where(cand[:, None] >= 0, plain, -np.inf))
+    two = np.asarray(two_level_scores(fn, *args, keep=2, scoring=scoring, per_head=True, scale=0.1))
+    coarse = fn(q, args[4], args[5], args[6], per_head=True, beta=scoring.beta, scale=0.1)
+    kept = np.asarray(top_groups(coarse, 2, 0.1))
+    assert (kept >= 0).all() and 0 not in kept[1]  # group 0 of sequence 1 has nothing to score
+    inside = np.repeat(np.asarray(group_mask(jnp.asarray(kept), kg)), f, axis=1) & (cand >= 0)  # [B, K]
+    assert inside.sum() < (cand >= 0).sum()  # the first level dropped blocks
+    np.testing.assert_array_equal(two, np.where(inside[:, None], plain, -np.inf))
