@@ -132,6 +132,7 @@ def parse_policy(policy: str) -> tuple[str, dict]:
                              f"bounds={'|'.join(BOUNDS_DTYPES)}, coarse=F, keep=X)")
     if any(not o.startswith("est") for o in opts) and not base.startswith("quest"):
         raise ValueError(f"options apply to the quest policies only, got {policy!r}")
+    BlockScoring(coarse_group=out["coarse"], coarse_keep=out["keep"])  # (the engine's checks of F and X)
     if out["perhead"] and base.endswith("headwise"):
         raise ValueError(f"perhead applies to SoloHead (headwise selects per KV head already), got {policy!r}")
     return base, out
@@ -150,15 +151,13 @@ def _bounds(keys: jax.Array, bs: int) -> tuple[jax.Array, jax.Array]:
 def _coarse_keep(qf: jax.Array, kmin: jax.Array, kmax: jax.Array, mid: jax.Array, opt: dict, scale: float, *,
                  kept_groups: int) -> jax.Array:
     """Two-level scoring's first level, per row: qf [R, Hq, hd], bounds [NB * m, Hkv, hd] (m rows per block), mid
-    [R, NB] the row's middle blocks -> [R, NB] bool, the blocks of its kept groups (every block when all are kept)."""
+    [R, NB] the row's middle blocks -> [R, NB] bool, the blocks of its `kept_groups` best groups."""
     from pallas_kernels.block_scoring import block_scores_reference
-    from pulseinfer_jax.sparse import group_mask, top_groups
+    from pulseinfer_jax.sparse import membership_mask, top_groups
 
     f, m = opt["coarse"], opt["sub"]
     r, nb = mid.shape
     ng = -(-nb // f)
-    if kept_groups >= ng:
-        return jnp.ones_like(mid)
     hkv, hd = kmin.shape[1:]
     member = jnp.pad(mid, ((0, 0), (0, ng * f - nb)))  # [R, NG * F]
     rows = jnp.repeat(member, m, axis=1)[:, :, None, None]  # [R, NG * F * m, 1, 1]
@@ -169,7 +168,7 @@ def _coarse_keep(qf: jax.Array, kmin: jax.Array, kmax: jax.Array, mid: jax.Array
     ids = jnp.where(live, jnp.arange(r)[:, None] * ng + jnp.arange(ng)[None], -1).astype(jnp.int32)
     cs = block_scores_reference(qf, lo.reshape(r * ng, hkv, hd), hi.reshape(r * ng, hkv, hd), ids,
                                 per_head=opt["perhead"], beta=opt["beta"], scale=scale)  # [R, S, NG]
-    return jnp.repeat(group_mask(top_groups(cs, kept_groups, scale), ng), f, axis=1)[:, :nb]
+    return jnp.repeat(membership_mask(top_groups(cs, kept_groups, scale), ng), f, axis=1)[:, :nb]
 
 
 @functools.partial(jax.jit, static_argnames=("model", "policy", "budget", "bs", "sink", "window", "dense_layers"))
@@ -179,7 +178,7 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
     from pallas_kernels.block_metadata import round_bounds_outward
     from pallas_kernels.block_scoring import block_scores_reference, default_scale
     from pulseinfer_jax.kept_scores import score_kept_from_keys
-    from pulseinfer_jax.sparse import coarse_groups_kept, select_blocks
+    from pulseinfer_jax.sparse import select_blocks
 
     c = model.cfg
     policy, opt = parse_policy(policy)
@@ -215,9 +214,10 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
                 j = jnp.arange(nbk)[None, :]
                 mid = (j >= sink) & (j < nb_row[:, None] - window)  # [R, NB]: the engine's metadata candidates
                 scale = opt["temp"] * default_scale(hd, g, opt["perhead"])
-                if opt["coarse"] > 1:  # first level: only the best groups' middle blocks stay candidates
-                    mid = mid & _coarse_keep(qf, kmin, kmax, mid, opt, scale, kept_groups=coarse_groups_kept(
-                        budget, sink, window, opt["coarse"], opt["keep"]))
+                kept_groups = BlockScoring(coarse_group=opt["coarse"], coarse_keep=opt["keep"]).coarse_groups(
+                    budget, sink, window, nbk)
+                if kept_groups:  # first level: only the best groups' middle blocks stay candidates
+                    mid = mid & _coarse_keep(qf, kmin, kmax, mid, opt, scale, kept_groups=kept_groups)
                 scores = block_scores_reference(qf, kmin, kmax, jnp.where(mid, j, -1).astype(jnp.int32),
                                                 per_head=opt["perhead"], beta=opt["beta"], sub_blocks=m,
                                                 scale=scale)  # engine's code: [R, S, NB]

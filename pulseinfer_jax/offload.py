@@ -36,12 +36,9 @@ def host_rows_for(config: EngineConfig, requests: Sequence[Request]) -> int:
     """Host pool rows (incl. the null row): host_kv_tokens, or what every request would need offloaded. With
     two-level scoring rows go out in aligned extents of `score_coarse_group` rows (the first holds the null row), so
     the count is a multiple of it and each request's rows are rounded up to whole extents."""
-    bs, a = config.block_size, config.score_coarse_group
-    if config.host_kv_tokens is not None:
-        return a * (1 + -(-blocks_for(config.host_kv_tokens, bs) // a)) if a > 1 else blocks_for(
-            config.host_kv_tokens, bs) + 1
-    return a * (1 + sum(-(-blocks_for(r.need_tokens, bs) // a) for r in requests)) if a > 1 else sum(
-        blocks_for(r.need_tokens, bs) for r in requests) + 1
+    bs, a = config.block_size, config.score_coarse_group  # (a = 1: one row per block plus the null row)
+    tokens = [config.host_kv_tokens] if config.host_kv_tokens is not None else [r.need_tokens for r in requests]
+    return a * (1 + sum(-(-blocks_for(t, bs) // a) for t in tokens))
 
 
 def metadata_bytes(plan: SparsePlan, host_rows: int, head_dim: int, itemsize: int, sub_blocks: int = 1,

@@ -117,7 +117,7 @@ class SparseDecoder:
         self._layer_scalars = [
             tuple(jax.device_put(np.int32(v), device)
                   for v in (sl * pool.num_rows, (plan.dense_layers + sl) * num_gpu_blocks, heads[sl], sl,
-                            sl * self._group_rows if f > 1 else 0))
+                            sl * self._group_rows))
             for sl in range(plan.sparse_layers)]
         self._no_slot_keys = jax.device_put(np.full((1, 1, 1), -1, np.int32), device)  # bonus off: never read
         # per decode step: host-to-device copies and bytes issued, recall wait (bounded history)
@@ -144,7 +144,7 @@ class SparseDecoder:
         spill, meta_blocks, resident = s.prefill_done(prompt_tokens)
         if spill:
             self.pool.write_back(kv, [table[j] for j in spill], [s.host_rows[j] for j in spill])
-        self._refresh_meta(kv, [(table[j], s.host_rows[j]) for j in meta_blocks], [(s, j) for j in meta_blocks])
+        self._refresh_meta(kv, [(s, j, table[j]) for j in meta_blocks])
         pairs = [(layer * self.nb + src, layer * self.nb + dst) for src, dst in resident
                  for layer in range(s.plan.num_layers)]
         if s.plan.placement == "host" and s.plan.dense_layers:
@@ -157,14 +157,14 @@ class SparseDecoder:
             kv = layer_ops.copy_units(kv, jnp.asarray(src), jnp.asarray(dst))
         return kv
 
-    def _refresh_meta(self, kv: jax.Array, blocks: list[tuple[int, int]], logical: list[tuple[SparseKV, int]]) -> None:
-        """Key bounds of full GPU blocks into their metadata rows, every sparse layer: [(gpu block, host row)], the
-        same blocks as (request, logical block) in `logical`; with two-level scoring then their groups' bounds."""
+    def _refresh_meta(self, kv: jax.Array, blocks: list[tuple[SparseKV, int, int]]) -> None:
+        """Key bounds of full GPU blocks into their metadata rows (the blocks' host rows), every sparse layer:
+        [(request, logical block, GPU block)]; with two-level scoring then their groups' bounds."""
         if not blocks:
             return
         p = self.plan
-        units = [(p.dense_layers + sl) * self.nb + g for sl in range(p.sparse_layers) for g, _ in blocks]
-        rows = [sl * self.pool.num_rows + r for sl in range(p.sparse_layers) for _, r in blocks]
+        units = [(p.dense_layers + sl) * self.nb + g for sl in range(p.sparse_layers) for _, _, g in blocks]
+        rows = [sl * self.pool.num_rows + s.host_rows[j] for sl in range(p.sparse_layers) for s, j, _ in blocks]
         n = bucket(len(units))
         u = np.zeros(n, np.int32)
         r = np.full(n, -1, np.int32)
@@ -178,7 +178,7 @@ class SparseDecoder:
             return
         # each touched group's bound from all of its blocks that have metadata (the middle ones): recomputed, not
         # accumulated, so a group row never carries a previous owner's bounds
-        groups = {(id(s), j // f): s for s, j in logical}
+        groups = {(id(s), j // f): s for s, j, _ in blocks}
         members, dst = [], []
         for (_, g), s in groups.items():
             rows_g = [s.host_rows[i] for i in range(g * f, min(g * f + f, len(s.host_rows))) if s.is_middle(i)]
@@ -200,17 +200,16 @@ class SparseDecoder:
                ) -> tuple[jax.Array, np.ndarray]:
         """One decode step: the token tokens[i] sits at position lengths[i] - 1 of request sparse[i].
         Returns (kv, logits [len(sparse), V] numpy)."""
-        write_back, meta, logical = [], [], []
+        write_back, meta = [], []
         for s, length in zip(sparse, lengths, strict=True):
             for j, blk in s.advance(length):
                 if s.plan.placement == "host":
                     write_back.append((blk, s.host_rows[j]))
                     s.counters.written_back_blocks += 1
-                meta.append((blk, s.host_rows[j]))
-                logical.append((s, j))
+                meta.append((s, j, blk))
         if write_back:
             self.pool.write_back(kv, [b for b, _ in write_back], [r for _, r in write_back])
-        self._refresh_meta(kv, meta, logical)
+        self._refresh_meta(kv, meta)
         for s in sparse:
             s.counters.last_step_recall_bytes = 0
 

@@ -167,9 +167,14 @@ def resident_mask(slot_keys: Int[Array, "B C"], num_candidates: int) -> Bool[Arr
     """Logical blocks held by each sequence's slot cache (`slot_keys`: a logical block per slot, -1 = free; see
     host_offload/slot_cache.py) -> a [B, K] membership mask over candidates 0..K-1 (the `resident` input of
     `select_blocks`)."""
-    b, k = slot_keys.shape[0], int(num_candidates)
-    idx = jnp.where((slot_keys >= 0) & (slot_keys < k), slot_keys, k)
-    return jnp.zeros((b, k + 1), bool).at[jnp.arange(b)[:, None], idx].set(True)[:, :k]
+    return membership_mask(slot_keys, num_candidates)
+
+
+def membership_mask(ids: Int[Array, "B C"], n: int) -> Bool[Array, "B N"]:
+    """Per row, which of 0..n-1 appear in `ids` (entries outside 0..n-1, e.g. -1, are ignored): [B, n] bool."""
+    b, n = ids.shape[0], int(n)
+    idx = jnp.where((ids >= 0) & (ids < n), ids, n)
+    return jnp.zeros((b, n + 1), bool).at[jnp.arange(b)[:, None], idx].set(True)[:, :n]
 
 
 def logical_to_physical(selected: Int[Array, "B S N"], block_tables: Int[Array, "B MB"]) -> Int[Array, "B S N"]:
@@ -338,13 +343,6 @@ def top_groups(
     key = jnp.where(any_valid, share, -1.0)  # shares are >= 0: an invalid group ranks last
     _, idx = lax.top_k(key, min(int(keep_groups), scores.shape[2]))  # lower index first on ties
     return jnp.where(jnp.take_along_axis(any_valid, idx, axis=1), idx, -1).astype(jnp.int32)
-
-
-def group_mask(groups: Int[Array, "B KG"], num_groups: int) -> Bool[Array, "B G"]:
-    """Kept group indices (`top_groups`, -1 = none) -> a [B, num_groups] membership mask."""
-    b = groups.shape[0]
-    idx = jnp.where(groups >= 0, groups, num_groups)
-    return jnp.zeros((b, num_groups + 1), bool).at[jnp.arange(b)[:, None], idx].set(True)[:, :num_groups]
 
 
 def block_attention_mass(

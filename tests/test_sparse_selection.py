@@ -12,8 +12,8 @@ from pulseinfer_jax.sparse import (
     bucket_budget,
     calibrate_retrieval_head,
     candidate_ids,
-    group_mask,
     logical_to_physical,
+    membership_mask,
     resident_mask,
     select_blocks,
     top_groups,
@@ -300,7 +300,7 @@ def test_top_groups_keeps_the_largest_summed_shares():
         order = [j for j in sorted(range(g), key=lambda j: (-share[j], j)) if valid[:, j].any()][:keep]
         want = order + [-1] * (keep - len(order))
         assert got[i].tolist() == want, (i, got[i], want)
-    mask = np.asarray(group_mask(jnp.asarray(got), g))
+    mask = np.asarray(membership_mask(jnp.asarray(got), g))
     assert mask.sum(1).tolist() == [(got[i] >= 0).sum() for i in range(b)] and mask[1, :2].all() and mask[1].sum() == 2
 
 
@@ -351,6 +351,6 @@ def testtwo_level_scores_equal_plain_scores_on_kept_groups(kernel):
     coarse = fn(q, args[4], args[5], args[6], per_head=True, beta=scoring.beta, scale=0.1)
     kept = np.asarray(top_groups(coarse, 2, 0.1))
     assert (kept >= 0).all() and 0 not in kept[1]  # group 0 of sequence 1 has nothing to score
-    inside = np.repeat(np.asarray(group_mask(jnp.asarray(kept), kg)), f, axis=1) & (cand >= 0)  # [B, K]
+    inside = np.repeat(np.asarray(membership_mask(jnp.asarray(kept), kg)), f, axis=1) & (cand >= 0)  # [B, K]
     assert inside.sum() < (cand >= 0).sum()  # the first level dropped blocks
     np.testing.assert_array_equal(two, np.where(inside[:, None], plain, -np.inf))
