@@ -7,7 +7,7 @@ A *sparse* request decodes with block selection. Its placement is either
         one included) plus one spare for the block that starts next; new tokens are written here;
       * the slot cache: `slot_blocks` GPU blocks whose layer-l slices hold the blocks layer l recalled
         (SoloHead: slot i = a whole block; headwise: column h of slot i = head h of a block, one LRU lane
-        per head); a `SlotCache` per (sparse layer, lane) says which;
+        per head); the engine's `SlotTable` says which;
       * dense-layer packs: the first `dense_layers` layers attend densely, so every logical block's KV of those
         layers stays on the GPU, packed `L // dense_layers` blocks to one GPU block: logical block j, dense
         layer d -> z = j * dense_layers + d -> GPU block packs[z // L], layer slice z % L (flat unit
@@ -34,8 +34,9 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from jaxtyping import Int
 
-from host_offload.slot_cache import SlotCache
+from host_offload.slot_cache import SlotTable
 from pulseinfer_jax.kv_cache import blocks_for
 
 
@@ -120,7 +121,8 @@ class SparseKV:
     """Block roles of one sparse request; see the module docstring. Owns no memory: the engine allocates the
     GPU blocks and host rows and hands them in; `free_after_prefill` says which GPU blocks to give back."""
 
-    def __init__(self, plan: SparsePlan, owner: int, total_tokens: int, gpu_blocks: list[int], host_rows: list[int]):
+    def __init__(self, plan: SparsePlan, owner: int, total_tokens: int, gpu_blocks: list[int], host_rows: list[int],
+                 slot_table: SlotTable | None = None):
         n_max = blocks_for(total_tokens, plan.block_size)
         if len(gpu_blocks) != plan.gpu_blocks(total_tokens) or len(host_rows) != n_max:
             raise ValueError(f"request {owner}: got {len(gpu_blocks)} GPU blocks / {len(host_rows)} host rows, "
@@ -128,28 +130,34 @@ class SparseKV:
         self.plan = plan
         self.owner = owner
         self.host_rows = list(host_rows)  # logical block -> host row (and metadata row)
+        self.host_row_arr = np.asarray(host_rows, np.int32)  # the same as an array (the decode step's lookups)
         self.counters = SparseCounters()
         self.num_blocks = 0  # logical blocks holding tokens (set by prefill_done / advance)
         self.gpu_of: dict[int, int] = {}  # resident logical block -> GPU block
+        self.gpu_arr = np.full(n_max, -1, np.int32)  # the same as an array: GPU block of logical j, -1 = not resident
         self.spare: list[int] = []
         self.table: list[int] = []  # the prompt's GPU blocks during prefill
         slots = plan.slots_for(n_max)
-        # [sparse layer, lane, slot] logical block held by each slot (-1 = free), written by the slot caches: one
-        # array per request for the device's resident-block bonus (BlockScoring.resident_bonus). Device placement
+        # the slot caches of every sparse layer and lane: a row of the engine's SlotTable (shared by its sparse
+        # requests, so a decode step plans a whole micro-batch at once), or of a table of its own. Device placement
         # keeps the caches as bookkeeping only (no slot blocks, nothing recalled), so that it selects exactly what
-        # host placement does
-        self.slot_keys = np.full((plan.sparse_layers, plan.lanes, slots), -1, np.int32)
-        self.caches = [[SlotCache(slots, self.slot_keys[sl, lane]) for lane in range(plan.lanes)]
-                       for sl in range(plan.sparse_layers)]
+        # host placement does (the resident-block bonus reads them)
+        if slot_table is None:
+            slot_table = SlotTable(plan.sparse_layers, plan.lanes, slots, key_rows=max(host_rows, default=0) + 1,
+                                   table_rows=1)
+        self.slot_table = slot_table
+        self.slot_row = slot_table.add(slots)
         if plan.placement == "device":
             self.table = list(gpu_blocks)
             self.slot_blocks: list[int] = []
             self.packs: list[int] = []
-            return
-        r = plan.resident_blocks
-        self.spare = list(gpu_blocks[:r])  # resident blocks, assigned at prefill_done
-        self.slot_blocks = list(gpu_blocks[r:r + slots])
-        self.packs = list(gpu_blocks[r + slots:])
+        else:
+            r = plan.resident_blocks
+            self.spare = list(gpu_blocks[:r])  # resident blocks, assigned at prefill_done
+            self.slot_blocks = list(gpu_blocks[r:r + slots])
+            self.packs = list(gpu_blocks[r + slots:])
+        self.slot_block_arr = np.asarray(self.slot_blocks, np.int32)  # GPU block of slot i
+        self._pack_arr = np.asarray(self.packs, np.int32)
 
     # ---- prefill -------------------------------------------------------------------------------
     def prefill_table(self, scratch: list[int], prompt_tokens: int) -> list[int]:
@@ -173,9 +181,11 @@ class SparseKV:
         middle = list(range(p.sink_blocks, n - p.window_blocks))
         if p.placement == "device":
             self.gpu_of = dict(enumerate(self.table))
+            self.gpu_arr[: len(self.table)] = self.table
             return [], middle, []
         keep = [j for j in range(n) if j < p.sink_blocks or j >= n - p.window_blocks]
         self.gpu_of = {j: self.spare.pop() for j in keep}
+        self.gpu_arr[keep] = [self.gpu_of[j] for j in keep]
         return list(range(n)), middle, [(self.table[j], self.gpu_of[j]) for j in keep]
 
     # ---- decode --------------------------------------------------------------------------------
@@ -190,16 +200,26 @@ class SparseKV:
             j_new = self.num_blocks
             self.num_blocks += 1
             if p.placement == "host":
-                self.gpu_of[j_new] = self.spare.pop()
+                self.gpu_of[j_new] = self.gpu_arr[j_new] = self.spare.pop()
             j_out = self.num_blocks - 1 - p.window_blocks
             if j_out >= p.sink_blocks:
                 if p.placement == "host":
                     blk = self.gpu_of.pop(j_out)
+                    self.gpu_arr[j_out] = -1
                     self.spare.append(blk)  # reused at the next block start, after this step's write-back
                 else:
                     blk = self.gpu_of[j_out]
                 exits.append((j_out, blk))
         return exits
+
+    @property
+    def slot_keys(self) -> np.ndarray:
+        """[sparse layers, lanes, slots] the logical block each slot holds, -1 = free (a copy)."""
+        return self.slot_table.keys(self.slot_row)
+
+    def release_slots(self) -> None:
+        """Give the slot caches' table row back (the request is done; its host rows may be reused)."""
+        self.slot_table.remove(self.slot_row)
 
     def is_resident(self, j: int) -> bool:
         return j in self.gpu_of
@@ -214,6 +234,16 @@ class SparseKV:
             return d * num_gpu_blocks + self.table[j]
         z = j * self.plan.dense_layers + d
         return (z % self.plan.num_layers) * num_gpu_blocks + self.packs[z // self.plan.num_layers]
+
+    def dense_units(self, n: int, num_gpu_blocks: int) -> Int[np.ndarray, "D n"]:
+        """`dense_unit(j, d, num_gpu_blocks)` for every dense layer d and logical block j < n, as one array."""
+        p = self.plan
+        j = np.arange(n)
+        if p.placement == "device":
+            table = np.asarray(self.table[:n], np.int64)
+            return (np.arange(p.dense_layers)[:, None] * num_gpu_blocks + table).astype(np.int32)
+        z = j * p.dense_layers + np.arange(p.dense_layers)[:, None]  # [D, n]
+        return ((z % p.num_layers) * num_gpu_blocks + self._pack_arr[z // p.num_layers]).astype(np.int32)
 
     def owned_gpu_blocks(self) -> list[int]:
         if self.plan.placement == "device":

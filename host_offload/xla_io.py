@@ -35,6 +35,14 @@ class XlaHostIO:
     def __init__(self, device: jax.Device, first_layer: int):
         self.host, self.dev = host_sharding(device), device_sharding(device)
         self._write, self._stage_blocks, self._stage_units, self._fragment = _compiled(device, first_layer)
+        self._layers: dict[int, tuple[Array, Array]] = {}  # pool layer -> its index on the host and on the device
+
+    def _layer(self, layer: int) -> tuple[Array, Array]:
+        """Pool layer `layer` as an int32 scalar on the host and on the device, made once (no copy per call)."""
+        if layer not in self._layers:
+            v = np.int32(layer)
+            self._layers[layer] = (jax.device_put(v, self.host), jax.device_put(v, self.dev))
+        return self._layers[layer]
 
     # ---- storage -------------------------------------------------------------------------------
     def zeros(self, shape: tuple[int, ...], dtype) -> Array:
@@ -53,18 +61,17 @@ class XlaHostIO:
         return self._write(pool, kv, jnp.asarray(blocks), jax.device_put(rows, self.host), jnp.int32(count))
 
     def stage_blocks(self, pool: Array, layer: int, rows: np.ndarray) -> Float[Array, "n 2 bs Hkv hd"]:
-        return self._stage_blocks(pool, jax.device_put(np.int32(layer), self.host), jax.device_put(rows, self.host))
+        return self._stage_blocks(pool, self._layer(layer)[0], jax.device_put(rows, self.host))
 
     def stage_units(self, pool: Array, layer: int, rows: np.ndarray, heads: np.ndarray) -> Float[Array, "n 2 bs hd"]:
-        return self._stage_units(pool, jax.device_put(np.int32(layer), self.host), jax.device_put(rows, self.host),
-                                 jax.device_put(heads, self.host))
+        return self._stage_units(pool, self._layer(layer)[0], jax.device_put(np.stack([rows, heads]), self.host))
 
     def to_device(self, staging: Array) -> Array:
         return jax.device_put(staging, self.dev)
 
     def fragment_units(self, pool: Array, layer: int, rows: np.ndarray, heads: np.ndarray,
                        count: int) -> Float[Array, "n 2 bs hd"]:
-        return self._fragment(pool, jnp.int32(layer), jnp.asarray(rows), jnp.asarray(heads), jnp.int32(count))
+        return self._fragment(pool, self._layer(layer)[1], jnp.asarray(rows), jnp.asarray(heads), jnp.int32(count))
 
 
 @functools.cache
@@ -94,11 +101,19 @@ def _compiled(device: jax.Device, first_layer: int) -> tuple:
     def stage_blocks(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"]) -> Array:
         return jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False).at[rows].get(mode="clip")
 
+    def stage_blocks_outer(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"]) -> Array:
+        # the pool's traced value gets the host memory space explicitly (a pool no write-back has touched yet comes
+        # in without it, and the host gather then fails on mixed memory spaces); a no-op for the data
+        return stage_blocks(jax.device_put(pool, host), layer, rows)
+
     @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
     @jax.jit
-    def stage_units(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"], heads: Int[Array, " n"]) -> Array:
+    def stage_units(pool: Array, layer: Int[Array, ""], rows_heads: Int[Array, "2 n"]) -> Array:
         p = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)  # [R, 2, bs, Hkv, hd]
-        return p.at[rows, :, :, heads].get(mode="clip")  # [n, 2, bs, hd]
+        return p.at[rows_heads[0], :, :, rows_heads[1]].get(mode="clip")  # [n, 2, bs, hd]
+
+    def stage_units_outer(pool: Array, layer: Int[Array, ""], rows_heads: Int[Array, "2 n"]) -> Array:
+        return stage_units(jax.device_put(pool, host), layer, rows_heads)  # (as stage_blocks_outer)
 
     def fragment(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"], heads: Int[Array, " n"],
                  count: Int[Array, ""]) -> Array:
@@ -112,5 +127,5 @@ def _compiled(device: jax.Device, first_layer: int) -> tuple:
         out = jnp.zeros((n, 2, bs, hd), pool.dtype, device=dev)
         return jax.lax.fori_loop(0, count, body, out)
 
-    return (jax.jit(write_back, donate_argnums=0, out_shardings=host), jax.jit(stage_blocks, out_shardings=host),
-            jax.jit(stage_units, out_shardings=host), jax.jit(fragment, out_shardings=dev))
+    return (jax.jit(write_back, donate_argnums=0, out_shardings=host), jax.jit(stage_blocks_outer, out_shardings=host),
+            jax.jit(stage_units_outer, out_shardings=host), jax.jit(fragment, out_shardings=dev))

@@ -198,13 +198,13 @@ def sparse_pre(
 def attend(
     q: Float[Array, "B Hq hd"],
     kv: Float[Array, "L NB 2 bs Hkv hd"],
-    ids: Int[Array, "B S K"],
-    lens: Int[Array, "B S K"],
+    entries: Int[Array, "2 B S K"],
     *,
     attention: str,
 ) -> Partial:
-    """Partial attention (o, m, l) over the listed flat units (-1 = padding)."""
-    return _attend(attention, q, kv, ids, lens)
+    """Partial attention (o, m, l) over the listed flat units: `entries` = (unit ids (-1 = padding), valid tokens),
+    stacked so that the pipeline moves them in one host-to-device copy."""
+    return _attend(attention, q, kv, entries[0], entries[1])
 
 
 @functools.partial(jax.jit, static_argnames=("model", "attention"))
@@ -214,15 +214,14 @@ def attend_merge_finish(
     x: Float[Array, "B 1 D"],
     q: Float[Array, "B Hq hd"],
     kv: Float[Array, "L NB 2 bs Hkv hd"],
-    ids: Int[Array, "B S K"],
-    lens: Int[Array, "B S K"],
+    entries: Int[Array, "2 B S K"],
     early: Partial | None,
     *,
     attention: str,
 ) -> Float[Array, "B 1 D"]:
-    """Attention over the listed (late) units, merged with the `early` partial through the softmax
-    residuals, then the rest of the layer."""
-    part = _attend(attention, q, kv, ids, lens)
+    """Attention over the listed (late) units (`entries` as in `attend`), merged with the `early` partial through
+    the softmax residuals, then the rest of the layer."""
+    part = _attend(attention, q, kv, entries[0], entries[1])
     o = part[0] if early is None else merge_attention_partials([early, part])[0]
     return model.layer_finish(lp, x, o[:, None])
 
@@ -243,11 +242,11 @@ def scatter_units(
     kv: Float[Array, "L NB 2 bs Hkv hd"],
     layer: Int[Array, ""],
     staging: Float[Array, "n 2 bs hd"],
-    dst_blocks: Int[Array, " n"],
-    heads: Int[Array, " n"],
+    dst_heads: Int[Array, "2 n"],
 ) -> Array:
-    """kv[layer, dst_blocks[i], :, :, heads[i]] = staging[i] (padding entries target the null block 0)."""
-    return kv.at[layer, dst_blocks, :, :, heads].set(staging)
+    """kv[layer, dst_heads[0, i], :, :, dst_heads[1, i]] = staging[i] (destination blocks and heads stacked: one
+    host-to-device copy; padding entries target the null block 0)."""
+    return kv.at[layer, dst_heads[0], :, :, dst_heads[1]].set(staging)
 
 
 @functools.partial(jax.jit, donate_argnames=("kv",))

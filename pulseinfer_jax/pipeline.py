@@ -43,6 +43,7 @@ from collections.abc import Callable, Generator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Int
 
 from host_offload.host_pool import HostKVPool
 from host_offload.placement import SparseKV, SparsePlan
@@ -64,14 +65,6 @@ class PipelineConfig:
     solohead: str = "normalized_sum"  # "normalized_sum" | "retrieval_head"
     scoring: BlockScoring = BlockScoring()  # how blocks are scored (EngineConfig.scoring)
     retrieval_heads: tuple[int, ...] | None = None  # per sparse layer, for solohead="retrieval_head"
-
-
-def _pad_rows(rows: list[list[list[int]]], width: int, batch: int, lanes: int, fill: int) -> np.ndarray:
-    out = np.full((batch, lanes, width), fill, np.int32)
-    for b, per_lane in enumerate(rows):
-        for s, vals in enumerate(per_lane):
-            out[b, s, : len(vals)] = vals
-    return out
 
 
 class SparseDecoder:
@@ -119,6 +112,7 @@ class SparseDecoder:
                   for v in (sl * pool.num_rows, (plan.dense_layers + sl) * num_gpu_blocks, heads[sl], sl,
                             sl * self._group_rows))
             for sl in range(plan.sparse_layers)]
+        self._layer_ids = [jax.device_put(np.int32(layer), device) for layer in range(plan.num_layers)]
         self._no_slot_keys = jax.device_put(np.full((1, 1, 1), -1, np.int32), device)  # bonus off: never read
         # per decode step: host-to-device copies and bytes issued, recall wait (bounded history)
         self.step_log: collections.deque[dict] = collections.deque(maxlen=65536)
@@ -264,66 +258,73 @@ class SparseDecoder:
         bs = p.block_size
         b_real = len(sparse)
         bp = bucket(b_real)
+        lengths_np = np.asarray(lengths, np.int64)
         n_blocks = [blocks_for(length, bs) for length in lengths]
         kc = bucket(max(n_blocks))
         positions = np.zeros(bp, np.int32)
-        positions[:b_real] = np.asarray(lengths) - 1
+        positions[:b_real] = lengths_np - 1
         tok = np.zeros(bp, np.int32)
         tok[:b_real] = tokens
-        cand = np.full((bp, kc), -1, np.int32)
-        nblk = np.zeros(bp, np.int32)
-        newest = np.full(bp, -1, np.int32)  # GPU block of each row's newest logical block (-1: padding row)
+        # per row and logical block (the step's host tables, shared by every layer's plan): host row, GPU block
+        # (resident blocks only, -1 else), and per row the GPU block of each slot
+        host_tab = np.full((bp, kc), -1, np.int32)
+        gpu_tab = np.full((bp, kc), -1, np.int32)
+        slot_tab = np.full((bp, max(len(s.slot_block_arr) for s in sparse) or 1), -1, np.int32)
         for b, s in enumerate(sparse):
             n = n_blocks[b]
-            # middle blocks are scored from their metadata rows; sinks and window are always selected (by position)
-            # and keep no metadata while resident (-1 here; scored from their keys below if scoring.scores_kept)
-            middle = range(p.sink_blocks, max(p.sink_blocks, n - p.window_blocks))
-            cand[b, middle] = [s.host_rows[j] for j in middle]
-            nblk[b] = n
-            newest[b] = s.gpu_of[n - 1]
+            host_tab[b, :n] = s.host_row_arr[:n]
+            gpu_tab[b, :n] = s.gpu_arr[:n]
+            slot_tab[b, : len(s.slot_block_arr)] = s.slot_block_arr
+        nblk = np.zeros(bp, np.int32)
+        nblk[:b_real] = n_blocks
+        # middle blocks are scored from their metadata rows; sinks and window are always selected (by position)
+        # and keep no metadata while resident (-1 here; scored from their keys below if scoring.scores_kept)
+        col = np.arange(kc)
+        is_mid = (col >= p.sink_blocks) & (col < nblk[:, None] - p.window_blocks)  # [bp, kc]
+        cand = np.where(is_mid, host_tab, -1)
+        newest = np.full(bp, -1, np.int32)  # GPU block of each row's newest logical block (-1: padding row)
+        newest[:b_real] = gpu_tab[np.arange(b_real), nblk[:b_real] - 1]
         f = cfg.scoring.coarse_group
         coarse = cfg.scoring.coarse_groups(p.budget_blocks, p.sink_blocks, p.window_blocks, kc)
         groups = np.full((bp, -(-kc // f) if coarse else 1), -1, np.int32)
         if coarse:  # each group holding a middle block -> its coarse row (its extent: host row // f)
             for b, s in enumerate(sparse):
                 lo, hi = p.sink_blocks, n_blocks[b] - p.window_blocks  # middle blocks lo..hi-1
-                for g in range(lo // f, -(-hi // f) if hi > lo else 0):
-                    groups[b, g] = s.host_rows[g * f] // f
+                g = np.arange(lo // f, -(-hi // f) if hi > lo else 0)
+                groups[b, g] = s.host_row_arr[g * f] // f
         positions_d, cand_d, nblk_d, newest_d = (jnp.asarray(a) for a in (positions, cand, nblk, newest))
         groups_d = jnp.asarray(groups)
         # the always-kept blocks' logical indices and GPU blocks (resident: every layer's slice is there)
         score_kept = cfg.scoring.scores_kept(p.selection, cfg.solohead)
         kept_l = kept_logical(nblk, p.sink_blocks, p.window_blocks) if score_kept else np.full((bp, 1), -1, np.int32)
-        kept_gpu = np.full(kept_l.shape, -1, np.int32)
-        for b, s in enumerate(sparse):
-            for i, j in enumerate(kept_l[b]):
-                if j >= 0:
-                    kept_gpu[b, i] = s.gpu_of[int(j)]
-        kept_l_d, kept_gpu_d = jnp.asarray(kept_l), jnp.asarray(kept_gpu)
+        kept_l[b_real:] = -1
+        kept_gpu = np.where(kept_l >= 0, np.take_along_axis(gpu_tab, np.clip(kept_l, 0, kc - 1), axis=1), -1)
+        kept_l_d, kept_gpu_d = jnp.asarray(kept_l), jnp.asarray(kept_gpu.astype(np.int32))
         slot_keys_d = self._no_slot_keys
         if cfg.scoring.favours_resident(p.selection, cfg.solohead):
             # every sparse layer's slot-cache contents as of the previous step (this step's plans run per layer,
             # after that layer's selection): one [SL, bp, C] copy per micro-batch and step
-            width = bucket(max(s.slot_keys.shape[2] for s in sparse))  # (slots_for >= 1)
+            table = sparse[0].slot_table
+            width = bucket(max(table.capacity(s.slot_row) for s in sparse))
             slot_keys = np.full((p.sparse_layers, bp, width), -1, np.int32)
-            for b, s in enumerate(sparse):
-                slot_keys[:, b, : s.slot_keys.shape[2]] = s.slot_keys[:, 0]
+            slot_keys[:, :b_real] = table.keys_of_rows(np.array([s.slot_row for s in sparse]), width)[:, :, 0]
             slot_keys_d = jnp.asarray(slot_keys)
 
-        dense_lens = np.zeros((bp, 1, kc), np.int32)  # valid tokens per block: the same in every dense layer
-        for b in range(b_real):
-            dense_lens[b, 0, : n_blocks[b]] = np.clip(lengths[b] - np.arange(n_blocks[b]) * bs, 0, bs)
-        dense_lens = jnp.asarray(dense_lens)
+        # valid tokens per block: the same in every dense layer
+        dense_lens = np.clip(lengths_np[:, None] - np.arange(kc) * bs, 0, bs) * (np.arange(kc) < np.asarray(
+            n_blocks)[:, None])
+        dense_lens = jnp.asarray(np.pad(dense_lens, ((0, bp - b_real), (0, 0))).astype(np.int32)[:, None, :])
         dense_ids, dense_write = [], []
+        units = [s.dense_units(n, nb) for s, n in zip(sparse, n_blocks, strict=True)]  # [D, n] per row
         for d in range(p.dense_layers):
             ids = np.full((bp, 1, kc), -1, np.int32)
             write = np.zeros(bp, np.int32)
-            for b, s in enumerate(sparse):
-                n = n_blocks[b]
-                ids[b, 0, :n] = [s.dense_unit(j, d, nb) for j in range(n)]
-                write[b] = s.dense_unit(n - 1, d, nb)
+            for b, u in enumerate(units):
+                ids[b, 0, : u.shape[1]] = u[d]
+                write[b] = u[d, -1]
             dense_ids.append(jnp.asarray(ids))
             dense_write.append(jnp.asarray(write))
+        tables = _StepTables(host_tab, gpu_tab, slot_tab, lengths_np, bs, nb)
 
         head = head_params(params)  # embed / logits read no layer weights: do not pass them
         x = layer_ops.embed(model, head, jnp.asarray(tok))
@@ -342,109 +343,169 @@ class SparseDecoder:
                 window=p.window_blocks, mode=p.selection, solohead=cfg.solohead, attention=cfg.attention,
                 scoring=cfg.scoring, coarse=coarse)
             yield "select", sel, None
-            res, late, recall = self._plan_layer(np.asarray(sel), sparse, lengths, layer, sl)
-            staging = self._issue_recall(sl, recall, sparse)
+            lp_plan = self._plan_layer(np.asarray(sel), sparse, tables, layer, sl)
+            staging = self._issue_recall(sl, lp_plan, sparse)
             if staging is not None and cfg.recall == "sync":
                 yield "recall", staging[0], q
             if staging is None or cfg.recall == "sync":
                 if staging is not None:
                     self.kv = self._scatter(layer, staging)
-                both = [[r + t for r, t in zip(rr, tt, strict=True)] for rr, tt in zip(res, late, strict=True)]
-                ids, lens = self._ids(both, bp)
-                x = layer_ops.attend_merge_finish(model, lp, x, q, self.kv, ids, lens, None, attention=cfg.attention)
+                x = layer_ops.attend_merge_finish(model, lp, x, q, self.kv, jnp.asarray(lp_plan.entries("all")), None,
+                                                  attention=cfg.attention)
                 continue
-            ids, lens = self._ids(res, bp)
-            early = layer_ops.attend(q, self.kv, ids, lens, attention=cfg.attention)
+            early = layer_ops.attend(q, self.kv, jnp.asarray(lp_plan.entries("early")), attention=cfg.attention)
             yield "recall", staging[0], early[0]
             self.kv = self._scatter(layer, staging)
-            ids, lens = self._ids(late, bp)
-            x = layer_ops.attend_merge_finish(model, lp, x, q, self.kv, ids, lens, early, attention=cfg.attention)
+            x = layer_ops.attend_merge_finish(model, lp, x, q, self.kv, jnp.asarray(lp_plan.entries("late")), early,
+                                              attention=cfg.attention)
         outs[key] = layer_ops.logits(model, head, x)
 
-    def _ids(self, entries: list[list[list[tuple[int, int]]]], bp: int) -> tuple[jax.Array, jax.Array]:
-        """[(unit, len)] per row and lane -> padded ids / lens [bp, S, W] (W a power of two)."""
-        width = bucket(max(len(v) for per in entries for v in per))
-        ids = _pad_rows([[[u for u, _ in v] for v in per] for per in entries], width, bp, self.plan.lanes, -1)
-        lens = _pad_rows([[[n for _, n in v] for v in per] for per in entries], width, bp, self.plan.lanes, 0)
-        return jnp.asarray(ids), jnp.asarray(lens)
-
-    def _plan_layer(self, sel: np.ndarray, sparse: list[SparseKV], lengths: list[int], layer: int, sl: int):
-        """Selection [bp, S, N] -> per row and lane: resident entries, late (recalled) entries as (unit, len),
-        and the recall list [(row index b, host row, lane, slot block)]."""
-        p, nb, bs = self.plan, self.nb, self.plan.block_size
+    def _plan_layer(self, sel: np.ndarray, sparse: list[SparseKV], tables: _StepTables, layer: int,
+                    sl: int) -> LayerPlan:
+        """Selection [bp, S, N] (logical blocks, -1 = none) -> the layer's plan: each entry resident (sink or window
+        block), a slot-cache hit, or a miss given a slot (to recall); counts the reuse per request."""
+        p = self.plan
+        b_real = len(sparse)
+        sel = np.where(np.arange(sel.shape[0])[:, None, None] < b_real, sel, -1)  # padding rows select nothing
+        valid = sel >= 0
+        safe = np.clip(sel, 0, tables.gpu.shape[1] - 1)
+        rows = np.arange(sel.shape[0])[:, None, None]
+        gpu = np.where(valid, tables.gpu[rows, safe], -1)
+        resident = gpu >= 0
+        middle = valid & ~resident  # host placement: exactly the selected blocks that are neither sink nor window
+        # the slot caches of the whole micro-batch, planned at once (host rows are the lookup keys)
+        table = sparse[0].slot_table
+        rows_t = np.array([s.slot_row for s in sparse])
+        host = np.where(valid, tables.host[rows, safe], -1)[:b_real]
         # device placement: every block is resident, nothing is recalled; the slot caches still track what host
         # placement would hold where selection reads it (the resident-block bonus), so both select the same
-        bookkeep = p.placement == "device" and self.config.scoring.favours_resident(p.selection, self.config.solohead)
-        res: list[list[list[tuple[int, int]]]] = []
-        late: list[list[list[tuple[int, int]]]] = []
-        recall: list[tuple[int, int, int, int]] = []
+        if p.placement == "device" and self.config.scoring.favours_resident(p.selection, self.config.solohead):
+            n = tables.num_blocks[:b_real, None, None]
+            mid = valid[:b_real] & (sel[:b_real] >= p.sink_blocks) & (sel[:b_real] < n - p.window_blocks)
+            table.plan(sl, rows_t, np.where(mid, sel[:b_real], -1), np.where(mid, host, -1))
+        slot = np.full(sel.shape, -1, np.int32)
+        hit = np.zeros(sel.shape, bool)
+        if middle.any():
+            m = middle[:b_real]
+            slot[:b_real], hit[:b_real] = table.plan(sl, rows_t, np.where(m, sel[:b_real], -1), np.where(m, host, -1))
+        hits_per_row = hit.sum(axis=(1, 2))
         for b, s in enumerate(sparse):
-            res_b, late_b = [], []
-            for lane in range(p.lanes):
-                chosen = [int(j) for j in sel[b, lane] if j >= 0]
-                r = [(layer * nb + s.gpu_of[j], min(bs, lengths[b] - j * bs)) for j in chosen if s.is_resident(j)]
-                middle = [j for j in chosen if not s.is_resident(j)]
-                if bookkeep:
-                    s.caches[sl][lane].plan([j for j in chosen if s.is_middle(j)])
-                late_l = []
-                if middle:
-                    hits, misses = s.caches[sl][lane].plan(middle)
-                    s.counters.reused_blocks += len(hits)
-                    r += [(layer * nb + s.slot_blocks[slot], bs) for _, slot in hits]
-                    for j, slot in misses:
-                        recall.append((b, s.host_rows[j], lane, s.slot_blocks[slot]))
-                        late_l.append((layer * nb + s.slot_blocks[slot], bs))
-                res_b.append(r)
-                late_b.append(late_l)
-            res.append(res_b)
-            late.append(late_b)
-        return res, late, recall
+            s.counters.reused_blocks += int(hits_per_row[b])
+        return LayerPlan.build(sel, resident, hit, middle & ~hit, gpu, slot, tables, layer)
 
-    def _issue_recall(self, sl: int, recall: list[tuple[int, int, int, int]], sparse: list[SparseKV]):
-        """Start the host-to-device copies of `recall`; returns (device staging, dst blocks, heads or None) or
-        None when nothing is missing. Counts bytes / transfers / blocks per request."""
-        if not recall:
+    def _issue_recall(self, sl: int, plan: LayerPlan, sparse: list[SparseKV]):
+        """Start the host-to-device copies of the plan's misses; returns (device staging, dst blocks, heads or
+        None) or None when nothing is missing. Counts bytes / transfers / blocks per request."""
+        n_rec = len(plan.recall_rows)
+        if not n_rec:
             return None
         pool, p = self.pool, self.plan
         solo = p.selection == "solohead"
-        for b, _, _, _ in recall:
-            sparse[b].counters.recalled_blocks += 1
+        per_row = np.bincount(plan.recall_b, minlength=len(sparse))
         if self.config.io == "coalesced":
-            rows = [r for _, r, _, _ in recall]
-            dst = [d for _, _, _, d in recall]
-            for b in {b for b, _, _, _ in recall}:
-                sparse[b].counters.recall_transfers += 1
+            rows, dst = plan.recall_rows, plan.recall_dst
             if solo:
                 staging, heads = pool.gather_blocks(sl, rows), None
                 unit = pool.layer_block_bytes
             else:
-                heads = [h for _, _, h, _ in recall]
+                heads = plan.recall_lanes
                 staging, unit = pool.gather_units(sl, rows, heads), pool.unit_bytes
-            for b, _, _, _ in recall:
-                sparse[b].counters.recall_bytes += unit
-                sparse[b].counters.last_step_recall_bytes += unit
+            copies = (per_row > 0).astype(np.int64)  # the one copy carried each request's blocks
+            units_per_row = per_row
         else:  # fragmented: one copy per (block, head)
             hkv = self.model.cfg.num_kv_heads
-            units = [(b, r, h, d) for b, r, lane, d in recall for h in (range(hkv) if solo else (lane,))]
-            rows = [r for _, r, _, _ in units]
-            heads = [h for _, _, h, _ in units]
-            dst = [d for _, _, _, d in units]
-            staging = pool.fragment_units(sl, rows, heads)
-            for b, _, _, _ in units:
-                sparse[b].counters.recall_transfers += 1
-                sparse[b].counters.recall_bytes += pool.unit_bytes
-                sparse[b].counters.last_step_recall_bytes += pool.unit_bytes
-        n = staging.shape[0]
-        dst_p = np.zeros(n, np.int32)
-        dst_p[: len(dst)] = dst
-        heads_p = None
+            fan = hkv if solo else 1
+            rows = np.repeat(plan.recall_rows, fan)
+            dst = np.repeat(plan.recall_dst, fan)
+            heads = np.tile(np.arange(hkv, dtype=np.int32), n_rec) if solo else plan.recall_lanes
+            staging, unit = pool.fragment_units(sl, rows, heads), pool.unit_bytes
+            copies = units_per_row = per_row * fan
+        for b, s in enumerate(sparse):
+            c = s.counters
+            c.recalled_blocks += int(per_row[b])
+            c.recall_transfers += int(copies[b])
+            c.recall_bytes += int(units_per_row[b]) * unit
+            c.last_step_recall_bytes += int(units_per_row[b]) * unit
+        # the scatter's destinations (and heads), padded to the staging's rows (padding: the null block 0), sent now
+        # in one copy so that the scatter finds them on the device when the recall lands
+        where = np.zeros((1 if heads is None else 2, staging.shape[0]), np.int32)
+        where[0, : len(dst)] = dst
         if heads is not None:
-            heads_p = np.zeros(n, np.int32)
-            heads_p[: len(heads)] = heads
-        return staging, dst_p, heads_p
+            where[1, : len(heads)] = heads
+        return staging, jnp.asarray(where[0] if heads is None else where), heads is not None
 
     def _scatter(self, layer: int, staging) -> jax.Array:
-        data, dst, heads = staging
-        if heads is None:
-            return layer_ops.scatter_blocks(self.kv, jnp.int32(layer), data, jnp.asarray(dst))
-        return layer_ops.scatter_units(self.kv, jnp.int32(layer), data, jnp.asarray(dst), jnp.asarray(heads))
+        data, where, per_head = staging
+        if per_head:
+            return layer_ops.scatter_units(self.kv, self._layer_ids[layer], data, where)
+        return layer_ops.scatter_blocks(self.kv, self._layer_ids[layer], data, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepTables:
+    """Host tables of one micro-batch's decode step, shared by its layers' plans (bp rows, kc logical blocks)."""
+
+    host: np.ndarray  # [bp, kc] host row of each logical block, -1 = none
+    gpu: np.ndarray  # [bp, kc] GPU block of each resident logical block (sinks, window), -1 = not resident
+    slots: np.ndarray  # [bp, C] GPU block of each slot of the row's slot cache, -1 = none
+    lengths: np.ndarray  # [b_real] tokens of each real row
+    block_size: int
+    num_gpu_blocks: int
+
+    @property
+    def num_blocks(self) -> np.ndarray:  # [bp] logical blocks of each row (0 for padding rows)
+        n = np.zeros(self.host.shape[0], np.int64)
+        n[: len(self.lengths)] = -(-self.lengths // self.block_size)
+        return n
+
+
+_LAST = np.iinfo(np.int64).max
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """One sparse layer's plan for a micro-batch: per selected entry (row b, lane, position) its flat unit and
+    valid tokens and its kind, plus the recall list (misses, in row / lane / position order)."""
+
+    units: np.ndarray  # [bp, S, N] flat unit (layer * NB + block) of each entry, -1 = none
+    lens: np.ndarray  # [bp, S, N] valid tokens
+    kind: np.ndarray  # [bp, S, N] 0 resident (sink / window), 1 slot-cache hit, 2 miss (recalled), 3 none
+    recall_b: np.ndarray  # [n] row of each recalled entry
+    recall_rows: np.ndarray  # [n] its host row
+    recall_lanes: np.ndarray  # [n] its lane (headwise: the KV head)
+    recall_dst: np.ndarray  # [n] the GPU slot block it lands in
+
+    @staticmethod
+    def build(sel, resident, hit, miss, gpu, slot, tables: _StepTables, layer: int) -> LayerPlan:
+        bs, nb = tables.block_size, tables.num_gpu_blocks
+        rows = np.arange(sel.shape[0])[:, None, None]
+        slot_block = tables.slots[rows, np.clip(slot, 0, tables.slots.shape[1] - 1)]
+        length = np.zeros(sel.shape[0], np.int64)
+        length[: len(tables.lengths)] = tables.lengths
+        units = np.where(resident, layer * nb + gpu, np.where(hit | miss, layer * nb + slot_block, -1))
+        lens = np.where(resident, np.clip(length[:, None, None] - sel.astype(np.int64) * bs, 0, bs),
+                        np.where(hit | miss, bs, 0))
+        kind = np.select([resident, hit, miss], [0, 1, 2], 3)
+        b, lane, _ = np.nonzero(miss)  # row-major: by row, then lane, then selection order
+        safe = np.clip(sel, 0, tables.host.shape[1] - 1)
+        host = tables.host[rows, safe]
+        return LayerPlan(units.astype(np.int32), lens.astype(np.int32), kind.astype(np.int8), b.astype(np.int32),
+                         host[miss].astype(np.int32), lane.astype(np.int32), slot_block[miss].astype(np.int32))
+
+    def entries(self, which: str) -> Int[np.ndarray, "2 bp S W"]:
+        """Padded (ids, lens) stacked, [2, bp, S, W] (W a power of two), of the "early" entries (resident, then
+        hits: attended while the recall is in flight), the "late" ones (misses) or "all" (resident, hits, misses),
+        each group in selection order."""
+        take = {"early": self.kind <= 1, "late": self.kind == 2, "all": self.kind <= 2}[which]
+        n = self.kind.shape[-1]
+        key = np.where(take, self.kind.astype(np.int64) * n + np.arange(n), _LAST)
+        order = np.argsort(key, axis=-1, kind="stable")
+        count = take.sum(axis=-1)
+        width = bucket(int(count.max()))
+        if width > n:  # (padding, masked below)
+            order = np.concatenate([order, np.zeros(order.shape[:-1] + (width - n,), order.dtype)], axis=-1)
+        order = order[..., :width]
+        keep = np.arange(width) < count[..., None]  # the taken entries sort first
+        ids = np.where(keep, np.take_along_axis(self.units, order, axis=-1), -1)
+        lens = np.where(keep, np.take_along_axis(self.lens, order, axis=-1), 0)
+        return np.stack([ids, lens]).astype(np.int32)

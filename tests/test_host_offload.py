@@ -1,6 +1,8 @@
 """host_offload: host pool transfers of both I/O backends (bit-exact, counted), the backend probe, slot cache
 LRU, per-request block roles."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 from host_offload import host_pool as host_pool_mod
 from host_offload.host_pool import NULL_ROW, HostKVPool, probe_host_io
 from host_offload.placement import SparseKV, SparsePlan
-from host_offload.slot_cache import SlotCache
+from host_offload.slot_cache import SlotCache, SlotTable
 
 L, NB, BS, HKV, HD = 4, 9, 4, 2, 8
 
@@ -65,6 +67,17 @@ def test_host_pool_round_trip_bit_exact(dtype, io):
                                   np.asarray(kv2)[3, 3].view(np.uint8))
     assert not pool.contents()[:, NULL_ROW].any()  # padding never lands in the null row's data
     assert pool.measure_h2d(nbytes=1 << 16, repeats=1) > 0  # IOAA's bandwidth, from this backend's memory
+
+
+@pytest.mark.parametrize("io", ["xla", "numpy"])
+def test_gathers_from_a_pool_no_write_back_has_touched(io):
+    """A fresh pool reads as zeros through every gather (the xla host gathers once failed here on mixed memory
+    spaces: the pool's traced value came in without the host memory space until a write-back had produced it)."""
+    pool = _pool(io=io)
+    z = np.zeros((2, BS, HKV, HD), np.float32)
+    np.testing.assert_array_equal(np.asarray(pool.gather_blocks(1, [3, 5]))[:2], np.stack([z, z]))
+    np.testing.assert_array_equal(np.asarray(pool.gather_units(0, [3], [1]))[:1], z[None, :, :, 0])
+    np.testing.assert_array_equal(np.asarray(pool.fragment_units(2, [4], [0]))[:1], z[None, :, :, 0])
 
 
 @pytest.mark.parametrize("io", ["xla", "numpy"])
@@ -125,18 +138,109 @@ def test_slot_cache_lru_reuse_and_eviction():
 
 
 def test_slot_cache_keys_mirror_the_slots():
-    """`keys[slot]` is the key each slot holds (-1 free), written in place into a caller's view."""
+    """`keys[slot]` is the key each slot holds (-1 free)."""
     rng = np.random.default_rng(0)
-    store = np.full((2, 5), 7, np.int32)
-    c = SlotCache(5, store[1])
-    assert (store[1] == -1).all() and (store[0] == 7).all()
+    c = SlotCache(5)
+    assert (c.keys == -1).all() and c.keys.shape == (5,)
     for _ in range(40):
         c.plan(rng.choice(12, size=int(rng.integers(1, 6)), replace=False).tolist())
-        held = {int(k): slot for slot, k in enumerate(store[1]) if k >= 0}
+        held = {int(k): slot for slot, k in enumerate(c.keys) if k >= 0}
         assert held == {k: c.slot(k) for k in held} and len(held) == len(c)
-    assert (store[0] == 7).all()
-    with pytest.raises(ValueError, match="capacity=5"):
-        SlotCache(5, np.zeros(4, np.int32))
+    with pytest.raises(ValueError, match="capacity=0"):
+        SlotCache(0)
+
+
+class _ReferenceLRU:
+    """The slot cache contract written the plain way (an OrderedDict per lane): the oracle for SlotCache."""
+
+    def __init__(self, capacity: int):
+        self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # LRU first
+        self.free = list(range(capacity - 1, -1, -1))
+
+    def plan(self, wanted: list[int]) -> list[tuple[int, bool]]:
+        out = {}
+        for key in wanted:
+            if key in self.slot_of:
+                out[key] = (self.slot_of[key], True)
+                self.slot_of.move_to_end(key)
+        for key in wanted:
+            if key in out:
+                continue
+            slot = self.free.pop() if self.free else self.slot_of.pop(next(k for k in self.slot_of if k not in wanted))
+            self.slot_of[key] = slot
+            out[key] = (slot, False)
+        return [out[k] for k in wanted]
+
+
+@pytest.mark.parametrize("lanes,capacity,keys", [(1, 4, 9), (3, 5, 14), (8, 16, 200)])
+def test_slot_table_matches_a_plain_lru_per_request_and_lane(lanes, capacity, keys):
+    """SlotTable.plan (vectorised over requests, lanes and keys) = an independent OrderedDict LRU per (request,
+    lane), slot for slot, over random steps that mix hits, misses, free slots, evictions, ragged (-1 padded) lanes,
+    requests of different capacities and requests leaving (their host rows then reused by a new one)."""
+    rng = np.random.default_rng(lanes * 100 + capacity)
+    t = SlotTable(2, lanes, capacity, key_rows=4, table_rows=1)  # small: the key space and the rows have to grow
+    live = {}  # table row -> (capacity, host-row offset, reference LRUs per layer and lane)
+
+    def admit(offset):
+        cap = int(rng.integers(1, capacity + 1))
+        live[t.add(cap)] = (cap, offset, [[_ReferenceLRU(cap) for _ in range(lanes)] for _ in range(2)])
+
+    for r in range(3):
+        admit(1000 * r)
+    hits = misses = 0
+    for step in range(80):
+        if step % 20 == 19:  # a request leaves; a new one takes its host rows
+            gone = sorted(live)[0]
+            offset = live.pop(gone)[1]
+            t.remove(gone)
+            admit(offset)
+        rows = np.array(sorted(live))
+        sl = step % 2
+        width = int(rng.integers(1, capacity + 1))
+        wanted = np.full((len(rows), lanes, width), -1, np.int64)
+        for b, row in enumerate(rows):
+            cap = live[row][0]
+            for lane in range(lanes):
+                n = int(rng.integers(0, min(width, cap) + 1))
+                wanted[b, lane, :n] = rng.choice(keys, size=n, replace=False)
+        host = np.where(wanted >= 0, wanted + np.array([live[r][1] for r in rows])[:, None, None], -1)
+        slots, hit = t.plan(sl, rows, wanted, host)
+        for b, row in enumerate(rows):
+            cap, _, refs = live[row]
+            for lane in range(lanes):
+                n = int((wanted[b, lane] >= 0).sum())
+                want = refs[sl][lane].plan(wanted[b, lane, :n].tolist())
+                got = [(int(x), bool(h)) for x, h in zip(slots[b, lane, :n], hit[b, lane, :n], strict=True)]
+                assert got == want
+                assert (slots[b, lane, n:] == -1).all() and not hit[b, lane, n:].any()
+                held = t.keys(row)[sl, lane]
+                assert {int(k): x for k, x in refs[sl][lane].slot_of.items()} == {
+                    int(k): x for x, k in enumerate(held) if k >= 0}  # keys mirror the slots
+                hits += sum(h for _, h in want)
+                misses += sum(not h for _, h in want)
+    assert hits > 0 and misses > capacity * lanes  # evictions happened
+    row = t.add(capacity)
+    live[row] = (capacity, 9000, None)
+    one = lambda w: np.broadcast_to(np.array(w, np.int64), (1, lanes, len(w))).copy()  # noqa: E731
+    with pytest.raises(ValueError, match="distinct per lane"):
+        t.plan(0, np.array([row]), one([1, 1]), one([1, 1]))
+    cap = live[row][0]
+    with pytest.raises(ValueError, match=f"slot cache holds {cap}"):
+        t.plan(0, np.array([row]), one(list(range(cap + 1))), one(list(range(cap + 1))))
+    with pytest.raises(ValueError, match="lanes"):
+        t.plan(0, np.array([row]), np.zeros((1, lanes + 1, 1), np.int64), np.zeros((1, lanes + 1, 1), np.int64))
+    t.remove(row)
+    with pytest.raises(ValueError, match="not in use"):
+        t.remove(row)
+
+
+def test_slot_cache_lanes_are_independent_lrus():
+    c = SlotCache(2, lanes=2)
+    slots, hit = c.plan_lanes(np.array([[5, 6], [5, -1]]))
+    assert slots.tolist() == [[0, 1], [0, -1]] and not hit.any()
+    slots, hit = c.plan_lanes(np.array([[7, 5], [6, 5]]))  # lane 0 evicts 6; lane 1 has a free slot for 6
+    assert slots.tolist() == [[1, 0], [1, 0]] and hit.tolist() == [[False, True], [False, True]]
+    assert c.keys.tolist() == [[5, 7], [5, 6]] and (c.hits, c.misses) == (2, 5)
 
 
 def _plan(**kw):
