@@ -207,46 +207,41 @@ def attend(
     return _attend(attention, q, kv, entries[0], entries[1])
 
 
-@functools.partial(jax.jit, static_argnames=("model", "attention"))
-def attend_merge_finish(
+@functools.partial(jax.jit, static_argnames=("model", "attention", "lanes"), donate_argnames=("kv",))
+def land_attend_finish(
     model: Transformer,
     lp: dict,
     x: Float[Array, "B 1 D"],
     q: Float[Array, "B Hq hd"],
     kv: Float[Array, "L NB 2 bs Hkv hd"],
-    entries: Int[Array, "2 B S K"],
+    layer: Int[Array, ""],
+    staging: Float[Array, "n 2 bs Hkv hd"] | Float[Array, "n 2 bs hd"] | None,
+    pack: Int[Array, " P"],
     early: Partial | None,
     *,
     attention: str,
-) -> Float[Array, "B 1 D"]:
-    """Attention over the listed (late) units (`entries` as in `attend`), merged with the `early` partial through
-    the softmax residuals, then the rest of the layer."""
+    lanes: int,
+) -> tuple[Array, Float[Array, "B 1 D"]]:
+    """The rest of a sparse layer, in one call: land the recall (if `staging` is given: whole blocks
+    [n, 2, bs, Hkv, hd], or (block, head) units [n, 2, bs, hd]) into its slot blocks of `layer`, attend over the
+    listed units merged with the `early` partial (if given) through the softmax residuals, then o-proj and MLP.
+
+    `pack` is one int32 vector (one host-to-device copy): the entries (unit ids, -1 = padding; valid tokens) as
+    [2, B, lanes, W], then the recall's destination blocks [n] (whole blocks) or blocks and heads [2, n] (units);
+    padding rows target the null block 0. Returns (kv, x)."""
+    b = q.shape[0]
+    n_where = 0 if staging is None else staging.shape[0] * (1 if staging.ndim == 5 else 2)
+    entries = pack[: pack.shape[0] - n_where].reshape(2, b, lanes, -1)
+    if staging is not None:
+        where = pack[pack.shape[0] - n_where:]
+        if staging.ndim == 5:
+            kv = kv.at[layer, where].set(staging.astype(kv.dtype))
+        else:
+            where = where.reshape(2, -1)
+            kv = kv.at[layer, where[0], :, :, where[1]].set(staging.astype(kv.dtype))
     part = _attend(attention, q, kv, entries[0], entries[1])
     o = part[0] if early is None else merge_attention_partials([early, part])[0]
-    return model.layer_finish(lp, x, o[:, None])
-
-
-@functools.partial(jax.jit, donate_argnames=("kv",))
-def scatter_blocks(
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
-    layer: Int[Array, ""],
-    staging: Float[Array, "n 2 bs Hkv hd"],
-    dst_blocks: Int[Array, " n"],
-) -> Array:
-    """kv[layer, dst_blocks[i]] = staging[i] (padding entries target the null block 0)."""
-    return kv.at[layer, dst_blocks].set(staging)
-
-
-@functools.partial(jax.jit, donate_argnames=("kv",))
-def scatter_units(
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
-    layer: Int[Array, ""],
-    staging: Float[Array, "n 2 bs hd"],
-    dst_heads: Int[Array, "2 n"],
-) -> Array:
-    """kv[layer, dst_heads[0, i], :, :, dst_heads[1, i]] = staging[i] (destination blocks and heads stacked: one
-    host-to-device copy; padding entries target the null block 0)."""
-    return kv.at[layer, dst_heads[0], :, :, dst_heads[1]].set(staging)
+    return kv, model.layer_finish(lp, x, o[:, None])
 
 
 @functools.partial(jax.jit, donate_argnames=("kv",))

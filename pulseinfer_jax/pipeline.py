@@ -15,14 +15,16 @@ One decode step of the sparse requests (`SparseDecoder.decode`):
           resident keys, for the softmax; with a resident bonus, blocks in the layer's slot cache rank higher),
           select (SoloHead: one set per layer; headwise: one per KV head; sinks and window always)
                                                                                    -> STOP until sel is on host
-       b. host: split the selection into resident blocks (sinks, window), slot-cache hits and misses (LRU),
-          and ISSUE THE RECALL of the misses at once: coalesced = one host gather into one pinned staging
-          buffer + one host-to-device copy for the whole micro-batch; fragmented = one copy per (block, head);
+       b. host: split the selection into resident blocks (sinks, window), slot-cache hits and misses (LRU, the
+          whole micro-batch at once in numpy: `SlotTable.plan`, `LayerPlan`), and ISSUE THE RECALL of the misses
+          at once: coalesced = one host gather into one pinned staging buffer + one host-to-device copy for the
+          whole micro-batch; fragmented = one copy per (block, head);
        c. interruptible: dispatch attention over the resident + hit blocks (partial o, m, l) while the copy
-          is in flight                                                        -> STOP until the copy landed
-          then scatter the recalled blocks into their slots, attend over them, merge the two partials
-          through the softmax residuals, finish the layer (o-proj, MLP);
-          synchronous (baseline): STOP until the copy landed, scatter, one attention over everything.
+          is in flight, and send the late entries and the slots they land in (one small copy)
+                                                                              -> STOP until the copy landed
+          then one call lands the recalled blocks in their slots, attends over them, merges the two partials
+          through the softmax residuals and finishes the layer (o-proj, MLP): `layer_ops.land_attend_finish`;
+          synchronous (baseline): STOP until the copy landed, then the same call over everything.
   4. logits.
 
 The driver resumes whichever micro-batch's awaited array `is_ready()`; only when none is does it block, on the
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Generator
 
@@ -265,16 +268,8 @@ class SparseDecoder:
         positions[:b_real] = lengths_np - 1
         tok = np.zeros(bp, np.int32)
         tok[:b_real] = tokens
-        # per row and logical block (the step's host tables, shared by every layer's plan): host row, GPU block
-        # (resident blocks only, -1 else), and per row the GPU block of each slot
-        host_tab = np.full((bp, kc), -1, np.int32)
-        gpu_tab = np.full((bp, kc), -1, np.int32)
-        slot_tab = np.full((bp, max(len(s.slot_block_arr) for s in sparse) or 1), -1, np.int32)
-        for b, s in enumerate(sparse):
-            n = n_blocks[b]
-            host_tab[b, :n] = s.host_row_arr[:n]
-            gpu_tab[b, :n] = s.gpu_arr[:n]
-            slot_tab[b, : len(s.slot_block_arr)] = s.slot_block_arr
+        tables = StepTables.of(sparse, lengths_np, bs, nb)
+        host_tab, gpu_tab = tables.host, tables.gpu
         nblk = np.zeros(bp, np.int32)
         nblk[:b_real] = n_blocks
         # middle blocks are scored from their metadata rows; sinks and window are always selected (by position)
@@ -324,7 +319,6 @@ class SparseDecoder:
                 write[b] = u[d, -1]
             dense_ids.append(jnp.asarray(ids))
             dense_write.append(jnp.asarray(write))
-        tables = _StepTables(host_tab, gpu_tab, slot_tab, lengths_np, bs, nb)
 
         head = head_params(params)  # embed / logits read no layer weights: do not pass them
         x = layer_ops.embed(model, head, jnp.asarray(tok))
@@ -345,22 +339,23 @@ class SparseDecoder:
             yield "select", sel, None
             lp_plan = self._plan_layer(np.asarray(sel), sparse, tables, layer, sl)
             staging = self._issue_recall(sl, lp_plan, sparse)
-            if staging is not None and cfg.recall == "sync":
-                yield "recall", staging[0], q
+            data = None if staging is None else staging[0]
+            lid = self._layer_ids[layer]
             if staging is None or cfg.recall == "sync":
                 if staging is not None:
-                    self.kv = self._scatter(layer, staging)
-                x = layer_ops.attend_merge_finish(model, lp, x, q, self.kv, jnp.asarray(lp_plan.entries("all")), None,
-                                                  attention=cfg.attention)
+                    yield "recall", data, q
+                self.kv, x = layer_ops.land_attend_finish(model, lp, x, q, self.kv, lid, data,
+                                                          self._pack(lp_plan, "all", staging), None,
+                                                          attention=cfg.attention, lanes=p.lanes)
                 continue
             early = layer_ops.attend(q, self.kv, jnp.asarray(lp_plan.entries("early")), attention=cfg.attention)
-            yield "recall", staging[0], early[0]
-            self.kv = self._scatter(layer, staging)
-            x = layer_ops.attend_merge_finish(model, lp, x, q, self.kv, jnp.asarray(lp_plan.entries("late")), early,
-                                              attention=cfg.attention)
+            late = self._pack(lp_plan, "late", staging)  # sent now: on the device before the recall lands
+            yield "recall", data, early[0]
+            self.kv, x = layer_ops.land_attend_finish(model, lp, x, q, self.kv, lid, data, late, early,
+                                                      attention=cfg.attention, lanes=p.lanes)
         outs[key] = layer_ops.logits(model, head, x)
 
-    def _plan_layer(self, sel: np.ndarray, sparse: list[SparseKV], tables: _StepTables, layer: int,
+    def _plan_layer(self, sel: np.ndarray, sparse: list[SparseKV], tables: StepTables, layer: int,
                     sl: int) -> LayerPlan:
         """Selection [bp, S, N] (logical blocks, -1 = none) -> the layer's plan: each entry resident (sink or window
         block), a slot-cache hit, or a miss given a slot (to recall); counts the reuse per request."""
@@ -426,23 +421,21 @@ class SparseDecoder:
             c.recall_transfers += int(copies[b])
             c.recall_bytes += int(units_per_row[b]) * unit
             c.last_step_recall_bytes += int(units_per_row[b]) * unit
-        # the scatter's destinations (and heads), padded to the staging's rows (padding: the null block 0), sent now
-        # in one copy so that the scatter finds them on the device when the recall lands
+        # the destinations (and heads), padded to the staging's rows (padding: the null block 0)
         where = np.zeros((1 if heads is None else 2, staging.shape[0]), np.int32)
         where[0, : len(dst)] = dst
         if heads is not None:
             where[1, : len(heads)] = heads
-        return staging, jnp.asarray(where[0] if heads is None else where), heads is not None
+        return staging, where
 
-    def _scatter(self, layer: int, staging) -> jax.Array:
-        data, where, per_head = staging
-        if per_head:
-            return layer_ops.scatter_units(self.kv, self._layer_ids[layer], data, where)
-        return layer_ops.scatter_blocks(self.kv, self._layer_ids[layer], data, where)
+    @staticmethod
+    def _pack(plan: LayerPlan, which: str, staging) -> jax.Array:
+        """`land_attend_finish`'s int32 pack, on the device in one copy (see `LayerPlan.pack`)."""
+        return jnp.asarray(plan.pack(which, None if staging is None else staging[1]))
 
 
 @dataclasses.dataclass(frozen=True)
-class _StepTables:
+class StepTables:
     """Host tables of one micro-batch's decode step, shared by its layers' plans (bp rows, kc logical blocks)."""
 
     host: np.ndarray  # [bp, kc] host row of each logical block, -1 = none
@@ -452,14 +445,26 @@ class _StepTables:
     block_size: int
     num_gpu_blocks: int
 
+    @staticmethod
+    def of(sparse: list[SparseKV], lengths: np.ndarray, block_size: int, num_gpu_blocks: int) -> StepTables:
+        """The tables of requests `sparse` holding `lengths` tokens: bp = bucket(len(sparse)) rows, kc = bucket(most
+        logical blocks) columns."""
+        n_blocks = -(-np.asarray(lengths, np.int64) // block_size)
+        bp, kc = bucket(len(sparse)), bucket(int(n_blocks.max()))
+        host = np.full((bp, kc), -1, np.int32)
+        gpu = np.full((bp, kc), -1, np.int32)
+        slots = np.full((bp, max(len(s.slot_block_arr) for s in sparse) or 1), -1, np.int32)
+        for b, (s, n) in enumerate(zip(sparse, n_blocks, strict=True)):
+            host[b, :n] = s.host_row_arr[:n]
+            gpu[b, :n] = s.gpu_arr[:n]
+            slots[b, : len(s.slot_block_arr)] = s.slot_block_arr
+        return StepTables(host, gpu, slots, np.asarray(lengths, np.int64), block_size, num_gpu_blocks)
+
     @property
     def num_blocks(self) -> np.ndarray:  # [bp] logical blocks of each row (0 for padding rows)
         n = np.zeros(self.host.shape[0], np.int64)
         n[: len(self.lengths)] = -(-self.lengths // self.block_size)
         return n
-
-
-_LAST = np.iinfo(np.int64).max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,7 +481,7 @@ class LayerPlan:
     recall_dst: np.ndarray  # [n] the GPU slot block it lands in
 
     @staticmethod
-    def build(sel, resident, hit, miss, gpu, slot, tables: _StepTables, layer: int) -> LayerPlan:
+    def build(sel, resident, hit, miss, gpu, slot, tables: StepTables, layer: int) -> LayerPlan:
         bs, nb = tables.block_size, tables.num_gpu_blocks
         rows = np.arange(sel.shape[0])[:, None, None]
         slot_block = tables.slots[rows, np.clip(slot, 0, tables.slots.shape[1] - 1)]
@@ -485,27 +490,39 @@ class LayerPlan:
         units = np.where(resident, layer * nb + gpu, np.where(hit | miss, layer * nb + slot_block, -1))
         lens = np.where(resident, np.clip(length[:, None, None] - sel.astype(np.int64) * bs, 0, bs),
                         np.where(hit | miss, bs, 0))
-        kind = np.select([resident, hit, miss], [0, 1, 2], 3)
+        kind = 3 - 3 * resident - 2 * hit - miss  # (exclusive) 0 resident, 1 hit, 2 miss, 3 none
         b, lane, _ = np.nonzero(miss)  # row-major: by row, then lane, then selection order
         safe = np.clip(sel, 0, tables.host.shape[1] - 1)
         host = tables.host[rows, safe]
         return LayerPlan(units.astype(np.int32), lens.astype(np.int32), kind.astype(np.int8), b.astype(np.int32),
                          host[miss].astype(np.int32), lane.astype(np.int32), slot_block[miss].astype(np.int32))
 
+    @functools.cached_property
+    def _grouped(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Units and lens per (row, lane) sorted by kind (resident, hit, miss, none), selection order within a kind,
+        and how many entries of the first three kinds there are [bp, S, 3]: one sort serves every `entries` call."""
+        n = self.kind.shape[-1]
+        order = np.argsort(self.kind.astype(np.int64) * n + np.arange(n), axis=-1)  # distinct keys
+        counts = np.stack([(self.kind == k).sum(axis=-1) for k in range(3)], axis=-1)
+        return (np.take_along_axis(self.units, order, axis=-1), np.take_along_axis(self.lens, order, axis=-1), counts)
+
     def entries(self, which: str) -> Int[np.ndarray, "2 bp S W"]:
         """Padded (ids, lens) stacked, [2, bp, S, W] (W a power of two), of the "early" entries (resident, then
         hits: attended while the recall is in flight), the "late" ones (misses) or "all" (resident, hits, misses),
         each group in selection order."""
-        take = {"early": self.kind <= 1, "late": self.kind == 2, "all": self.kind <= 2}[which]
-        n = self.kind.shape[-1]
-        key = np.where(take, self.kind.astype(np.int64) * n + np.arange(n), _LAST)
-        order = np.argsort(key, axis=-1, kind="stable")
-        count = take.sum(axis=-1)
+        units, lens, counts = self._grouped
+        early = counts[..., 0] + counts[..., 1]
+        start = early if which == "late" else np.zeros_like(early)
+        count = {"early": early, "late": counts[..., 2], "all": early + counts[..., 2]}[which]
         width = bucket(int(count.max()))
-        if width > n:  # (padding, masked below)
-            order = np.concatenate([order, np.zeros(order.shape[:-1] + (width - n,), order.dtype)], axis=-1)
-        order = order[..., :width]
-        keep = np.arange(width) < count[..., None]  # the taken entries sort first
-        ids = np.where(keep, np.take_along_axis(self.units, order, axis=-1), -1)
-        lens = np.where(keep, np.take_along_axis(self.lens, order, axis=-1), 0)
+        idx = np.minimum(start[..., None] + np.arange(width), units.shape[-1] - 1)
+        keep = np.arange(width) < count[..., None]
+        ids = np.where(keep, np.take_along_axis(units, idx, axis=-1), -1)
+        lens = np.where(keep, np.take_along_axis(lens, idx, axis=-1), 0)
         return np.stack([ids, lens]).astype(np.int32)
+
+    def pack(self, which: str, where: np.ndarray | None) -> Int[np.ndarray, " P"]:
+        """`layer_ops.land_attend_finish`'s int32 pack: `entries(which)` flattened, then the recall's destinations
+        `where` ([1 or 2, n], see `SparseDecoder._issue_recall`; None without a recall)."""
+        parts = [self.entries(which).reshape(-1)] + ([] if where is None else [where.reshape(-1)])
+        return np.concatenate(parts)
