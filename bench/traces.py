@@ -56,8 +56,6 @@ def load_trace(path: str | pathlib.Path) -> Trace:
         return Trace(z["sel"], z["num_blocks"], z["hits"], z["misses"], json.loads(str(z["meta"])))
 
 
-_NONE = np.iinfo(np.int64).max  # an empty entry while merging selections (sorts last)
-
 
 # ---- recording -------------------------------------------------------------------------------------------
 class RecordingDecoder(SparseDecoder):
@@ -78,18 +76,15 @@ class RecordingDecoder(SparseDecoder):
             self.recorded_steps[s.owner] = self.recorded_steps.get(s.owner, 0) + 1
         return out
 
-    def _plan_layer(self, sel, sparse, tables, layer, sl):
-        before = [s.counters.reused_blocks for s in sparse]
-        planned = super()._plan_layer(sel, sparse, tables, layer, sl)
+    def _observe_layer(self, sl, sparse, lengths, sel, info):
         p = self.plan
-        misses = np.bincount(planned.recall_b, minlength=len(sparse))
+        sel = np.asarray(sel)
         for b, s in enumerate(sparse):
-            n = blocks_for(int(tables.lengths[b]), p.block_size)
+            n = blocks_for(lengths[b], p.block_size)
             lanes = [[int(j) for j in sel[b, lane] if p.sink_blocks <= j < n - p.window_blocks]
                      for lane in range(p.lanes)]
             self.records[(s.owner, self.recorded_steps.get(s.owner, 0), sl)] = (
-                lanes, s.counters.reused_blocks - before[b], int(misses[b]))
-        return planned
+                lanes, int(info.hits[b]), int(info.misses[b]))
 
     def trace(self, owners: list[int], steps: int, meta: dict) -> Trace:
         """The first `steps` decode steps of the requests `owners` (in that order) as a Trace."""
@@ -169,31 +164,22 @@ def replay_decoder(trace: Trace, base: type[SparseDecoder] = SparseDecoder) -> t
                 self.replayed_steps[s.owner] = self.replayed_steps.get(s.owner, 0) + 1
             return out
 
-        def _plan_layer(self, sel, sparse, tables, layer, sl):
-            """The trace's middle blocks (mapped) in place of this step's, the engine's own sinks and window kept;
-            vectorised over rows and lanes (the bench times the steps this runs in)."""
+        def _override(self, sparse, tables, bp):
+            """This step's middle blocks of every sparse layer from the trace, mapped onto each request's context:
+            [sparse layers, bp, lanes, M] (-1 padded); the device merges them with its own sinks and window."""
             p = self.plan
-            r_count, t_count, ls_t, s_t, _ = trace.sel.shape
-            tl = round(sl * (ls_t - 1) / max(1, p.sparse_layers - 1))
-            bp, lanes, width = sel.shape
-            b_real = len(sparse)
-            n = np.zeros((bp, 1, 1), np.int64)
-            n[:b_real, 0, 0] = [blocks_for(int(x), p.block_size) for x in tables.lengths]
-            src = np.full((bp, lanes, trace.sel.shape[-1]), -1, np.int64)
-            sink_p, t0_p, r0_p = (np.ones((bp, 1, 1), np.int64) for _ in range(3))
+            r_count, t_count, ls_t, s_t, m = trace.sel.shape
+            tl = np.round(np.arange(p.sparse_layers) * (ls_t - 1) / max(1, p.sparse_layers - 1)).astype(int)
+            lanes = np.arange(p.lanes) % s_t
+            out = np.full((p.sparse_layers, bp, p.lanes, m), -1, np.int32)
             for b, s in enumerate(sparse):
-                row = trace.sel[s.owner % r_count, self.replayed_steps.get(s.owner, 0) % t_count, tl]  # [S_t, M]
-                src[b] = row[np.arange(lanes) % s_t]
-                m = self.maps[s.owner]
-                sink_p[b], t0_p[b], r0_p[b] = m.sink, m.mid_t0, m.mid_r0
-            o = src - sink_p  # BlockMap, elementwise with each row's parameters
-            mapped = np.where(o < t0_p, sink_p + (o * r0_p) // t0_p, sink_p + r0_p + (o - t0_p))
-            in_mid = lambda j: (j >= p.sink_blocks) & (j < n - p.window_blocks)  # noqa: E731
-            mapped = np.where((src >= 0) & in_mid(mapped), mapped, _NONE)
-            fixed = np.where((sel >= 0) & ~in_mid(sel), sel.astype(np.int64), _NONE)  # sinks and window, kept
-            both = np.sort(np.concatenate([fixed, mapped], axis=-1), axis=-1)[..., :width]
-            out = np.where(both == _NONE, -1, both).astype(sel.dtype)
-            out[b_real:] = -1
-            return super()._plan_layer(out, sparse, tables, layer, sl)
+                src = trace.sel[s.owner % r_count, self.replayed_steps.get(s.owner, 0) % t_count]  # [Ls_t, S_t, M]
+                src = src[tl][:, lanes].astype(np.int64)  # [SL, S, M]
+                bm = self.maps[s.owner]
+                mapped = bm(src)
+                n = blocks_for(int(tables.lengths[b]), p.block_size)
+                ok = (src >= 0) & (mapped >= p.sink_blocks) & (mapped < n - p.window_blocks)
+                out[:, b] = np.where(ok, mapped, -1)
+            return out
 
     return ReplayDecoder

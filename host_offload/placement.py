@@ -7,7 +7,7 @@ A *sparse* request decodes with block selection. Its placement is either
         one included) plus one spare for the block that starts next; new tokens are written here;
       * the slot cache: `slot_blocks` GPU blocks whose layer-l slices hold the blocks layer l recalled
         (SoloHead: slot i = a whole block; headwise: column h of slot i = head h of a block, one LRU lane
-        per head); the engine's `SlotTable` says which;
+        per head); the slot caches on the device say which (pulseinfer_jax/slot_plan.py);
       * dense-layer packs: the first `dense_layers` layers attend densely, so every logical block's KV of those
         layers stays on the GPU, packed `L // dense_layers` blocks to one GPU block: logical block j, dense
         layer d -> z = j * dense_layers + d -> GPU block packs[z // L], layer slice z % L (flat unit
@@ -36,7 +36,6 @@ import dataclasses
 import numpy as np
 from jaxtyping import Int
 
-from host_offload.slot_cache import SlotTable
 from pulseinfer_jax.kv_cache import blocks_for
 
 
@@ -122,7 +121,7 @@ class SparseKV:
     GPU blocks and host rows and hands them in; `free_after_prefill` says which GPU blocks to give back."""
 
     def __init__(self, plan: SparsePlan, owner: int, total_tokens: int, gpu_blocks: list[int], host_rows: list[int],
-                 slot_table: SlotTable | None = None):
+                 slot_row: int = 0):
         n_max = blocks_for(total_tokens, plan.block_size)
         if len(gpu_blocks) != plan.gpu_blocks(total_tokens) or len(host_rows) != n_max:
             raise ValueError(f"request {owner}: got {len(gpu_blocks)} GPU blocks / {len(host_rows)} host rows, "
@@ -138,15 +137,13 @@ class SparseKV:
         self.spare: list[int] = []
         self.table: list[int] = []  # the prompt's GPU blocks during prefill
         slots = plan.slots_for(n_max)
-        # the slot caches of every sparse layer and lane: a row of the engine's SlotTable (shared by its sparse
-        # requests, so a decode step plans a whole micro-batch at once), or of a table of its own. Device placement
-        # keeps the caches as bookkeeping only (no slot blocks, nothing recalled), so that it selects exactly what
-        # host placement does (the resident-block bonus reads them)
-        if slot_table is None:
-            slot_table = SlotTable(plan.sparse_layers, plan.lanes, slots, key_rows=max(host_rows, default=0) + 1,
-                                   table_rows=1)
-        self.slot_table = slot_table
-        self.slot_row = slot_table.add(slots)
+        # the slot caches of every sparse layer and lane live on the device, one table row per request
+        # (pulseinfer_jax/slot_plan.py; the engine hands out the rows). Device placement keeps them as bookkeeping
+        # only (no slot blocks, nothing recalled), so that it selects exactly what host placement does (the
+        # resident-block bonus reads them)
+        self.slot_capacity = slots
+        self.slot_row = slot_row
+        self.slot_fresh = True  # the decoder frees the row's slots before the first step
         if plan.placement == "device":
             self.table = list(gpu_blocks)
             self.slot_blocks: list[int] = []
@@ -211,15 +208,6 @@ class SparseKV:
                     blk = self.gpu_of[j_out]
                 exits.append((j_out, blk))
         return exits
-
-    @property
-    def slot_keys(self) -> np.ndarray:
-        """[sparse layers, lanes, slots] the logical block each slot holds, -1 = free (a copy)."""
-        return self.slot_table.keys(self.slot_row)
-
-    def release_slots(self) -> None:
-        """Give the slot caches' table row back (the request is done; its host rows may be reused)."""
-        self.slot_table.remove(self.slot_row)
 
     def is_resident(self, j: int) -> bool:
         return j in self.gpu_of

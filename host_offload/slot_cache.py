@@ -1,10 +1,12 @@
-"""GPU slot caches: which recalled KV blocks are resident in each request's slots, with LRU eviction.
+"""GPU slot caches: which recalled KV blocks are resident in each request's slots, with LRU eviction (numpy).
 
 Every sparse request has, per sparse layer and lane, an LRU cache of `capacity` slots (SoloHead: one lane, a
 slot holds a whole block, every head; headwise: one lane per KV head, slot i of lane h holds head h of a block,
-in column h of the request's slot block i). A decode step plans one layer for a whole micro-batch at once, so
-the state of every request lives in one `SlotTable` (numpy, host side, no device code) and `SlotTable.plan`
-is vectorised over requests, lanes and wanted blocks: no Python loop per request or block.
+in column h of the request's slot block i). The engine plans them on the device, fused into each sparse layer's
+selection call (pulseinfer_jax/slot_plan.py); this module is the contract written in numpy: `SlotTable` holds
+every request's caches in one set of arrays and `plan` is vectorised over requests, lanes and wanted blocks. It is
+the reference the device planner is tested against (slot for slot), and what scripts use (`SlotCache`, one
+request's one-layer cache, e.g. bench/slot_cache_sweep.py).
 
 Contract of `plan(sparse_layer, rows, wanted, wanted_rows)` (per table row = request and lane: the middle
 blocks this step's selection needs there, distinct keys >= 0, padded with -1; `wanted_rows` their host rows,
@@ -16,8 +18,8 @@ the lookup key, unique to the request that owns them):
   - afterwards the lane's recency order is: the older keys, then this step's hits, then its misses (each in
     the order of `wanted`); more than `capacity` keys in a lane, or a repeated key, is a ValueError.
 The caller must transfer each miss's data into its slot before reading it. `keys(row)` ([sparse layers, lanes,
-capacity] int32, the logical block in each slot, -1 = free) mirrors the residency: the engine hands it to the
-device so selection can favour resident blocks (`BlockScoring.resident_bonus`).
+capacity] int32, the logical block in each slot, -1 = free) mirrors the residency (the device's selection favours
+resident blocks from its own copy: `BlockScoring.resident_bonus`).
 `SlotCache` is one request's one-layer cache over its own table (scripts and tests): `plan(wanted)` returns
 (key, slot) lists.
 """

@@ -28,6 +28,7 @@ from pallas_kernels.block_metadata import block_key_bounds, update_bounds
 from pallas_kernels.block_scoring import block_scores, block_scores_reference, default_scale
 from pallas_kernels.merge import merge_attention_partials
 from pallas_kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
+from pulseinfer_jax import slot_plan
 from pulseinfer_jax.kept_scores import kept_block_scores, kept_lens, with_kept_scores
 from pulseinfer_jax.sparse import BlockScoring, resident_mask, select_blocks, top_groups
 
@@ -116,8 +117,9 @@ def two_level_scores(score_fn, q, meta_min, meta_max, cand, cmeta_min, cmeta_max
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "budget", "sink", "window", "mode", "solohead", "attention", "scoring", "coarse"),
-    donate_argnames=("kv",),
+    static_argnames=("model", "budget", "sink", "window", "mode", "solohead", "attention", "scoring", "coarse",
+                     "plan_mode", "override"),
+    donate_argnames=("kv", "slot_state"),
 )
 def sparse_pre(
     model: Transformer,
@@ -135,7 +137,8 @@ def sparse_pre(
     retrieval_head: Int[Array, ""],
     kept_logical: Int[Array, "B KK"],
     kept_blocks: Int[Array, "B KK"],
-    slot_keys: Int[Array, "SL B C"],
+    slot_state: tuple[Int[Array, "SL R S C"], Int[Array, "SL R S C"]],
+    step: dict,
     sparse_layer: Int[Array, ""],
     cmeta_min: Float[Array, "Rc Hkv hd"],
     cmeta_max: Float[Array, "Rc Hkv hd"],
@@ -150,20 +153,27 @@ def sparse_pre(
     attention: str,
     scoring: BlockScoring = BlockScoring(),
     coarse: int = 0,
-) -> tuple[Array, Float[Array, "B Hq hd"], Int[Array, "B S N"]]:
+    plan_mode: str = "recall",
+    override: bool = False,
+) -> tuple[Array, Float[Array, "B Hq hd"], tuple[Array, Array], dict, Int[Array, "B S N"]]:
     """A sparse layer up to attention: write the new token into its window block (GPU block `newest`, -1 for a
     padding row: the null block), score every candidate block from its key bounds (metadata blocks
     `meta_offset + cand_rows`, -1 = none; `scoring.sub_blocks` rows each) and, where `scoring.scores_kept`, the
     always-kept logical blocks `kept_logical` from their resident keys in GPU blocks `kept_blocks` (-1 = none;
     see kept_scores.py), and select. GPU block g of this layer is flat unit `unit_offset + g` (layer * NB + g);
     the per-row arrays stay the same for every layer of a step, only the offsets and `sparse_layer` (device
-    scalars) change. Where `scoring.favours_resident`, the logical blocks in this layer's slot cache
-    (`slot_keys[sparse_layer]`, -1 = free slot) get the resident-block bonus; else `slot_keys` is not read.
+    scalars) change. Where `scoring.favours_resident`, the logical blocks in this layer's slot caches (the slot
+    state `(stamp, key)` of sparse layer `sparse_layer`, rows `step["rows"]`, see slot_plan.py) get the
+    resident-block bonus. Then the slot-cache plan of the selection (`slot_plan.layer_plan`, `plan_mode`), which
+    updates the slot state. With `override` (the throughput bench's replayed selections), the middle blocks
+    selected are `step["override"][sparse_layer]` ([B, S, M], -1 padded) instead of the scorer's; sinks and window
+    stay the scorer's.
     With `coarse` > 0 (two-level scoring, `BlockScoring.coarse_group`) the groups are scored first from their bounds
     (coarse metadata rows `coarse_offset + cand_groups`, -1 = none) and only the best `coarse` groups' blocks from
     their own (`two_level_scores`); else the coarse inputs are not read.
 
-    Returns (kv, q, selected logical blocks [B, S, budget] sorted, -1 padded; see sparse.select_blocks)."""
+    Returns (kv, q, slot state, the layer's plan (slot_plan.layer_plan), selected logical blocks [B, S, budget]
+    sorted, -1 padded; see sparse.select_blocks)."""
     write_unit = jnp.where(newest >= 0, unit_offset + newest, 0)
     kv, q = _qkv_and_write(model, lp, kv, x, positions, write_unit)
     cand = jnp.where(cand_rows >= 0, cand_rows + meta_offset, -1)
@@ -184,14 +194,33 @@ def sparse_pre(
         kept = kept_block_scores(q, _flat(kv), kept_units, lens, per_head=per_head, beta=scoring.beta,
                                  sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, KK]
         scores = with_kept_scores(scores, kept, kept_logical)
+    stamp_all, key_all = slot_state
+    stamp = jax.lax.dynamic_index_in_dim(stamp_all, sparse_layer, axis=0, keepdims=False)  # [R, S, C]
+    key = jax.lax.dynamic_index_in_dim(key_all, sparse_layer, axis=0, keepdims=False)
     resident = None
     if scoring.favours_resident(mode, solohead):
-        keys = jax.lax.dynamic_index_in_dim(slot_keys, sparse_layer, axis=0, keepdims=False)  # [B, C]
-        resident = resident_mask(keys, scores.shape[2])
+        resident = resident_mask(key[step["rows"], 0], scores.shape[2])  # [B, C] -> [B, K]
     sel = select_blocks(scores, num_blocks, budget_blocks=budget, sink_blocks=sink, window_blocks=window, mode=mode,
                         solohead=solohead, retrieval_head=retrieval_head, score_scale=scale, resident=resident,
                         resident_bonus=scoring.resident_bonus)
-    return kv, q, sel
+    if override:
+        sel = _with_middle(sel, jax.lax.dynamic_index_in_dim(step["override"], sparse_layer, 0, keepdims=False),
+                           num_blocks, sink, window)
+    stamp, key, plan = slot_plan.layer_plan(stamp, key, sel, step, unit_offset, block_size=kv.shape[3], sink=sink,
+                                            window=window, mode=plan_mode)
+    slot_state = (jax.lax.dynamic_update_index_in_dim(stamp_all, stamp, sparse_layer, 0),
+                  jax.lax.dynamic_update_index_in_dim(key_all, key, sparse_layer, 0))
+    return kv, q, slot_state, plan, sel
+
+
+def _with_middle(sel: Int[Array, "B S N"], middle: Int[Array, "B S M"], num_blocks: Int[Array, " B"], sink: int,
+                 window: int) -> Int[Array, "B S N"]:
+    """`sel`'s sinks and window with the middle blocks `middle` (-1 padded) instead of its own, sorted."""
+    n = num_blocks[:, None, None]
+    fixed = jnp.where((sel >= 0) & ((sel < sink) | (sel >= n - window)), sel, -1)
+    both = jnp.concatenate([fixed, middle.astype(sel.dtype)], axis=-1)
+    both = jnp.sort(jnp.where(both >= 0, both, jnp.iinfo(jnp.int32).max), axis=-1)[..., : sel.shape[-1]]
+    return jnp.where(both == jnp.iinfo(jnp.int32).max, -1, both).astype(sel.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("attention",))
@@ -207,7 +236,7 @@ def attend(
     return _attend(attention, q, kv, entries[0], entries[1])
 
 
-@functools.partial(jax.jit, static_argnames=("model", "attention", "lanes"), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("model", "attention", "width", "fan"), donate_argnames=("kv",))
 def land_attend_finish(
     model: Transformer,
     lp: dict,
@@ -215,32 +244,41 @@ def land_attend_finish(
     q: Float[Array, "B Hq hd"],
     kv: Float[Array, "L NB 2 bs Hkv hd"],
     layer: Int[Array, ""],
+    plan: dict,
     staging: Float[Array, "n 2 bs Hkv hd"] | Float[Array, "n 2 bs hd"] | None,
-    pack: Int[Array, " P"],
     early: Partial | None,
     *,
     attention: str,
-    lanes: int,
+    width: int,
+    fan: int = 1,
 ) -> tuple[Array, Float[Array, "B 1 D"]]:
-    """The rest of a sparse layer, in one call: land the recall (if `staging` is given: whole blocks
-    [n, 2, bs, Hkv, hd], or (block, head) units [n, 2, bs, hd]) into its slot blocks of `layer`, attend over the
-    listed units merged with the `early` partial (if given) through the softmax residuals, then o-proj and MLP.
+    """The rest of a sparse layer, in one call, from its plan (`slot_plan.layer_plan`, on the device): land the
+    recall `staging` (if given) in its slots of `layer`, attend over the late entries (the misses, the first `width`
+    of each lane; `width` 0: none) merged with the early partial through the softmax residuals, then o-proj and MLP.
+    `early` is the partial over the early entries (resident blocks and hits) computed while the recall was in
+    flight, or None: then it is computed here (synchronous recall, or nothing to recall).
 
-    `pack` is one int32 vector (one host-to-device copy): the entries (unit ids, -1 = padding; valid tokens) as
-    [2, B, lanes, W], then the recall's destination blocks [n] (whole blocks) or blocks and heads [2, n] (units);
-    padding rows target the null block 0. Returns (kv, x)."""
-    b = q.shape[0]
-    n_where = 0 if staging is None else staging.shape[0] * (1 if staging.ndim == 5 else 2)
-    entries = pack[: pack.shape[0] - n_where].reshape(2, b, lanes, -1)
+    `staging` holds whole blocks [n, 2, bs, Hkv, hd] (SoloHead, coalesced), or (block, head) units [n, 2, bs, hd]:
+    unit i is miss i // `fan`, head i % `fan` (SoloHead, fragmented: fan = Hkv) or the miss's lane (headwise,
+    fan = 1). Rows past the misses are padding: they land in the null block 0. Returns (kv, x)."""
     if staging is not None:
-        where = pack[pack.shape[0] - n_where:]
+        n = staging.shape[0]
+        entry = jnp.arange(n) // fan
+        real = entry < plan["count"]
+        entry = jnp.minimum(entry, plan["dst"].shape[0] - 1)
+        blocks = jnp.where(real, plan["dst"][entry], 0)
         if staging.ndim == 5:
-            kv = kv.at[layer, where].set(staging.astype(kv.dtype))
+            kv = kv.at[layer, blocks].set(staging.astype(kv.dtype))
         else:
-            where = where.reshape(2, -1)
-            kv = kv.at[layer, where[0], :, :, where[1]].set(staging.astype(kv.dtype))
-    part = _attend(attention, q, kv, entries[0], entries[1])
-    o = part[0] if early is None else merge_attention_partials([early, part])[0]
+            heads = jnp.arange(n) % fan if fan > 1 else plan["lanes"][entry]
+            kv = kv.at[layer, blocks, :, :, jnp.where(real, heads, 0)].set(staging.astype(kv.dtype))
+    if early is None:
+        early = _attend(attention, q, kv, plan["early"][0], plan["early"][1])
+    parts = [early]
+    if width:
+        late = plan["late"][..., :width]
+        parts.append(_attend(attention, q, kv, late[0], late[1]))
+    o = parts[0][0] if len(parts) == 1 else merge_attention_partials(parts)[0]
     return kv, model.layer_finish(lp, x, o[:, None])
 
 

@@ -15,7 +15,6 @@ import jax
 
 from host_offload.host_pool import HostKVPool
 from host_offload.placement import SparseKV, SparsePlan
-from host_offload.slot_cache import SlotTable
 from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.ioaa import Candidate
 from pulseinfer_jax.kv_cache import BlockAllocator, blocks_for
@@ -75,7 +74,8 @@ class OffloadPlacer:
         self.allocator = allocator
         self.pool = pool
         self.block_size = block_size
-        self.slots = SlotTable(plan.sparse_layers, plan.lanes, plan.slot_blocks, key_rows=pool.num_rows)
+        self._slot_rows_free: list[int] = []  # rows of the device slot-cache table (slot_plan.py), one per request
+        self._slot_rows_next = 0
         # bytes of one step's full selection: middle blocks x one layer-block x sparse layers
         self.selection_bytes = plan.middle_blocks * pool.layer_block_bytes * plan.sparse_layers
 
@@ -108,10 +108,14 @@ class OffloadPlacer:
 
     def setup(self, req: Request) -> None:
         rows = self.pool.allocate(blocks_for(req.need_tokens, self.block_size), owner=req.index)
-        req.sparse = SparseKV(self.plan, req.index, req.need_tokens, req.blocks, rows, self.slots)
+        if self._slot_rows_free:
+            slot_row = self._slot_rows_free.pop()
+        else:
+            slot_row, self._slot_rows_next = self._slot_rows_next, self._slot_rows_next + 1
+        req.sparse = SparseKV(self.plan, req.index, req.need_tokens, req.blocks, rows, slot_row)
 
     def release(self, req: Request) -> None:
-        req.sparse.release_slots()
+        self._slot_rows_free.append(req.sparse.slot_row)
         self.pool.free(req.sparse.host_rows, owner=req.index)
 
 

@@ -13,24 +13,27 @@ One decode step of the sparse requests (`SparseDecoder.decode`):
           nor window) from their key metadata (two-level scoring: groups of blocks first, then only the blocks of
           the best groups; SoloHead normalized_sum: the sinks and window too, from their
           resident keys, for the softmax; with a resident bonus, blocks in the layer's slot cache rank higher),
-          select (SoloHead: one set per layer; headwise: one per KV head; sinks and window always)
-                                                                                   -> STOP until sel is on host
-       b. host: split the selection into resident blocks (sinks, window), slot-cache hits and misses (LRU, the
-          whole micro-batch at once in numpy: `SlotTable.plan`, `LayerPlan`), and ISSUE THE RECALL of the misses
-          at once: coalesced = one host gather into one pinned staging buffer + one host-to-device copy for the
-          whole micro-batch; fragmented = one copy per (block, head);
-       c. interruptible: dispatch attention over the resident + hit blocks (partial o, m, l) while the copy
-          is in flight, and send the late entries and the slots they land in (one small copy)
+          select (SoloHead: one set per layer; headwise: one per KV head; sinks and window always), and plan
+          it against the slot caches, all in the same call on the device (`slot_plan.layer_plan`): each
+          selected block is resident (sink, window), a slot-cache hit, or a miss given a slot (LRU); the
+          early (resident + hits) and late (misses) attention entries stay on the device, and one small
+          array comes back: the recall list (host rows, lanes) and per-request counts
+                                                                        -> STOP until that array is on host
+       b. host: ISSUE THE RECALL of the misses at once: coalesced = one host gather into one pinned staging
+          buffer + one host-to-device copy for the whole micro-batch; fragmented = one copy per (block, head);
+       c. interruptible: dispatch attention over the early entries (partial o, m, l) while the copy is in flight
                                                                               -> STOP until the copy landed
           then one call lands the recalled blocks in their slots, attends over them, merges the two partials
           through the softmax residuals and finishes the layer (o-proj, MLP): `layer_ops.land_attend_finish`;
           synchronous (baseline): STOP until the copy landed, then the same call over everything.
+     The host does no work per selected block: a layer costs it four dispatches, one small read and the recall's
+     copy (`bench/host_overhead.py`).
   4. logits.
 
 The driver resumes whichever micro-batch's awaited array `is_ready()`; only when none is does it block, on the
 oldest. Blocking on a recall is counted as recall wait (`recall_wait_s`) only after the GPU has finished the
 work queued ahead of it (the awaited micro-batch's early attention): that interval is time the GPU sits
-idle on PCIe. A recall stop is resumed only once its copy landed, so the scatter that donates the shared
+idle on PCIe. A recall stop is resumed only once its copy landed, so the landing call that donates the shared
 cache never makes another micro-batch's queued work wait on this one's copy. Every mechanism is switchable
 for ablation: `recall="sync"`, `micro_batches=1`, `io="fragmented"`, `selection="headwise"`.
 """
@@ -39,19 +42,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Generator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Int
 
 from host_offload.host_pool import HostKVPool
 from host_offload.placement import SparseKV, SparsePlan
 from models.transformer import Transformer, head_params, split_layers
-from pulseinfer_jax import layer_ops
+from pulseinfer_jax import layer_ops, slot_plan
 from pulseinfer_jax.kept_scores import kept_logical
 from pulseinfer_jax.kv_cache import blocks_for, bucket
 from pulseinfer_jax.sparse import BlockScoring
@@ -116,7 +117,8 @@ class SparseDecoder:
                             sl * self._group_rows))
             for sl in range(plan.sparse_layers)]
         self._layer_ids = [jax.device_put(np.int32(layer), device) for layer in range(plan.num_layers)]
-        self._no_slot_keys = jax.device_put(np.full((1, 1, 1), -1, np.int32), device)  # bonus off: never read
+        # the slot caches of every sparse request, on the device (slot_plan.py): (stamp, key) [SL, R, lanes, C]
+        self.slot_state: tuple[jax.Array, jax.Array] | None = None
         # per decode step: host-to-device copies and bytes issued, recall wait (bounded history)
         self.step_log: collections.deque[dict] = collections.deque(maxlen=65536)
 
@@ -209,6 +211,7 @@ class SparseDecoder:
         self._refresh_meta(kv, meta)
         for s in sparse:
             s.counters.last_step_recall_bytes = 0
+        self._prepare_slots(sparse)
 
         k = max(1, min(self.config.micro_batches, len(sparse)))
         bounds = np.linspace(0, len(sparse), k + 1).astype(int)
@@ -295,15 +298,7 @@ class SparseDecoder:
         kept_l[b_real:] = -1
         kept_gpu = np.where(kept_l >= 0, np.take_along_axis(gpu_tab, np.clip(kept_l, 0, kc - 1), axis=1), -1)
         kept_l_d, kept_gpu_d = jnp.asarray(kept_l), jnp.asarray(kept_gpu.astype(np.int32))
-        slot_keys_d = self._no_slot_keys
-        if cfg.scoring.favours_resident(p.selection, cfg.solohead):
-            # every sparse layer's slot-cache contents as of the previous step (this step's plans run per layer,
-            # after that layer's selection): one [SL, bp, C] copy per micro-batch and step
-            table = sparse[0].slot_table
-            width = bucket(max(table.capacity(s.slot_row) for s in sparse))
-            slot_keys = np.full((p.sparse_layers, bp, width), -1, np.int32)
-            slot_keys[:, :b_real] = table.keys_of_rows(np.array([s.slot_row for s in sparse]), width)[:, :, 0]
-            slot_keys_d = jnp.asarray(slot_keys)
+        step = self._step_inputs(sparse, tables, bp)
 
         # valid tokens per block: the same in every dense layer
         dense_lens = np.clip(lengths_np[:, None] - np.arange(kc) * bs, 0, bs) * (np.arange(kc) < np.asarray(
@@ -330,89 +325,120 @@ class SparseDecoder:
                 continue
             sl = layer - p.dense_layers
             meta_offset, unit_offset, rh, sl_d, coarse_offset = self._layer_scalars[sl]
-            self.kv, q, sel = layer_ops.sparse_pre(
+            self.kv, q, self.slot_state, plan, sel = layer_ops.sparse_pre(
                 model, lp, self.kv, self.meta_min, self.meta_max, meta_offset, unit_offset, x, positions_d,
-                newest_d, cand_d, nblk_d, rh, kept_l_d, kept_gpu_d, slot_keys_d, sl_d, self.cmeta_min,
+                newest_d, cand_d, nblk_d, rh, kept_l_d, kept_gpu_d, self.slot_state, step, sl_d, self.cmeta_min,
                 self.cmeta_max, coarse_offset, groups_d, budget=p.budget_blocks, sink=p.sink_blocks,
                 window=p.window_blocks, mode=p.selection, solohead=cfg.solohead, attention=cfg.attention,
-                scoring=cfg.scoring, coarse=coarse)
-            yield "select", sel, None
-            lp_plan = self._plan_layer(np.asarray(sel), sparse, tables, layer, sl)
-            staging = self._issue_recall(sl, lp_plan, sparse)
-            data = None if staging is None else staging[0]
+                scoring=cfg.scoring, coarse=coarse, plan_mode=self._plan_mode, override="override" in step)
+            yield "select", plan["info"], None
+            info = self._read_plan(np.asarray(plan["info"]), sparse, bp)
+            self._observe_layer(sl, sparse, lengths, sel, info)
+            staging = self._issue_recall(sl, info, sparse)
             lid = self._layer_ids[layer]
+            width = min(bucket(info.most), p.budget_blocks) if staging is not None else 0
+            fan = self.model.cfg.num_kv_heads if (cfg.io == "fragmented" and p.selection == "solohead") else 1
             if staging is None or cfg.recall == "sync":
                 if staging is not None:
-                    yield "recall", data, q
-                self.kv, x = layer_ops.land_attend_finish(model, lp, x, q, self.kv, lid, data,
-                                                          self._pack(lp_plan, "all", staging), None,
-                                                          attention=cfg.attention, lanes=p.lanes)
+                    yield "recall", staging, q
+                self.kv, x = layer_ops.land_attend_finish(model, lp, x, q, self.kv, lid, plan, staging, None,
+                                                          attention=cfg.attention, width=width, fan=fan)
                 continue
-            early = layer_ops.attend(q, self.kv, jnp.asarray(lp_plan.entries("early")), attention=cfg.attention)
-            late = self._pack(lp_plan, "late", staging)  # sent now: on the device before the recall lands
-            yield "recall", data, early[0]
-            self.kv, x = layer_ops.land_attend_finish(model, lp, x, q, self.kv, lid, data, late, early,
-                                                      attention=cfg.attention, lanes=p.lanes)
+            early = layer_ops.attend(q, self.kv, plan["early"], attention=cfg.attention)
+            yield "recall", staging, early[0]
+            self.kv, x = layer_ops.land_attend_finish(model, lp, x, q, self.kv, lid, plan, staging, early,
+                                                      attention=cfg.attention, width=width, fan=fan)
         outs[key] = layer_ops.logits(model, head, x)
 
-    def _plan_layer(self, sel: np.ndarray, sparse: list[SparseKV], tables: StepTables, layer: int,
-                    sl: int) -> LayerPlan:
-        """Selection [bp, S, N] (logical blocks, -1 = none) -> the layer's plan: each entry resident (sink or window
-        block), a slot-cache hit, or a miss given a slot (to recall); counts the reuse per request."""
-        p = self.plan
-        b_real = len(sparse)
-        sel = np.where(np.arange(sel.shape[0])[:, None, None] < b_real, sel, -1)  # padding rows select nothing
-        valid = sel >= 0
-        safe = np.clip(sel, 0, tables.gpu.shape[1] - 1)
-        rows = np.arange(sel.shape[0])[:, None, None]
-        gpu = np.where(valid, tables.gpu[rows, safe], -1)
-        resident = gpu >= 0
-        middle = valid & ~resident  # host placement: exactly the selected blocks that are neither sink nor window
-        # the slot caches of the whole micro-batch, planned at once (host rows are the lookup keys)
-        table = sparse[0].slot_table
-        rows_t = np.array([s.slot_row for s in sparse])
-        host = np.where(valid, tables.host[rows, safe], -1)[:b_real]
-        # device placement: every block is resident, nothing is recalled; the slot caches still track what host
-        # placement would hold where selection reads it (the resident-block bonus), so both select the same
-        if p.placement == "device" and self.config.scoring.favours_resident(p.selection, self.config.solohead):
-            n = tables.num_blocks[:b_real, None, None]
-            mid = valid[:b_real] & (sel[:b_real] >= p.sink_blocks) & (sel[:b_real] < n - p.window_blocks)
-            table.plan(sl, rows_t, np.where(mid, sel[:b_real], -1), np.where(mid, host, -1))
-        slot = np.full(sel.shape, -1, np.int32)
-        hit = np.zeros(sel.shape, bool)
-        if middle.any():
-            m = middle[:b_real]
-            slot[:b_real], hit[:b_real] = table.plan(sl, rows_t, np.where(m, sel[:b_real], -1), np.where(m, host, -1))
-        hits_per_row = hit.sum(axis=(1, 2))
-        for b, s in enumerate(sparse):
-            s.counters.reused_blocks += int(hits_per_row[b])
-        return LayerPlan.build(sel, resident, hit, middle & ~hit, gpu, slot, tables, layer)
+    @property
+    def _plan_mode(self) -> str:
+        """slot_plan.layer_plan's mode for this engine's sparse requests."""
+        if self.plan.placement == "host":
+            return "recall"
+        return "bookkeep" if self.config.scoring.favours_resident(self.plan.selection, self.config.solohead) else "none"
 
-    def _issue_recall(self, sl: int, plan: LayerPlan, sparse: list[SparseKV]):
-        """Start the host-to-device copies of the plan's misses; returns (device staging, dst blocks, heads or
-        None) or None when nothing is missing. Counts bytes / transfers / blocks per request."""
-        n_rec = len(plan.recall_rows)
-        if not n_rec:
+    def _step_inputs(self, sparse: list[SparseKV], tables: StepTables, bp: int) -> dict:
+        """The device plan's per-step inputs (`slot_plan.layer_plan`'s `step`), one dict of arrays; frees the slot
+        caches of requests decoding for the first time."""
+        rows = [s.slot_row for s in sparse]
+        pad = self.slot_state[0].shape[1] - 1  # (see _prepare_slots)
+        r = np.full(bp, pad, np.int32)
+        r[: len(sparse)] = rows
+        cap = np.full(bp, self.slot_state[0].shape[3], np.int32)
+        cap[: len(sparse)] = [s.slot_capacity for s in sparse]
+        lengths = np.zeros(bp, np.int32)
+        lengths[: len(sparse)] = tables.lengths
+        step = {"rows": r, "capacity": cap, "gpu": tables.gpu, "host": tables.host, "slots": tables.slots,
+                "lengths": lengths}
+        override = self._override(sparse, tables, bp)
+        if override is not None:
+            step["override"] = override
+        return {k: jnp.asarray(v) for k, v in step.items()}
+
+    def _prepare_slots(self, sparse: list[SparseKV]) -> None:
+        """Before a step's micro-batches: the device slot table holds every request's row plus the padding rows'
+        own (the last), and requests decoding for the first time start with every slot free."""
+        self._ensure_slot_rows(max(s.slot_row for s in sparse) + 2)
+        fresh = [s.slot_row for s in sparse if s.slot_fresh]
+        if fresh:
+            idx = np.full(bucket(len(fresh)), self.slot_state[0].shape[1], np.int32)  # padding: out of range
+            idx[: len(fresh)] = fresh
+            self.slot_state = slot_plan.reset_rows(*self.slot_state, jnp.asarray(idx))
+            for s in sparse:
+                s.slot_fresh = False
+
+    def _ensure_slot_rows(self, rows: int) -> None:
+        """The device slot-cache table holds at least `rows` rows (grown by doubling, contents kept)."""
+        have = 0 if self.slot_state is None else self.slot_state[0].shape[1]
+        if have >= rows:
+            return
+        p = self.plan
+        new = slot_plan.init_state(p.sparse_layers, bucket(rows), p.lanes, p.slot_blocks)
+        if self.slot_state is not None:  # real rows keep their state (the old padding row is reset at first use)
+            new = tuple(n.at[:, :have].set(o) for n, o in zip(new, self.slot_state, strict=True))
+        self.slot_state = new
+
+    def _override(self, sparse: list[SparseKV], tables: StepTables, bp: int) -> np.ndarray | None:
+        """Middle blocks to select instead of the scorer's, [sparse layers, bp, lanes, M] (-1 padded), or None (the
+        engine: its own selection). The throughput bench's replay decoder overrides this."""
+        return None
+
+    def _observe_layer(self, sl: int, sparse: list[SparseKV], lengths: list[int], sel: jax.Array,
+                       info: PlanInfo) -> None:
+        """Called once per sparse layer and micro-batch after the plan reached the host (the trace recorder
+        overrides it; `sel` is still on the device)."""
+
+    def _read_plan(self, info: np.ndarray, sparse: list[SparseKV], bp: int) -> PlanInfo:
+        """The plan's host part (`slot_plan.layer_plan`'s info) unpacked; counts each request's reuse."""
+        count, most = int(info[0]), int(info[1])
+        hits, misses = info[2: 2 + bp], info[2 + bp: 2 + 2 * bp]
+        p_len = (len(info) - 2 - 2 * bp) // 2
+        rows = info[2 + 2 * bp: 2 + 2 * bp + count]
+        lanes = info[2 + 2 * bp + p_len: 2 + 2 * bp + p_len + count]
+        for b, s in enumerate(sparse):
+            s.counters.reused_blocks += int(hits[b])
+        return PlanInfo(count, most, hits[: len(sparse)], misses[: len(sparse)], rows, lanes)
+
+    def _issue_recall(self, sl: int, info: PlanInfo, sparse: list[SparseKV]):
+        """Start the host-to-device copy (copies) of the layer's misses; returns the device staging, or None when
+        nothing is missing. Counts bytes / transfers / blocks per request."""
+        if not info.count:
             return None
         pool, p = self.pool, self.plan
         solo = p.selection == "solohead"
-        per_row = np.bincount(plan.recall_b, minlength=len(sparse))
+        per_row = info.misses.astype(np.int64)
         if self.config.io == "coalesced":
-            rows, dst = plan.recall_rows, plan.recall_dst
             if solo:
-                staging, heads = pool.gather_blocks(sl, rows), None
-                unit = pool.layer_block_bytes
+                staging, unit = pool.gather_blocks(sl, info.rows), pool.layer_block_bytes
             else:
-                heads = plan.recall_lanes
-                staging, unit = pool.gather_units(sl, rows, heads), pool.unit_bytes
+                staging, unit = pool.gather_units(sl, info.rows, info.lanes), pool.unit_bytes
             copies = (per_row > 0).astype(np.int64)  # the one copy carried each request's blocks
             units_per_row = per_row
         else:  # fragmented: one copy per (block, head)
             hkv = self.model.cfg.num_kv_heads
             fan = hkv if solo else 1
-            rows = np.repeat(plan.recall_rows, fan)
-            dst = np.repeat(plan.recall_dst, fan)
-            heads = np.tile(np.arange(hkv, dtype=np.int32), n_rec) if solo else plan.recall_lanes
+            rows = np.repeat(info.rows, fan)
+            heads = np.tile(np.arange(hkv, dtype=np.int32), info.count) if solo else info.lanes
             staging, unit = pool.fragment_units(sl, rows, heads), pool.unit_bytes
             copies = units_per_row = per_row * fan
         for b, s in enumerate(sparse):
@@ -421,17 +447,19 @@ class SparseDecoder:
             c.recall_transfers += int(copies[b])
             c.recall_bytes += int(units_per_row[b]) * unit
             c.last_step_recall_bytes += int(units_per_row[b]) * unit
-        # the destinations (and heads), padded to the staging's rows (padding: the null block 0)
-        where = np.zeros((1 if heads is None else 2, staging.shape[0]), np.int32)
-        where[0, : len(dst)] = dst
-        if heads is not None:
-            where[1, : len(heads)] = heads
-        return staging, where
+        return staging
 
-    @staticmethod
-    def _pack(plan: LayerPlan, which: str, staging) -> jax.Array:
-        """`land_attend_finish`'s int32 pack, on the device in one copy (see `LayerPlan.pack`)."""
-        return jnp.asarray(plan.pack(which, None if staging is None else staging[1]))
+
+@dataclasses.dataclass(frozen=True)
+class PlanInfo:
+    """What the host reads of a layer's device plan (slot_plan.layer_plan's info)."""
+
+    count: int  # misses of the micro-batch (entries recalled)
+    most: int  # most misses of one (row, lane): the late attention's width
+    hits: np.ndarray  # [b] slot-cache hits per request
+    misses: np.ndarray  # [b] misses per request
+    rows: np.ndarray  # [count] host row of each miss, in row / lane / selection order
+    lanes: np.ndarray  # [count] its lane (headwise: the KV head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,64 +493,3 @@ class StepTables:
         n = np.zeros(self.host.shape[0], np.int64)
         n[: len(self.lengths)] = -(-self.lengths // self.block_size)
         return n
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerPlan:
-    """One sparse layer's plan for a micro-batch: per selected entry (row b, lane, position) its flat unit and
-    valid tokens and its kind, plus the recall list (misses, in row / lane / position order)."""
-
-    units: np.ndarray  # [bp, S, N] flat unit (layer * NB + block) of each entry, -1 = none
-    lens: np.ndarray  # [bp, S, N] valid tokens
-    kind: np.ndarray  # [bp, S, N] 0 resident (sink / window), 1 slot-cache hit, 2 miss (recalled), 3 none
-    recall_b: np.ndarray  # [n] row of each recalled entry
-    recall_rows: np.ndarray  # [n] its host row
-    recall_lanes: np.ndarray  # [n] its lane (headwise: the KV head)
-    recall_dst: np.ndarray  # [n] the GPU slot block it lands in
-
-    @staticmethod
-    def build(sel, resident, hit, miss, gpu, slot, tables: StepTables, layer: int) -> LayerPlan:
-        bs, nb = tables.block_size, tables.num_gpu_blocks
-        rows = np.arange(sel.shape[0])[:, None, None]
-        slot_block = tables.slots[rows, np.clip(slot, 0, tables.slots.shape[1] - 1)]
-        length = np.zeros(sel.shape[0], np.int64)
-        length[: len(tables.lengths)] = tables.lengths
-        units = np.where(resident, layer * nb + gpu, np.where(hit | miss, layer * nb + slot_block, -1))
-        lens = np.where(resident, np.clip(length[:, None, None] - sel.astype(np.int64) * bs, 0, bs),
-                        np.where(hit | miss, bs, 0))
-        kind = 3 - 3 * resident - 2 * hit - miss  # (exclusive) 0 resident, 1 hit, 2 miss, 3 none
-        b, lane, _ = np.nonzero(miss)  # row-major: by row, then lane, then selection order
-        safe = np.clip(sel, 0, tables.host.shape[1] - 1)
-        host = tables.host[rows, safe]
-        return LayerPlan(units.astype(np.int32), lens.astype(np.int32), kind.astype(np.int8), b.astype(np.int32),
-                         host[miss].astype(np.int32), lane.astype(np.int32), slot_block[miss].astype(np.int32))
-
-    @functools.cached_property
-    def _grouped(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Units and lens per (row, lane) sorted by kind (resident, hit, miss, none), selection order within a kind,
-        and how many entries of the first three kinds there are [bp, S, 3]: one sort serves every `entries` call."""
-        n = self.kind.shape[-1]
-        order = np.argsort(self.kind.astype(np.int64) * n + np.arange(n), axis=-1)  # distinct keys
-        counts = np.stack([(self.kind == k).sum(axis=-1) for k in range(3)], axis=-1)
-        return (np.take_along_axis(self.units, order, axis=-1), np.take_along_axis(self.lens, order, axis=-1), counts)
-
-    def entries(self, which: str) -> Int[np.ndarray, "2 bp S W"]:
-        """Padded (ids, lens) stacked, [2, bp, S, W] (W a power of two), of the "early" entries (resident, then
-        hits: attended while the recall is in flight), the "late" ones (misses) or "all" (resident, hits, misses),
-        each group in selection order."""
-        units, lens, counts = self._grouped
-        early = counts[..., 0] + counts[..., 1]
-        start = early if which == "late" else np.zeros_like(early)
-        count = {"early": early, "late": counts[..., 2], "all": early + counts[..., 2]}[which]
-        width = bucket(int(count.max()))
-        idx = np.minimum(start[..., None] + np.arange(width), units.shape[-1] - 1)
-        keep = np.arange(width) < count[..., None]
-        ids = np.where(keep, np.take_along_axis(units, idx, axis=-1), -1)
-        lens = np.where(keep, np.take_along_axis(lens, idx, axis=-1), 0)
-        return np.stack([ids, lens]).astype(np.int32)
-
-    def pack(self, which: str, where: np.ndarray | None) -> Int[np.ndarray, " P"]:
-        """`layer_ops.land_attend_finish`'s int32 pack: `entries(which)` flattened, then the recall's destinations
-        `where` ([1 or 2, n], see `SparseDecoder._issue_recall`; None without a recall)."""
-        parts = [self.entries(which).reshape(-1)] + ([] if where is None else [where.reshape(-1)])
-        return np.concatenate(parts)

@@ -67,3 +67,26 @@ def _release_compiled_code():
     import jax
 
     jax.clear_caches()
+
+
+MAP_COUNT_LIMIT = 30000  # memory mappings of this process past which compiled code is dropped between tests
+
+
+def _map_count() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: nothing to watch
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_code_when_many():
+    """The same inside a module that compiles a lot (the offload tests: every engine configuration compiles its own
+    layer calls): between two tests, when the process holds more than MAP_COUNT_LIMIT mappings (half the kernel's
+    default limit), drop the compiled code."""
+    yield
+    if _map_count() > MAP_COUNT_LIMIT:
+        import jax
+
+        jax.clear_caches()

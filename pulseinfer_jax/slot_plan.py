@@ -1,0 +1,140 @@
+"""Slot-cache planning on the device: the `SlotTable` contract (host_offload/slot_cache.py, the numpy reference)
+in jnp, fused into a sparse layer's selection call (`layer_ops.sparse_pre`).
+
+Why on the device: a decode step plans every sparse layer of every request. Done on the host (numpy over the
+micro-batch) it costs a few hundred microseconds per layer in fixed per-call overhead (`bench/host_overhead.py`),
+which on a GPU sits between the layer's selection and its attention; here it is a few small fused ops, and the
+host only reads back what it must act on: the recall list (host rows to gather) and per-request counts.
+
+State (one array pair for every sparse layer, table row = request, lane = KV head for headwise, 0 for SoloHead):
+    stamp [SL, R, S, C] int32  recency rank of each slot, 0 = next victim; free slots rank lowest, in slot order
+    key   [SL, R, S, C] int32  logical block held by each slot, -1 = free
+Ranks are recomputed every plan (no clock to overflow): the slots neither hit nor filled keep their order, then
+come this step's hits (in selection order), then its misses (in selection order), exactly the reference's order.
+Slots at or past a request's capacity are never victims.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+_BIG = jnp.iinfo(jnp.int32).max
+
+
+def init_state(sparse_layers: int, table_rows: int, lanes: int, capacity: int) -> tuple[Array, Array]:
+    """Every slot of every row free: (stamp, key)."""
+    shape = (sparse_layers, table_rows, lanes, capacity)
+    return (jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), shape), jnp.full(shape, -1, jnp.int32))
+
+
+@jax.jit
+def reset_rows(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"],
+               rows: Int[Array, " n"]) -> tuple[Array, Array]:
+    """Free every slot of table rows `rows` (a new request; out-of-range entries are padding)."""
+    c = stamp.shape[-1]
+    stamp = stamp.at[:, rows].set(jnp.arange(c, dtype=jnp.int32), mode="drop")
+    return stamp, key.at[:, rows].set(-1, mode="drop")
+
+
+def plan(stamp: Int[Array, "R S C"], key: Int[Array, "R S C"], rows: Int[Array, " B"], capacity: Int[Array, " B"],
+         wanted: Int[Array, "B S N"]) -> tuple[Array, Array, Int[Array, "B S N"], Bool[Array, "B S N"]]:
+    """One sparse layer's plan for the requests in table rows `rows` (each row at most once; a padding row must
+    name a row no real request uses and want nothing): `wanted` are the middle blocks each lane needs (distinct,
+    -1 = none; at most `capacity` per lane, which the caller guarantees: the selection's middle part never exceeds
+    it). Returns (stamp, key, slot of each wanted block (-1 for none), hit). Misses are the wanted blocks that are
+    not hits; each took the slot returned for it."""
+    b, s, n = wanted.shape
+    c = stamp.shape[-1]
+    st, ky = stamp[rows], key[rows]  # [B, S, C]
+    valid = wanted >= 0
+    eq = (wanted[..., :, None] == ky[..., None, :]) & valid[..., None]  # [B, S, N, C]
+    hit = eq.any(axis=-1)
+    pos = jnp.argmax(eq, axis=-1).astype(jnp.int32)
+    miss = valid & ~hit
+    # victims: the lowest-ranked slots that are neither hit now nor past the capacity
+    taken = eq.any(axis=-2) | (jnp.arange(c) >= capacity[:, None, None])  # [B, S, C]
+    order = jnp.argsort(jnp.where(taken, _BIG, st), axis=-1).astype(jnp.int32)
+    rank = jnp.cumsum(miss, axis=-1, dtype=jnp.int32) - 1
+    victim = jnp.take_along_axis(order, jnp.clip(rank, 0, c - 1), axis=-1)
+    slot = jnp.where(hit, pos, jnp.where(miss, victim, -1))
+    bi = jnp.arange(b)[:, None, None]
+    li = jnp.arange(s)[None, :, None]
+    drop = jnp.where(miss, victim, c)  # index c: out of range, dropped
+    ky = ky.at[bi, li, drop].set(wanted, mode="drop")
+    # new ranks: untouched slots keep their order below this step's hits, then its misses
+    comp = st.at[bi, li, jnp.where(hit, pos, c)].set(c + jnp.cumsum(hit, axis=-1, dtype=jnp.int32) - 1, mode="drop")
+    comp = comp.at[bi, li, drop].set(2 * c + rank, mode="drop")
+    new_st = jnp.argsort(jnp.argsort(comp, axis=-1), axis=-1).astype(jnp.int32)
+    return stamp.at[rows].set(new_st), key.at[rows].set(ky), slot.astype(jnp.int32), hit
+
+
+def layer_plan(stamp: Int[Array, "R S C"], key: Int[Array, "R S C"], sel: Int[Array, "B S N"], step: dict,
+               unit_offset: Int[Array, ""], *, block_size: int, sink: int, window: int, mode: str) -> tuple:
+    """A sparse layer's selection -> its slot-cache plan, attention entries and recall list, on the device.
+
+    `sel`: the selected logical blocks per row and lane (-1 = none). `step` (the same for every layer of a step):
+    rows [B] table row of each batch row, capacity [B] its slot-cache size, gpu [B, K] GPU block of each resident
+    logical block (-1 = not resident), host [B, K] host row of each logical block, slots [B, C] GPU block of each
+    slot, lengths [B] tokens (0 for padding rows). GPU block g of this layer is flat unit `unit_offset + g`.
+    mode: "recall" (offloaded: every selected block that is not resident is looked up in the slot cache, misses
+    are recalled), "bookkeep" (every block resident; the slot caches still track what "recall" would hold, for the
+    resident-block bonus), "none" (every block resident, no slot caches).
+
+    Returns (stamp, key, plan): plan["early"] [2, B, S, N] (unit, valid tokens) of the resident blocks and hits, in
+    selection order, padded with (-1, 0); plan["late"] the same for the misses (recalled into their slots);
+    plan["dst"] / plan["lanes"] [P] (P = a power of two >= B*S*N) the slot block and lane of each miss in row /
+    lane / selection order, zero past the count; plan["count"] [] the misses; plan["info"] int32 for the host, one
+    copy: [count, most misses of one (row, lane), hits per row [B], misses per row [B], host rows [P], lanes [P]].
+    """
+    b, s, n = sel.shape
+    valid = sel >= 0
+    safe = jnp.clip(sel, 0, step["gpu"].shape[1] - 1)
+    ri = jnp.arange(b)[:, None, None]
+    gpu = step["gpu"][ri, safe]
+    resident = valid & (gpu >= 0)
+    lengths = step["lengths"][:, None, None]
+    if mode == "none":
+        hit = miss = jnp.zeros_like(valid)
+        slot = jnp.full(sel.shape, -1, jnp.int32)
+    else:
+        if mode == "recall":
+            wanted = valid & ~resident
+        else:  # bookkeep: the blocks "recall" would look up (neither sink nor window)
+            nblk = -(-lengths // block_size)
+            wanted = valid & (sel >= sink) & (sel < nblk - window)
+        stamp, key, slot, hit = plan(stamp, key, step["rows"], step["capacity"], jnp.where(wanted, sel, -1))
+        if mode == "bookkeep":
+            hit = jnp.zeros_like(valid)
+        miss = wanted & ~hit if mode == "recall" else jnp.zeros_like(valid)
+    slot_block = step["slots"][ri, jnp.clip(slot, 0, step["slots"].shape[1] - 1)]
+    units = jnp.where(resident, unit_offset + gpu, unit_offset + slot_block)
+    lens = jnp.where(resident, jnp.clip(lengths - sel * block_size, 0, block_size), block_size)
+    # early = resident + hits (resident first, then hits), late = misses; both in selection order
+    kind = jnp.where(resident, 0, jnp.where(hit, 1, jnp.where(miss, 2, 3)))
+    pos = jnp.arange(n)
+
+    def compact(take, key_):
+        order = jnp.argsort(key_, axis=-1)
+        keep = jnp.take_along_axis(take, order, axis=-1)
+        u = jnp.where(keep, jnp.take_along_axis(units, order, axis=-1), -1)
+        ln = jnp.where(keep, jnp.take_along_axis(lens, order, axis=-1), 0)
+        return jnp.stack([u, ln]).astype(jnp.int32)
+
+    early = compact(kind <= 1, kind * n + pos)
+    late = compact(miss, jnp.where(miss, pos, n + pos))
+    # the recall list: misses in row / lane / selection order
+    p = 1 << max(0, (b * s * n - 1).bit_length())
+    flat = miss.reshape(-1)
+    at = jnp.where(flat, jnp.cumsum(flat) - 1, p)  # index p: dropped
+    host = step["host"][ri, safe]
+    lane_ids = jnp.broadcast_to(jnp.arange(s)[None, :, None], sel.shape)
+    put = lambda v: jnp.zeros(p, jnp.int32).at[at].set(v.reshape(-1).astype(jnp.int32), mode="drop")  # noqa: E731
+    dst, lanes, rows = put(slot_block), put(lane_ids), put(host)
+    count = flat.sum().astype(jnp.int32)
+    misses_row = miss.sum(axis=(1, 2)).astype(jnp.int32)
+    hits_row = hit.sum(axis=(1, 2)).astype(jnp.int32)
+    most = miss.sum(axis=-1).max().astype(jnp.int32)
+    info = jnp.concatenate([count[None], most[None], hits_row, misses_row, rows, lanes])
+    return stamp, key, {"early": early, "late": late, "dst": dst, "lanes": lanes, "count": count, "info": info}
