@@ -56,6 +56,9 @@ SYSTEMS = {
     "pulseinfer-no-interrupt": dict(mode="auto", recall="sync", micro_batches=1),
     "pulseinfer-no-ioaa": dict(mode="offload"),  # every request offloaded
     "pulseinfer-min-reuse": dict(mode="auto"),  # slot cache = one step's selection (set in run_point)
+    # interruptible recall without a second micro-batch: each micro-batch costs the host a layer loop of dispatches
+    # (bench/host_overhead.py), which may cost more than the overlap it buys on a GPU
+    "pulseinfer-1mb": dict(mode="auto", micro_batches=1),
     "sparse-on-device": dict(mode="offload", offload_placement="device"),  # same selection, no PCIe
 }
 DEFAULT_SYSTEMS = "dense,offload-headwise,pulseinfer,pulseinfer-no-solohead,pulseinfer-no-coalescing," \

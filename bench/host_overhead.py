@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from bench.common import write_result  # noqa: E402
 
 
-def step_point(system: str, *, batch: int, context: int, budget: int, steps: int, trace_name: str) -> dict:
+def step_point(system: str, *, batch: int, context: int, budget: int, steps: int, warm: int, trace_name: str) -> dict:
     """Main-thread CPU time of whole decode steps of a compute-free Llama-3.1-8B skeleton (see the docstring)."""
     from bench import decode_throughput as dt
     from models.loading import load_model
@@ -49,13 +49,14 @@ def step_point(system: str, *, batch: int, context: int, budget: int, steps: int
                 prefill_chunk=512, layer_loop="layerwise")
     eng, _ = dt.engine_for(model, system, base, replay, {})
     rng = np.random.default_rng(0)
-    sp = SamplingParams(max_new_tokens=2 * batch + 12 + steps, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=batch + warm + steps + 2, ignore_eos=True)
     reqs = [eng.make_request(i, rng.integers(1, 500, context).tolist(), sp) for i in range(batch)]
     eng.ensure_pool(reqs)
     for r in reqs:
         eng.scheduler.add(r)
-    for _ in range(batch + 10):  # prefills, then warm decode steps (compiles)
+    for _ in range(batch + warm):  # prefills, then warm decode steps (compiles)
         list(eng.step())
+    compiles = dt.CompileCounter()
     cpu, wall = [], []
     for _ in range(steps):
         t, c = time.perf_counter(), time.thread_time()
@@ -64,7 +65,7 @@ def step_point(system: str, *, batch: int, context: int, budget: int, steps: int
         wall.append(time.perf_counter() - t)
     return {"system": system, "batch": batch, "context": context, "budget_tokens": budget,
             "main_thread_cpu_ms_per_step_p50": statistics.median(cpu) * 1e3,
-            "wall_ms_per_step_p50": statistics.median(wall) * 1e3}
+            "wall_ms_per_step_p50": statistics.median(wall) * 1e3, "compiles_in_timed_steps": compiles.count}
 
 
 def main() -> int:
@@ -75,22 +76,23 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=8192, help="prompt tokens per request (synthetic KV)")
     ap.add_argument("--budget-tokens", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warm", type=int, default=16, help="untimed decode steps first (they compile)")
     ap.add_argument("--replay", default="smollm2", help="trace name (bench/results/traces) or path prefix")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
     ap.add_argument("--name", default="host_overhead_cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.smoke:
-        args.batches, args.steps = "2", 3
+        args.batches, args.steps, args.warm = "2", 3, 3
     meta = {"kind": "host_overhead", "machine": f"{platform.node()} {platform.processor() or platform.machine()}",
             "python": platform.python_version(), "args": vars(args), "rows": []}
     for system in args.systems.split(","):
         for b in (int(x) for x in args.batches.split(",")):
             row = step_point(system, batch=b, context=args.context, budget=args.budget_tokens, steps=args.steps,
-                             trace_name=args.replay)
+                             warm=args.warm, trace_name=args.replay)
             meta["rows"].append(row)
             print(f"{system:20s} batch {b:3d}: main-thread CPU {row['main_thread_cpu_ms_per_step_p50']:7.1f} ms/step, "
-                  f"wall {row['wall_ms_per_step_p50']:7.1f} ms", flush=True)
+                  f"wall {row['wall_ms_per_step_p50']:7.1f} ms, compiles {row['compiles_in_timed_steps']}", flush=True)
     path = write_result(args.name, meta, args.out)
     print(f"wrote {path}")
     return 0

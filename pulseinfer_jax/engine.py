@@ -179,7 +179,7 @@ class Engine:
         if self.sparse is None or self.sparse.plan != plan or self.sparse.nb != num_blocks:
             cls = self.decoder_class or SparseDecoder
             self.sparse = cls(self.model.transformer, self.model.params, plan, pcfg, self.host_pool, num_blocks,
-                              self.device, split_weights=lambda: self.layer_params)
+                              self.device, split_weights=lambda: self.layer_params, max_requests=cfg.max_batch)
 
     def _resolve_sparse_kernels(self) -> tuple[str, BlockScoring]:
         """The sparse pipeline's attention and block scoring, resolved once per engine: as configured, except under

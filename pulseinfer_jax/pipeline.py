@@ -48,6 +48,7 @@ from collections.abc import Callable, Generator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from host_offload.host_pool import HostKVPool
 from host_offload.placement import SparseKV, SparsePlan
@@ -76,7 +77,7 @@ class SparseDecoder:
 
     def __init__(self, model: Transformer, params: dict, plan: SparsePlan, config: PipelineConfig,
                  pool: HostKVPool, num_gpu_blocks: int, device: jax.Device,
-                 split_weights: Callable[[], list[dict]] | None = None):
+                 split_weights: Callable[[], list[dict]] | None = None, max_requests: int = 8):
         c = model.cfg
         if config.solohead == "retrieval_head" and (config.retrieval_heads is None
                                                     or len(config.retrieval_heads) != plan.sparse_layers):
@@ -102,11 +103,11 @@ class SparseDecoder:
             raise ValueError(f"score_coarse_group={f} needs a host pool with row_align={f} (got {pool.row_align})")
         self._group_rows = pool.num_rows // f if f > 1 else 1  # coarse rows per sparse layer
         crows = plan.sparse_layers * self._group_rows if f > 1 else 1
-        with jax.default_device(device):
-            self.meta_min = jnp.zeros((rows, c.num_kv_heads, c.head_dim), meta_dtype)
-            self.meta_max = jnp.zeros((rows, c.num_kv_heads, c.head_dim), meta_dtype)
-            self.cmeta_min = jnp.zeros((crows, c.num_kv_heads, c.head_dim), meta_dtype)
-            self.cmeta_max = jnp.zeros((crows, c.num_kv_heads, c.head_dim), meta_dtype)
+        # committed to the device from the start, as the jitted updates' outputs are: an uncommitted first version
+        # would give the calls reading it a second cache key (one more compile of each, measured)
+        self.device = device
+        self.meta_min, self.meta_max = (self._zeros((rows, c.num_kv_heads, c.head_dim), meta_dtype) for _ in "ab")
+        self.cmeta_min, self.cmeta_max = (self._zeros((crows, c.num_kv_heads, c.head_dim), meta_dtype) for _ in "ab")
         self.kv: jax.Array | None = None
         # per sparse layer, on the device once: (metadata row offset, flat unit offset layer * NB, retrieval head,
         # sparse layer index, coarse metadata row offset), so a decode step sends no per-layer scalars
@@ -117,8 +118,11 @@ class SparseDecoder:
                             sl * self._group_rows))
             for sl in range(plan.sparse_layers)]
         self._layer_ids = [jax.device_put(np.int32(layer), device) for layer in range(plan.num_layers)]
-        # the slot caches of every sparse request, on the device (slot_plan.py): (stamp, key) [SL, R, lanes, C]
+        # the slot caches of every sparse request, on the device (slot_plan.py): (stamp, key) [SL, R, lanes, C], one
+        # row per concurrent request (`max_requests`) plus the padding rows' own, sized once so that no step
+        # recompiles for a larger table (it grows, by doubling, only if more requests ever decode at once)
         self.slot_state: tuple[jax.Array, jax.Array] | None = None
+        self._ensure_slot_rows(max_requests + 1)
         # per decode step: host-to-device copies and bytes issued, recall wait (bounded history)
         self.step_log: collections.deque[dict] = collections.deque(maxlen=65536)
 
@@ -336,7 +340,10 @@ class SparseDecoder:
             self._observe_layer(sl, sparse, lengths, sel, info)
             staging = self._issue_recall(sl, info, sparse)
             lid = self._layer_ids[layer]
-            width = min(bucket(info.most), p.budget_blocks) if staging is not None else 0
+            # late entries per lane: as many as the micro-batch's misses (rounded up), never more than the selection.
+            # Tied to the recall's count, which also sizes the staging, so that the landing call compiles once per
+            # recall size rather than per (recall size, late width) pair
+            width = min(bucket(info.count), p.budget_blocks) if staging is not None else 0
             fan = self.model.cfg.num_kv_heads if (cfg.io == "fragmented" and p.selection == "solohead") else 1
             if staging is None or cfg.recall == "sync":
                 if staging is not None:
@@ -396,7 +403,11 @@ class SparseDecoder:
         new = slot_plan.init_state(p.sparse_layers, bucket(rows), p.lanes, p.slot_blocks)
         if self.slot_state is not None:  # real rows keep their state (the old padding row is reset at first use)
             new = tuple(n.at[:, :have].set(o) for n, o in zip(new, self.slot_state, strict=True))
-        self.slot_state = new
+        self.slot_state = tuple(jax.device_put(a, self.device) for a in new)
+
+    def _zeros(self, shape: tuple[int, ...], dtype) -> jax.Array:
+        """Zeros made on the device (no host copy: the key bounds run to GiBs), committed to it."""
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=SingleDeviceSharding(self.device))()
 
     def _override(self, sparse: list[SparseKV], tables: StepTables, bp: int) -> np.ndarray | None:
         """Middle blocks to select instead of the scorer's, [sparse layers, bp, lanes, M] (-1 padded), or None (the
