@@ -59,6 +59,9 @@ SYSTEMS = {
     # interruptible recall without a second micro-batch: each micro-batch costs the host a layer loop of dispatches
     # (bench/host_overhead.py), which may cost more than the overlap it buys on a GPU
     "pulseinfer-1mb": dict(mode="auto", micro_batches=1),
+    # the host pool in pageable RAM, gathered by numpy on the driver thread (host_offload/numpy_io.py) instead of
+    # XLA host computations on pinned memory: whether the XLA path's host gather waits behind queued GPU work
+    "pulseinfer-numpy-io": dict(mode="auto", host_io="numpy"),
     "sparse-on-device": dict(mode="offload", offload_placement="device"),  # same selection, no PCIe
 }
 DEFAULT_SYSTEMS = "dense,offload-headwise,pulseinfer,pulseinfer-no-solohead,pulseinfer-no-coalescing," \

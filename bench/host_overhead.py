@@ -20,6 +20,7 @@ that planner alone (its `--mode plan`). The plan now runs on the device (`pulsei
 from __future__ import annotations
 
 import argparse
+import contextlib
 import pathlib
 import platform
 import statistics
@@ -33,7 +34,54 @@ import numpy as np  # noqa: E402
 from bench.common import write_result  # noqa: E402
 
 
-def step_point(system: str, *, batch: int, context: int, budget: int, steps: int, warm: int, trace_name: str) -> dict:
+class Breakdown:
+    """Main-thread CPU time per call of the driver's per-layer work during a `with` block: the layer calls
+    (layer_ops), the decoder's host steps and the host pool's transfers, wrapped (and restored on exit). Nested:
+    the pool's calls run inside `_issue_recall` (and stage_blocks inside gather_blocks); every call includes
+    whatever XLA:CPU ran on the calling thread."""
+
+    TARGETS = (("layer_ops", ("sparse_pre", "attend", "land_attend_finish", "dense_layer", "embed", "logits")),
+               ("SparseDecoder", ("_issue_recall", "_read_plan", "_step_inputs", "_prepare_slots")),
+               ("HostKVPool", ("gather_blocks", "stage_blocks", "write_back")))
+
+    def __init__(self):
+        from host_offload.host_pool import HostKVPool
+        from pulseinfer_jax import layer_ops
+        from pulseinfer_jax.pipeline import SparseDecoder
+
+        owners = {"layer_ops": layer_ops, "SparseDecoder": SparseDecoder, "HostKVPool": HostKVPool}
+        self.sites = [(owners[o], o, n) for o, names in self.TARGETS for n in names]
+        self.cpu_s: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def _wrap(self, fn, label: str):
+        def timed(*args, **kwargs):
+            c = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.cpu_s[label] = self.cpu_s.get(label, 0.0) + time.thread_time() - c
+                self.calls[label] = self.calls.get(label, 0) + 1
+        return timed
+
+    def __enter__(self):
+        self._saved = [(owner, name, getattr(owner, name)) for owner, _, name in self.sites]
+        for owner, label, name in self.sites:
+            setattr(owner, name, self._wrap(getattr(owner, name), f"{label}.{name}"))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
+
+    def rows(self, steps: int) -> list[dict]:
+        order = sorted(self.cpu_s.items(), key=lambda kv: -kv[1])
+        return [{"call": k, "cpu_ms_per_step": v / steps * 1e3, "calls_per_step": self.calls[k] / steps,
+                 "cpu_us_per_call": v / self.calls[k] * 1e6} for k, v in order]
+
+
+def step_point(system: str, *, batch: int, context: int, budget: int, steps: int, warm: int, trace_name: str,
+               host_io: str = "auto", breakdown: bool = False) -> dict:
     """Main-thread CPU time of whole decode steps of a compute-free Llama-3.1-8B skeleton (see the docstring)."""
     from bench import decode_throughput as dt
     from models.loading import load_model
@@ -46,7 +94,7 @@ def step_point(system: str, *, batch: int, context: int, budget: int, steps: int
     model = load_model(f"random:{skeleton}", dtype="float32", layout="layers")
     replay = dt.load_replay(trace_name, budget)
     base = dict(block_size=16, budget_tokens=budget, dense_layers=2, max_batch=batch, progress=False,
-                prefill_chunk=512, layer_loop="layerwise")
+                prefill_chunk=512, layer_loop="layerwise", host_io=host_io)
     eng, _ = dt.engine_for(model, system, base, replay, {})
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_new_tokens=batch + warm + steps + 2, ignore_eos=True)
@@ -58,14 +106,18 @@ def step_point(system: str, *, batch: int, context: int, budget: int, steps: int
         list(eng.step())
     compiles = dt.CompileCounter()
     cpu, wall = [], []
-    for _ in range(steps):
-        t, c = time.perf_counter(), time.thread_time()
-        list(eng.step())
-        cpu.append(time.thread_time() - c)
-        wall.append(time.perf_counter() - t)
-    return {"system": system, "batch": batch, "context": context, "budget_tokens": budget,
+    split = Breakdown() if breakdown else None
+    with split or contextlib.nullcontext():
+        for _ in range(steps):
+            t, c = time.perf_counter(), time.thread_time()
+            list(eng.step())
+            cpu.append(time.thread_time() - c)
+            wall.append(time.perf_counter() - t)
+    extra = {"breakdown": split.rows(steps)} if split else {}
+    return {"system": system, "host_io": eng.host_io, "batch": batch, "context": context, "budget_tokens": budget,
             "main_thread_cpu_ms_per_step_p50": statistics.median(cpu) * 1e3,
-            "wall_ms_per_step_p50": statistics.median(wall) * 1e3, "compiles_in_timed_steps": compiles.count}
+            "main_thread_cpu_ms_per_step_min": min(cpu) * 1e3,
+            "wall_ms_per_step_p50": statistics.median(wall) * 1e3, "compiles_in_timed_steps": compiles.count, **extra}
 
 
 def main() -> int:
@@ -77,7 +129,11 @@ def main() -> int:
     ap.add_argument("--budget-tokens", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warm", type=int, default=16, help="untimed decode steps first (they compile)")
+    ap.add_argument("--host-io", default="auto", choices=("auto", "xla", "numpy"),
+                    help="host KV pool backend (EngineConfig.host_io)")
     ap.add_argument("--replay", default="smollm2", help="trace name (bench/results/traces) or path prefix")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time each per-layer call (Breakdown: wrapped calls, a little slower)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
     ap.add_argument("--name", default="host_overhead_cpu")
     ap.add_argument("--out", default=None)
@@ -89,10 +145,15 @@ def main() -> int:
     for system in args.systems.split(","):
         for b in (int(x) for x in args.batches.split(",")):
             row = step_point(system, batch=b, context=args.context, budget=args.budget_tokens, steps=args.steps,
-                             warm=args.warm, trace_name=args.replay)
+                             warm=args.warm, trace_name=args.replay, host_io=args.host_io,
+                             breakdown=args.breakdown)
             meta["rows"].append(row)
-            print(f"{system:20s} batch {b:3d}: main-thread CPU {row['main_thread_cpu_ms_per_step_p50']:7.1f} ms/step, "
-                  f"wall {row['wall_ms_per_step_p50']:7.1f} ms, compiles {row['compiles_in_timed_steps']}", flush=True)
+            cpu, low = row["main_thread_cpu_ms_per_step_p50"], row["main_thread_cpu_ms_per_step_min"]
+            print(f"{system:20s} {row['host_io']:5s} batch {b:3d}: main-thread CPU {cpu:7.1f} ms/step (min {low:6.1f}),"
+                  f" wall {row['wall_ms_per_step_p50']:7.1f} ms, compiles {row['compiles_in_timed_steps']}", flush=True)
+            for part in row.get("breakdown", []):
+                print(f"    {part['call']:30s} {part['cpu_ms_per_step']:7.2f} ms/step {part['calls_per_step']:6.1f} "
+                      f"calls {part['cpu_us_per_call']:7.1f} us/call", flush=True)
     path = write_result(args.name, meta, args.out)
     print(f"wrote {path}")
     return 0
