@@ -121,10 +121,15 @@ def test_throughput_point_dense_queues_pulseinfer_offloads(tiny4):
     base.update(dense_layers=1, slot_cache_blocks=5, kv_cache_tokens=72 * 4)
     counter = CompileCounter()
     rows = {s: run_point(tiny4, s, 100, 3, steps=3, warm=2, base=base, replay=None, compiles=counter)
-            for s in ("dense", "pulseinfer")}
+            for s in ("dense", "pulseinfer", "pulseinfer-numpy-io")}
     assert rows["dense"]["batch_reached"] == 2 and rows["dense"]["placements"] == {"dense": 2, "offload": 0}
     assert rows["pulseinfer"]["batch_reached"] == 3 and rows["pulseinfer"]["placements"]["offload"] >= 2
     assert rows["pulseinfer"]["h2d_bytes_per_step"] > 0 and rows["dense"]["h2d_bytes_per_step"] == 0
+    # the pageable-RAM backend: same placements, same recalls counted the same way
+    numpy_io, xla_io = rows["pulseinfer-numpy-io"], rows["pulseinfer"]
+    assert (numpy_io["host_io"], xla_io["host_io"]) == ("numpy", "xla")
+    for key in ("placements", "h2d_bytes_per_step", "h2d_copies_per_step", "slot_hit_rate"):
+        assert numpy_io[key] == xla_io[key], key
     for r in rows.values():
         assert len(r["step_s_all"]) == 3 and r["decode_tokens_per_s"] > 0 and r["tpot_s_p99"] >= r["tpot_s_p50"]
 
@@ -256,3 +261,21 @@ def test_slot_cache_sweep_reproduces_the_engine_at_its_own_size(tiny4):
     assert trace_bonus(tr) == 0.0  # traces from before the bonus
     tr.meta["scoring"] = {"resident_bonus": 0.25}
     assert trace_bonus(tr) == 0.25
+
+
+def test_host_overhead_breakdown_times_the_wrapped_calls_and_restores_them():
+    from bench.host_overhead import Breakdown
+    from host_offload.host_pool import HostKVPool
+
+    pool = HostKVPool(num_rows=4, first_layer=1, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
+                      dtype=jnp.float32, device=jax.devices()[0], io="numpy")
+    gather, stage = HostKVPool.gather_blocks, HostKVPool.stage_blocks
+    with Breakdown() as split:
+        assert HostKVPool.gather_blocks is not gather
+        got = pool.gather_blocks(0, [2, 1, 3])
+    assert (HostKVPool.gather_blocks, HostKVPool.stage_blocks) == (gather, stage)  # restored
+    assert got.shape == (4, 2, 4, 2, 8)  # padded to a power of two, the result passed through
+    rows = {r["call"]: r for r in split.rows(steps=2)}
+    assert set(rows) == {"HostKVPool.gather_blocks", "HostKVPool.stage_blocks"}
+    assert rows["HostKVPool.gather_blocks"]["calls_per_step"] == 0.5
+    assert rows["HostKVPool.gather_blocks"]["cpu_ms_per_step"] >= rows["HostKVPool.stage_blocks"]["cpu_ms_per_step"]
