@@ -51,9 +51,11 @@ if [ "$MODE" = "--smoke" ]; then
     TRACE="$OUT/traces/smoke"
     # layer-wise engines as on the GPU (the model unstacked, layer-wise prefill; dense-scan re-stacks a copy)
     DT_A=(--smoke --layer-loop layerwise --replay "$TRACE" --name decode_throughput_a --profile-system pulseinfer
-          --profile-dir "$OUT/profile" --systems dense,pulseinfer,offload-headwise,dense-scan,pulseinfer-no-ioaa)
+          --profile-dir "$OUT/profile" --systems dense,pulseinfer,offload-headwise,dense-scan,pulseinfer-no-ioaa,pulseinfer-numpy-io)
     DT_B=(--smoke --contexts 3000 --batches 2 --systems dense,pulseinfer,offload-headwise --name decode_throughput_b)
     DENSE=(--smoke --layer-loop layerwise,scan)
+    # CPU runs the smoke's 3K-token point B several times slower than the GPU's limits assume
+    LONG_TIMEOUT=${LONG_TIMEOUT:-150}
 else
     TESTS=("${KERNEL_TESTS[@]}")
     TEST_TIMEOUT=${TEST_TIMEOUT:-110}
