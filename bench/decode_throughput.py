@@ -59,6 +59,8 @@ SYSTEMS = {
     # interruptible recall without a second micro-batch: each micro-batch costs the host a layer loop of dispatches
     # (bench/host_overhead.py), which may cost more than the overlap it buys on a GPU
     "pulseinfer-1mb": dict(mode="auto", micro_batches=1),
+    # the early attention queued before the driver reads each layer's plan (hides the read and the recall's issue)
+    "pulseinfer-eager": dict(mode="auto", recall="eager"),
     # the host pool in pageable RAM, gathered by numpy on the driver thread (host_offload/numpy_io.py) instead of
     # XLA host computations on pinned memory: whether the XLA path's host gather waits behind queued GPU work
     "pulseinfer-numpy-io": dict(mode="auto", host_io="numpy"),

@@ -65,7 +65,7 @@ else
     DT_A=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 32768 --batches 8 --steps 12 --warm 6
           --budget-tokens 2048 --gpu-kv-budget 16GiB --replay "$TRACE" --name decode_throughput_a
           --profile-system pulseinfer --profile-dir "$OUT/profile"
-          --systems dense,pulseinfer,offload-headwise,dense-scan,pulseinfer-no-ioaa,pulseinfer-no-solohead,pulseinfer-no-coalescing,pulseinfer-no-interrupt,pulseinfer-min-reuse,pulseinfer-1mb,pulseinfer-numpy-io)
+          --systems dense,pulseinfer,offload-headwise,dense-scan,pulseinfer-no-ioaa,pulseinfer-no-solohead,pulseinfer-no-coalescing,pulseinfer-no-interrupt,pulseinfer-min-reuse,pulseinfer-1mb,pulseinfer-eager,pulseinfer-numpy-io)
     # point B: 4 requests of 128K (130,816 prompt tokens: Llama-3.1 stops at 131,072 positions) under 33 GiB
     # (dense fits 2 of 16.0 GiB; the 128 GiB host holds ~6 offloaded)
     DT_B=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 130816 --batches 4 --steps 8 --warm 4

@@ -34,7 +34,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--budget-tokens", type=int, default=2048, help="tokens attended per sparse layer (default 2048)")
     o.add_argument("--selection", default="solohead", help="solohead | headwise (default solohead)")
     o.add_argument("--io", default="coalesced", help="coalesced | fragmented (default coalesced)")
-    o.add_argument("--recall", default="interruptible", help="interruptible | sync (default interruptible)")
+    o.add_argument("--recall", default="interruptible", help="interruptible | eager | sync (default interruptible)")
     o.add_argument("--gpu-kv-budget", type=int, default=None, help="cap on GPU KV bytes (emulates a smaller GPU)")
     o.add_argument("--host-kv-tokens", type=int, default=None, help="pinned host pool size in tokens")
     o.add_argument("--dense-layers", type=int, default=2, help="first layers that attend densely (default 2)")

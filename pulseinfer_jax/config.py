@@ -12,7 +12,7 @@ CHOICES = {
     "selection": ("solohead", "headwise"),
     "solohead": ("normalized_sum", "retrieval_head"),
     "io": ("coalesced", "fragmented"),
-    "recall": ("interruptible", "sync"),
+    "recall": ("interruptible", "eager", "sync"),
     "offload_placement": ("host", "device"),
     "host_io": ("auto", "xla", "numpy"),
     "layer_loop": ("auto", "scan", "layerwise"),
@@ -64,7 +64,9 @@ class EngineConfig:
     score_coarse_group: int = 1
     score_coarse_keep: float = 2.0
     io: str = "coalesced"  # one gathered copy per layer and step, or "fragmented" (one per (block, head))
-    recall: str = "interruptible"  # attend resident blocks while recall is in flight, or "sync" (wait first)
+    # attend resident blocks while recall is in flight; "eager": the same, with that attention queued before the
+    # driver reads the layer's plan (pipeline.py); "sync": wait for the recall first (baseline)
+    recall: str = "interruptible"
     # offloaded batch split; the driver runs whichever has its data ready. None = 2 on a GPU (a copy engine
     # to hide), 1 elsewhere (measured on CPU: 2 micro-batches cost +25% step time and hide nothing)
     micro_batches: int | None = None

@@ -25,7 +25,10 @@ One decode step of the sparse requests (`SparseDecoder.decode`):
                                                                               -> STOP until the copy landed
           then one call lands the recalled blocks in their slots, attends over them, merges the two partials
           through the softmax residuals and finishes the layer (o-proj, MLP): `layer_ops.land_attend_finish`;
-          synchronous (baseline): STOP until the copy landed, then the same call over everything.
+          synchronous (baseline): STOP until the copy landed, then the same call over everything;
+          eager (`recall="eager"`): as interruptible, but the early attention is dispatched right after (a), before
+          the driver stops for the plan, so the GPU computes it while the host reads the plan and issues the recall
+          (a layer with nothing to recall then costs one more call: the early partial, then the tail over it).
      The host does no work per selected block: a layer costs it four dispatches, one small read and the recall's
      copy (`bench/host_overhead.py`).
   4. logits.
@@ -64,7 +67,7 @@ Stop = tuple[str, jax.Array, jax.Array | None]  # (kind, awaited array, GPU work
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     io: str = "coalesced"  # "coalesced" | "fragmented"
-    recall: str = "interruptible"  # "interruptible" | "sync"
+    recall: str = "interruptible"  # "interruptible" | "eager" | "sync"
     micro_batches: int = 2
     attention: str = "jnp"  # "jnp" | "pallas"
     solohead: str = "normalized_sum"  # "normalized_sum" | "retrieval_head"
@@ -335,6 +338,10 @@ class SparseDecoder:
                 self.cmeta_max, coarse_offset, groups_d, budget=p.budget_blocks, sink=p.sink_blocks,
                 window=p.window_blocks, mode=p.selection, solohead=cfg.solohead, attention=cfg.attention,
                 scoring=cfg.scoring, coarse=coarse, plan_mode=self._plan_mode, override="override" in step)
+            # eager: the attention over the early entries is queued before the plan is read, so that the GPU works on
+            # it while the host reads the plan and issues the recall (one more call on layers with nothing to recall)
+            early = layer_ops.attend(q, self.kv, plan["early"], attention=cfg.attention) if cfg.recall == "eager" \
+                else None
             yield "select", plan["info"], None
             info = self._read_plan(np.asarray(plan["info"]), sparse, bp)
             self._observe_layer(sl, sparse, lengths, sel, info)
@@ -348,10 +355,11 @@ class SparseDecoder:
             if staging is None or cfg.recall == "sync":
                 if staging is not None:
                     yield "recall", staging, q
-                self.kv, x = layer_ops.land_attend_finish(model, lp, x, q, self.kv, lid, plan, staging, None,
+                self.kv, x = layer_ops.land_attend_finish(model, lp, x, q, self.kv, lid, plan, staging, early,
                                                           attention=cfg.attention, width=width, fan=fan)
                 continue
-            early = layer_ops.attend(q, self.kv, plan["early"], attention=cfg.attention)
+            if early is None:
+                early = layer_ops.attend(q, self.kv, plan["early"], attention=cfg.attention)
             yield "recall", staging, early[0]
             self.kv, x = layer_ops.land_attend_finish(model, lp, x, q, self.kv, lid, plan, staging, early,
                                                       attention=cfg.attention, width=width, fan=fan)

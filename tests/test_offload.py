@@ -24,6 +24,7 @@ def _prompts(vocab, lengths=(61, 38, 47), seed=0):
     ("tiny4", dict(dense_layers=2)),
     ("tiny4", dict(dense_layers=2, selection="headwise", io="fragmented", recall="sync", micro_batches=1)),
     ("tiny4", dict(dense_layers=2, host_io="numpy", micro_batches=2)),
+    ("tiny4", dict(dense_layers=2, recall="eager", micro_batches=2)),  # early attention queued before the plan read
     ("tiny4", dict(dense_layers=2, host_io="numpy", selection="headwise", io="fragmented")),
 ])
 def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extra):
@@ -60,6 +61,7 @@ def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extr
     ("solohead", "numpy", dict(score_bounds_dtype="kv")),  # exact bounds (the default: float8, rounded outward)
     ("solohead", "xla", dict(score_coarse_group=2, score_coarse_keep=1.0)),  # two-level scoring
     ("headwise", "numpy", dict(score_coarse_group=4, score_coarse_keep=1.0, score_sub_blocks=2)),
+    ("solohead", "xla", dict(recall="eager")), ("headwise", "numpy", dict(recall="eager", micro_batches=2)),
 ])
 def test_offloaded_sparse_equals_on_device_sparse(tiny4, selection, host_io, scoring):
     """Same selection with the KV offloaded and with every block on the GPU: token for token, while the
@@ -140,6 +142,33 @@ def test_coalesced_one_copy_per_layer_and_step_fragmented_per_unit(tiny4):
     assert bytes_["fragmented", 1] == bytes_["coalesced", 1] == bytes_["coalesced", 2]
     assert sum(e["h2d_copies"] for e in logs["fragmented", 1]) == sum(s["recall_transfers"] for s in frag)
     assert [s["recall_bytes"] for s in frag] == [s["recall_bytes"] for s in per_req["coalesced", 1]]
+
+
+def test_eager_recall_queues_the_early_attention_on_every_layer(tiny4, monkeypatch):
+    """recall="eager" dispatches the early attention on every sparse layer, before the plan is read; the default
+    only on layers that recall something (the tail computes it otherwise). Same tokens, same recalls."""
+    from pulseinfer_jax import layer_ops
+
+    calls = {"attend": 0, "sparse_pre": 0}
+    for name in calls:
+        def counted(*a, _fn=getattr(layer_ops, name), _name=name, **k):
+            calls[_name] += 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(layer_ops, name, counted)
+    prompts = _prompts(tiny4.cfg.vocab_size)
+    seen = {}
+    for recall in ("interruptible", "eager"):
+        calls.update(attend=0, sparse_pre=0)
+        eng = Engine(tiny4, EngineConfig(**BASE, mode="offload", budget_tokens=24, dense_layers=2, micro_batches=2,
+                                         recall=recall))
+        res = generate_long(prompts, eng, max_new_tokens=16, ignore_eos=True, engine_config=eng.config)
+        copies = sum(e["h2d_copies"] for e in eng.sparse.step_log)  # coalesced: one per layer that recalls
+        seen[recall] = ([r.token_ids for r in res], [r.stats["recall_bytes"] for r in res], dict(calls), copies)
+    (tok_i, bytes_i, calls_i, copies_i), (tok_e, bytes_e, calls_e, copies_e) = seen["interruptible"], seen["eager"]
+    assert tok_e == tok_i and bytes_e == bytes_i and copies_e == copies_i
+    assert calls_e["sparse_pre"] == calls_i["sparse_pre"] > 0
+    assert calls_i["attend"] == copies_i < calls_i["sparse_pre"]  # some layers recall nothing: no separate call
+    assert calls_e["attend"] == calls_e["sparse_pre"]
 
 
 def test_repeated_selection_recalls_nothing(tiny4):
