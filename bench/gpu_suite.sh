@@ -90,7 +90,7 @@ step io_sweep "${IO_TIMEOUT:-40}" "$PY" bench/io_sweep.py "${IO[@]}" --out "$OUT
 if [ "$MODE" = "--smoke" ]; then  # the smoke replays a trace recorded here (same budget and shapes)
     step selection_trace 300 "$PY" bench/selection_trace.py --smoke --no-synthetic --trace-dir "$OUT/traces" --out "$OUT"
 fi
-step decode_throughput_a "${THROUGHPUT_TIMEOUT:-145}" "$PY" bench/decode_throughput.py "${DT_A[@]}" --out "$OUT"
+step decode_throughput_a "${THROUGHPUT_TIMEOUT:-170}" "$PY" bench/decode_throughput.py "${DT_A[@]}" --out "$OUT"
 step decode_throughput_b "${LONG_TIMEOUT:-55}" "$PY" bench/decode_throughput.py "${DT_B[@]}" --out "$OUT"
 step dense_decode "${DENSE_TIMEOUT:-40}" "$PY" bench/dense_decode.py "${DENSE[@]}" --out "$OUT"
 echo "suite took $(( $(date +%s) - t0 )) s"
