@@ -93,4 +93,5 @@ fi
 step decode_throughput_a "${THROUGHPUT_TIMEOUT:-170}" "$PY" bench/decode_throughput.py "${DT_A[@]}" --out "$OUT"
 step decode_throughput_b "${LONG_TIMEOUT:-55}" "$PY" bench/decode_throughput.py "${DT_B[@]}" --out "$OUT"
 step dense_decode "${DENSE_TIMEOUT:-40}" "$PY" bench/dense_decode.py "${DENSE[@]}" --out "$OUT"
+"$PY" bench/tables.py "$OUT"/*.json --out "$OUT/tables.md" || true  # markdown tables for bench/RESULTS.md
 echo "suite took $(( $(date +%s) - t0 )) s"

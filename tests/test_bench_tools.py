@@ -232,6 +232,46 @@ def test_throughput_plot_from_a_result(tmp_path):
         plots.main([str(src), "--out", str(tmp_path)])
 
 
+def test_result_tables_compute_ratios_shares_and_reasons(tmp_path):
+    """bench/tables.py: decode-throughput ratios to dense and to pulseinfer, skipped systems with their reason,
+    the attention rows' share of the copy bandwidth and speed against paged_attention, io_sweep by volume."""
+    import json
+
+    from bench import tables
+
+    def point(system, tps, **kw):
+        return {"system": system, "context": 32768, "batch_requested": 8, "batch_reached": 8,
+                "placements": {"dense": 0, "offload": 8}, "decode_tokens_per_s": tps, "tpot_s_p50": 0.02,
+                "tpot_s_p99": 0.03, "h2d_bytes_per_step": 5e6, "h2d_copies_per_step": 60, "slot_hit_rate": 0.9,
+                "recall_wait_s_per_step": 0.0005, "gpu_kv_bytes_allocated": 2**31, "host_io": "xla", **kw}
+
+    tp = {"kind": "decode_throughput", "model": "random:llama-3.1-8b", "dtype": "bfloat16", "points": [
+        point("dense", 100.0, batch_reached=3), point("pulseinfer", 250.0), point("pulseinfer-1mb", 200.0),
+        {"system": "offload-headwise", "context": 32768, "batch_requested": 8, "skipped": "host KV pool too big"}]}
+    text = "\n".join(tables.decode_throughput(tp))
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 2.50x | 1.00x |" in rows["pulseinfer"] and "| 2.00x | 0.80x |" in rows["pulseinfer-1mb"]
+    assert "| 5.0 | 60 | 0.50 | 0.900 | 2.00 | xla |" in rows["pulseinfer"]
+    assert "skipped: host KV pool too big" in rows["offload-headwise"]
+    kern = {"copy": {"gb_per_s": 4000.0, "impl": "x+1"}, "attention": {"grid": [{"batch": 16, "impls": [
+        {"impl": "pallas sparse soloHead", "median_ms": 0.5, "gb_per_s": 2800.0},
+        {"impl": "jax paged_attention", "median_ms": 1.0, "gb_per_s": 1400.0},
+        {"impl": "jnp reference soloHead", "error": "boom"}]}]}, "scoring": {"error": "RuntimeError: no"}}
+    text = "\n".join(tables.kernels(kern))
+    assert "| batch 16 | pallas sparse soloHead | 0.500 | 2800.0 | 70% | 2.00x |" in text
+    assert "failed: boom" in text and "scoring: RuntimeError: no" in text and "gather: not run" in text
+    io = {"modes": ["per_block_head", "coalesced"], "rows": [
+        {"mode": "per_block_head", "transfer_bytes": 8192, "copies": 8, "total_bytes": 65536, "gb_per_s": 1.5},
+        {"mode": "coalesced", "transfer_bytes": 65536, "copies": 1, "total_bytes": 65536, "gb_per_s": 20.0}]}
+    assert "| 64 KB | 1.50 (8 x 8 KB) | 20.00 (1 x 64 KB) |" in "\n".join(tables.io_sweep(io))
+    src = tmp_path / "decode_throughput_a.json"
+    src.write_text(json.dumps({k: v for k, v in tp.items() if k != "kind"}))  # kind from the file name
+    (tmp_path / "other.json").write_text("{}")
+    assert tables.main([str(src), str(tmp_path / "other.json"), "--out", str(tmp_path / "t.md")]) == 0
+    md = (tmp_path / "t.md").read_text()
+    assert "**32768 tokens x 8 requests**" in md and "other.json: not tabulated" in md
+
+
 def test_throughput_mix_runs_every_request_to_completion(tiny4):
     from bench.decode_throughput import CompileCounter, run_mix
 
