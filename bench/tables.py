@@ -12,6 +12,7 @@ Known kinds (the JSON's "kind", else its file name's prefix):
     as a share of the measured device copy bandwidth and against `jax paged_attention` on the same blocks (the
     Pallas issue's targets: >= 60% of copy bandwidth at batch >= 16, faster than paged_attention).
   - io_sweep: GB/s per mode for each volume moved (copies x copy size; best of the repeats).
+  - dense_decode: per (context, batch), each attention x layer loop's median step, tokens/s and KV GB/s.
 Anything else is listed as not tabulated.
 """
 
@@ -116,6 +117,20 @@ def io_sweep(data: dict) -> list[str]:
             f"best of repeats{note}", "", *_table(["volume", *modes], body), ""]
 
 
+def dense_decode(data: dict) -> list[str]:
+    """The dense decode grid: per (context, batch), each (attention, layer loop)'s median step and tokens/s."""
+    body = []
+    for g in sorted(data.get("grid", []), key=lambda g: (g.get("context", 0), g.get("batch", 0))):
+        where = [str(g.get(k)) for k in ("context", "batch", "attention", "layer_loop")]
+        if "step_s_median" in g:
+            body.append([*where, _f(g["step_s_median"], ".2f", 1e3), _f(g.get("tokens_per_s")),
+                         _f(g.get("kv_gb_per_s"))])
+        else:
+            body.append([*where, f"failed: {str(g.get('error', '?'))[:80]}", "", ""])
+    return [f"Dense decode ({data.get('model', '?')}, {data.get('dtype', '?')})", "",
+            *_table(["context", "batch", "attention", "layer loop", "step ms", "tok/s", "KV GB/s"], body), ""]
+
+
 def _size(n: float) -> str:
     for unit, div in (("MB", 2**20), ("KB", 2**10)):
         if n >= div:
@@ -124,7 +139,7 @@ def _size(n: float) -> str:
 
 
 TABLERS: dict[str, Callable[[dict], list[str]]] = {
-    "decode_throughput": decode_throughput, "kernels": kernels, "io_sweep": io_sweep}
+    "decode_throughput": decode_throughput, "kernels": kernels, "io_sweep": io_sweep, "dense_decode": dense_decode}
 
 
 def kind_of(data: dict, path: pathlib.Path) -> str | None:

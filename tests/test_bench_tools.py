@@ -264,6 +264,11 @@ def test_result_tables_compute_ratios_shares_and_reasons(tmp_path):
         {"mode": "per_block_head", "transfer_bytes": 8192, "copies": 8, "total_bytes": 65536, "gb_per_s": 1.5},
         {"mode": "coalesced", "transfer_bytes": 65536, "copies": 1, "total_bytes": 65536, "gb_per_s": 20.0}]}
     assert "| 64 KB | 1.50 (8 x 8 KB) | 20.00 (1 x 64 KB) |" in "\n".join(tables.io_sweep(io))
+    dense = {"grid": [{"attention": "pallas", "layer_loop": "scan", "context": 4096, "batch": 8,
+                       "step_s_median": 0.0125, "tokens_per_s": 640.0, "kv_gb_per_s": 1234.5},
+                      {"attention": "jnp", "layer_loop": "layerwise", "context": 4096, "batch": 1, "error": "OOM"}]}
+    text = "\n".join(tables.dense_decode(dense))
+    assert "| 4096 | 8 | pallas | scan | 12.50 | 640.0 | 1234.5 |" in text and "failed: OOM" in text
     src = tmp_path / "decode_throughput_a.json"
     src.write_text(json.dumps({k: v for k, v in tp.items() if k != "kind"}))  # kind from the file name
     (tmp_path / "other.json").write_text("{}")
