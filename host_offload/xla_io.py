@@ -61,10 +61,10 @@ class XlaHostIO:
         return self._write(pool, kv, jnp.asarray(blocks), jax.device_put(rows, self.host), jnp.int32(count))
 
     def stage_blocks(self, pool: Array, layer: int, rows: np.ndarray) -> Float[Array, "n 2 bs Hkv hd"]:
-        return self._stage_blocks(pool, self._layer(layer)[0], jax.device_put(rows, self.host))
+        return self._stage_blocks(pool, self._layer(layer)[0], rows)  # rows: numpy, put on the host by the call
 
     def stage_units(self, pool: Array, layer: int, rows: np.ndarray, heads: np.ndarray) -> Float[Array, "n 2 bs hd"]:
-        return self._stage_units(pool, self._layer(layer)[0], jax.device_put(np.stack([rows, heads]), self.host))
+        return self._stage_units(pool, self._layer(layer)[0], np.stack([rows, heads]))
 
     def to_device(self, staging: Array) -> Array:
         return jax.device_put(staging, self.dev)
@@ -102,9 +102,10 @@ def _compiled(device: jax.Device, first_layer: int) -> tuple:
         return jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False).at[rows].get(mode="clip")
 
     def stage_blocks_outer(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"]) -> Array:
-        # the pool's traced value gets the host memory space explicitly (a pool no write-back has touched yet comes
-        # in without it, and the host gather then fails on mixed memory spaces); a no-op for the data
-        return stage_blocks(jax.device_put(pool, host), layer, rows)
+        # the traced values get the host memory space explicitly (a pool no write-back has touched yet comes in
+        # without it, and so do the arguments in_shardings placed on the host: the host gather then fails on mixed
+        # memory spaces); a no-op for the data
+        return stage_blocks(*(jax.device_put(a, host) for a in (pool, layer, rows)))
 
     @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
     @jax.jit
@@ -113,7 +114,7 @@ def _compiled(device: jax.Device, first_layer: int) -> tuple:
         return p.at[rows_heads[0], :, :, rows_heads[1]].get(mode="clip")  # [n, 2, bs, hd]
 
     def stage_units_outer(pool: Array, layer: Int[Array, ""], rows_heads: Int[Array, "2 n"]) -> Array:
-        return stage_units(jax.device_put(pool, host), layer, rows_heads)  # (as stage_blocks_outer)
+        return stage_units(*(jax.device_put(a, host) for a in (pool, layer, rows_heads)))  # (as stage_blocks_outer)
 
     def fragment(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"], heads: Int[Array, " n"],
                  count: Int[Array, ""]) -> Array:
@@ -127,5 +128,9 @@ def _compiled(device: jax.Device, first_layer: int) -> tuple:
         out = jnp.zeros((n, 2, bs, hd), pool.dtype, device=dev)
         return jax.lax.fori_loop(0, count, body, out)
 
-    return (jax.jit(write_back, donate_argnums=0, out_shardings=host), jax.jit(stage_blocks_outer, out_shardings=host),
-            jax.jit(stage_units_outer, out_shardings=host), jax.jit(fragment, out_shardings=dev))
+    # the stage calls take their index arrays as numpy and place them in pinned host memory themselves
+    # (in_shardings): one call per recall instead of a device_put and a call (~70 us less per recall on CPU)
+    on_host = (host, host, host)
+    return (jax.jit(write_back, donate_argnums=0, out_shardings=host),
+            jax.jit(stage_blocks_outer, in_shardings=on_host, out_shardings=host),
+            jax.jit(stage_units_outer, in_shardings=on_host, out_shardings=host), jax.jit(fragment, out_shardings=dev))
