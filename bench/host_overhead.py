@@ -81,7 +81,7 @@ class Breakdown:
 
 
 def step_point(system: str, *, batch: int, context: int, budget: int, steps: int, warm: int, trace_name: str,
-               host_io: str = "auto", breakdown: bool = False) -> dict:
+               host_io: str = "auto", breakdown: bool = False, recall: str | None = None) -> dict:
     """Main-thread CPU time of whole decode steps of a compute-free Llama-3.1-8B skeleton (see the docstring)."""
     from bench import decode_throughput as dt
     from models.loading import load_model
@@ -95,6 +95,9 @@ def step_point(system: str, *, batch: int, context: int, budget: int, steps: int
     replay = dt.load_replay(trace_name, budget)
     base = dict(block_size=16, budget_tokens=budget, dense_layers=2, max_batch=batch, progress=False,
                 prefill_chunk=512, layer_loop="layerwise", host_io=host_io)
+    if recall is not None:  # over the system's own (engine_for lets a system's settings win over base)
+        dt.SYSTEMS.setdefault(f"{system}:{recall}", {**dt.SYSTEMS[system], "recall": recall})
+        system = f"{system}:{recall}"
     eng, _ = dt.engine_for(model, system, base, replay, {})
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_new_tokens=batch + warm + steps + 2, ignore_eos=True)
@@ -132,6 +135,8 @@ def main() -> int:
     ap.add_argument("--host-io", default="auto", choices=("auto", "xla", "numpy"),
                     help="host KV pool backend (EngineConfig.host_io)")
     ap.add_argument("--replay", default="smollm2", help="trace name (bench/results/traces) or path prefix")
+    ap.add_argument("--recall", default=None, choices=("interruptible", "eager", "sync"),
+                    help="EngineConfig.recall for every system (default: each system's own)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each per-layer call (Breakdown: wrapped calls, a little slower)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
@@ -146,7 +151,7 @@ def main() -> int:
         for b in (int(x) for x in args.batches.split(",")):
             row = step_point(system, batch=b, context=args.context, budget=args.budget_tokens, steps=args.steps,
                              warm=args.warm, trace_name=args.replay, host_io=args.host_io,
-                             breakdown=args.breakdown)
+                             breakdown=args.breakdown, recall=args.recall)
             meta["rows"].append(row)
             cpu, low = row["main_thread_cpu_ms_per_step_p50"], row["main_thread_cpu_ms_per_step_min"]
             print(f"{system:20s} {row['host_io']:5s} batch {b:3d}: main-thread CPU {cpu:7.1f} ms/step (min {low:6.1f}),"
