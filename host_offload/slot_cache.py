@@ -83,19 +83,9 @@ class SlotTable:
         self._key[:, row] = self._key_row[:, row] = -1
         self._free.append(row)
 
-    def capacity(self, row: int) -> int:
-        return int(self._capacity[row])
-
     def keys(self, row: int) -> Int[np.ndarray, "SL S C"]:
         """The logical block held by each slot of a request (-1 = free): a copy."""
         return self._key[:, row, :, : self._capacity[row]].copy()
-
-    def keys_of_rows(self, rows: Int[np.ndarray, " B"], width: int) -> Int[np.ndarray, "SL B S W"]:
-        """`keys` of several requests, padded with -1 to `width` slots (>= every capacity)."""
-        out = np.full((self.sparse_layers, len(rows), self.lanes, width), -1, np.int32)
-        c = min(width, self.max_capacity)
-        out[..., :c] = self._key[:, rows, :, :c]
-        return out
 
     # ---- one layer of a step -------------------------------------------------------------------
     def plan(self, sparse_layer: int, rows: Int[np.ndarray, " B"], wanted: Int[np.ndarray, "B S W"],

@@ -27,6 +27,7 @@ from jax.experimental.compute_on import compute_on
 from jaxtyping import Array, Float, Int
 
 from host_offload.memory import device_sharding, host_sharding
+from pulseinfer_jax.kv_cache import zeros_on
 
 
 class XlaHostIO:
@@ -46,7 +47,7 @@ class XlaHostIO:
 
     # ---- storage -------------------------------------------------------------------------------
     def zeros(self, shape: tuple[int, ...], dtype) -> Array:
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.host)()
+        return zeros_on(shape, dtype, self.host)
 
     def load(self, data: np.ndarray) -> Array:
         return jax.block_until_ready(jax.device_put(data, self.host))

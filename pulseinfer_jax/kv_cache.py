@@ -60,8 +60,12 @@ class CacheSpec:
     def allocate(self, device: jax.Device | None = None) -> jax.Array:
         """Zero-filled cache array made on `device` and committed to it, as the donating step functions' outputs
         are: an uncommitted first cache would give every step function one more compile (measured)."""
-        sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-        return jax.jit(lambda: jnp.zeros(self.shape, self.dtype), out_shardings=sharding)()
+        return zeros_on(self.shape, self.dtype, jax.sharding.SingleDeviceSharding(device or jax.devices()[0]))
+
+
+def zeros_on(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+    """Zeros made where `sharding` says (device or pinned host memory) and committed there; no host copy."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

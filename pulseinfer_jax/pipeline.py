@@ -58,7 +58,7 @@ from host_offload.placement import SparseKV, SparsePlan
 from models.transformer import Transformer, head_params, split_layers
 from pulseinfer_jax import layer_ops, slot_plan
 from pulseinfer_jax.kept_scores import kept_logical
-from pulseinfer_jax.kv_cache import blocks_for, bucket
+from pulseinfer_jax.kv_cache import blocks_for, bucket, zeros_on
 from pulseinfer_jax.sparse import BlockScoring
 
 Stop = tuple[str, jax.Array, jax.Array | None]  # (kind, awaited array, GPU work queued ahead of it)
@@ -109,8 +109,11 @@ class SparseDecoder:
         # committed to the device from the start, as the jitted updates' outputs are: an uncommitted first version
         # would give the calls reading it a second cache key (one more compile of each, measured)
         self.device = device
-        self.meta_min, self.meta_max = (self._zeros((rows, c.num_kv_heads, c.head_dim), meta_dtype) for _ in "ab")
-        self.cmeta_min, self.cmeta_max = (self._zeros((crows, c.num_kv_heads, c.head_dim), meta_dtype) for _ in "ab")
+        on_device = SingleDeviceSharding(device)  # (no host copy either: the key bounds run to GiBs)
+        self.meta_min, self.meta_max = (zeros_on((rows, c.num_kv_heads, c.head_dim), meta_dtype, on_device)
+                                        for _ in "ab")
+        self.cmeta_min, self.cmeta_max = (zeros_on((crows, c.num_kv_heads, c.head_dim), meta_dtype, on_device)
+                                          for _ in "ab")
         self.kv: jax.Array | None = None
         # per sparse layer, on the device once: (metadata row offset, flat unit offset layer * NB, retrieval head,
         # sparse layer index, coarse metadata row offset), so a decode step sends no per-layer scalars
@@ -413,10 +416,6 @@ class SparseDecoder:
             new = tuple(n.at[:, :have].set(o) for n, o in zip(new, self.slot_state, strict=True))
         self.slot_state = tuple(jax.device_put(a, self.device) for a in new)
 
-    def _zeros(self, shape: tuple[int, ...], dtype) -> jax.Array:
-        """Zeros made on the device (no host copy: the key bounds run to GiBs), committed to it."""
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=SingleDeviceSharding(self.device))()
-
     def _override(self, sparse: list[SparseKV], tables: StepTables, bp: int) -> np.ndarray | None:
         """Middle blocks to select instead of the scorer's, [sparse layers, bp, lanes, M] (-1 padded), or None (the
         engine: its own selection). The throughput bench's replay decoder overrides this."""
@@ -429,14 +428,14 @@ class SparseDecoder:
 
     def _read_plan(self, info: np.ndarray, sparse: list[SparseKV], bp: int) -> PlanInfo:
         """The plan's host part (`slot_plan.layer_plan`'s info) unpacked; counts each request's reuse."""
-        count, most = int(info[0]), int(info[1])
-        hits, misses = info[2: 2 + bp], info[2 + bp: 2 + 2 * bp]
-        p_len = (len(info) - 2 - 2 * bp) // 2
-        rows = info[2 + 2 * bp: 2 + 2 * bp + count]
-        lanes = info[2 + 2 * bp + p_len: 2 + 2 * bp + p_len + count]
+        count = int(info[0])
+        hits, misses = info[1: 1 + bp], info[1 + bp: 1 + 2 * bp]
+        p_len = (len(info) - 1 - 2 * bp) // 2
+        rows = info[1 + 2 * bp: 1 + 2 * bp + count]
+        lanes = info[1 + 2 * bp + p_len: 1 + 2 * bp + p_len + count]
         for b, s in enumerate(sparse):
             s.counters.reused_blocks += int(hits[b])
-        return PlanInfo(count, most, hits[: len(sparse)], misses[: len(sparse)], rows, lanes)
+        return PlanInfo(count, hits[: len(sparse)], misses[: len(sparse)], rows, lanes)
 
     def _issue_recall(self, sl: int, info: PlanInfo, sparse: list[SparseKV]):
         """Start the host-to-device copy (copies) of the layer's misses; returns the device staging, or None when
@@ -474,7 +473,6 @@ class PlanInfo:
     """What the host reads of a layer's device plan (slot_plan.layer_plan's info)."""
 
     count: int  # misses of the micro-batch (entries recalled)
-    most: int  # most misses of one (row, lane): the late attention's width
     hits: np.ndarray  # [b] slot-cache hits per request
     misses: np.ndarray  # [b] misses per request
     rows: np.ndarray  # [count] host row of each miss, in row / lane / selection order

@@ -86,7 +86,7 @@ def layer_plan(stamp: Int[Array, "R S C"], key: Int[Array, "R S C"], sel: Int[Ar
     selection order, padded with (-1, 0); plan["late"] the same for the misses (recalled into their slots);
     plan["dst"] / plan["lanes"] [P] (P = a power of two >= B*S*N) the slot block and lane of each miss in row /
     lane / selection order, zero past the count; plan["count"] [] the misses; plan["info"] int32 for the host, one
-    copy: [count, most misses of one (row, lane), hits per row [B], misses per row [B], host rows [P], lanes [P]].
+    copy: [count, hits per row [B], misses per row [B], host rows [P], lanes [P]].
     """
     b, s, n = sel.shape
     valid = sel >= 0
@@ -135,6 +135,5 @@ def layer_plan(stamp: Int[Array, "R S C"], key: Int[Array, "R S C"], sel: Int[Ar
     count = flat.sum().astype(jnp.int32)
     misses_row = miss.sum(axis=(1, 2)).astype(jnp.int32)
     hits_row = hit.sum(axis=(1, 2)).astype(jnp.int32)
-    most = miss.sum(axis=-1).max().astype(jnp.int32)
-    info = jnp.concatenate([count[None], most[None], hits_row, misses_row, rows, lanes])
+    info = jnp.concatenate([count[None], hits_row, misses_row, rows, lanes])
     return stamp, key, {"early": early, "late": late, "dst": dst, "lanes": lanes, "count": count, "info": info}
