@@ -105,15 +105,16 @@ class CompileCounter:
         jax.monitoring.register_event_duration_secs_listener(listener)
 
 
-def engine_for(model, system: str, base: dict, replay: dict | None, cache: dict):
+def engine_for(model, system: str, base: dict, replay: dict | None, cache: dict, overrides: dict | None = None):
     """A synthetic-KV engine for `system` (replaying the trace of its selection mode when given). It takes the
     pinned host pool the previous engine left in `cache` (the engine keeps it if the shape matches, else frees
-    it and allocates its own): pinning tens of GiB per system would cost more than the decode steps measured."""
+    it and allocates its own): pinning tens of GiB per system would cost more than the decode steps measured.
+    `overrides` (EngineConfig fields) win over the system's own settings."""
     from bench.synthetic import SyntheticKVEngine
     from bench.traces import replay_decoder
     from pulseinfer_jax import EngineConfig
 
-    cfg = EngineConfig(**{**base, **SYSTEMS[system]})  # a system's own settings win (dense-scan's layer_loop)
+    cfg = EngineConfig(**{**base, **SYSTEMS[system], **(overrides or {})})  # over base: a system's own settings
     if system == "pulseinfer-min-reuse":
         cfg = dataclasses.replace(cfg, slot_cache_blocks=cfg.budget_blocks - cfg.sink_blocks - cfg.window_blocks)
     attrs = {}

@@ -95,10 +95,7 @@ def step_point(system: str, *, batch: int, context: int, budget: int, steps: int
     replay = dt.load_replay(trace_name, budget)
     base = dict(block_size=16, budget_tokens=budget, dense_layers=2, max_batch=batch, progress=False,
                 prefill_chunk=512, layer_loop="layerwise", host_io=host_io)
-    if recall is not None:  # over the system's own (engine_for lets a system's settings win over base)
-        dt.SYSTEMS.setdefault(f"{system}:{recall}", {**dt.SYSTEMS[system], "recall": recall})
-        system = f"{system}:{recall}"
-    eng, _ = dt.engine_for(model, system, base, replay, {})
+    eng, _ = dt.engine_for(model, system, base, replay, {}, overrides=None if recall is None else {"recall": recall})
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_new_tokens=batch + warm + steps + 2, ignore_eos=True)
     reqs = [eng.make_request(i, rng.integers(1, 500, context).tolist(), sp) for i in range(batch)]
@@ -117,7 +114,8 @@ def step_point(system: str, *, batch: int, context: int, budget: int, steps: int
             cpu.append(time.thread_time() - c)
             wall.append(time.perf_counter() - t)
     extra = {"breakdown": split.rows(steps)} if split else {}
-    return {"system": system, "host_io": eng.host_io, "batch": batch, "context": context, "budget_tokens": budget,
+    return {"system": system, "recall": eng.config.recall, "host_io": eng.host_io, "batch": batch, "context": context,
+            "budget_tokens": budget,
             "main_thread_cpu_ms_per_step_p50": statistics.median(cpu) * 1e3,
             "main_thread_cpu_ms_per_step_min": min(cpu) * 1e3,
             "wall_ms_per_step_p50": statistics.median(wall) * 1e3, "compiles_in_timed_steps": compiles.count, **extra}
