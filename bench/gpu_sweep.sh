@@ -5,7 +5,9 @@
 #      offloading, PulseInfer and PulseInfer with every request offloaded (TPOT at equal batch) under a 33 GiB
 #      GPU KV budget (points whose host pool would not fit in the machine's RAM are recorded as skipped);
 #   2. random Qwen3-14B with its 128K YaRN setting: 32K / 64K / 128K x 1, 2, 4, same systems;
-#   3. a Mooncake-shaped mix (16 requests, prompts x 4, outputs <= 128) on Llama-3.1-8B.
+#   3. a Mooncake-shaped mix (16 requests, prompts x 4, outputs <= 128) on Llama-3.1-8B;
+#   4. only with MOE_TIMEOUT=<seconds> set (it does not fit the 10 minutes with the rest): random Qwen3-30B-A3B
+#      (128 experts, 8 per token; 61 GB of bf16 weights) at 32K / 128K x 1, 4, 16 under a 40 GiB GPU KV budget.
 # All with a real model's selections replayed (bench/results/traces/smollm2_*_b2048.npz).
 #   bench/gpu_sweep.sh OUT_DIR [--smoke]
 set -uo pipefail
@@ -29,6 +31,8 @@ if [ "$MODE" = "--smoke" ]; then
     step sweep_llama 300 --smoke --systems "$SYS"
     step sweep_qwen 300 --smoke --systems "$SYS"
     step sweep_mix 300 --smoke --systems "$SYS" --mix mooncake --mix-only
+    step sweep_moe 300 --model random:tiny-qwen3-moe --dtype float32 --contexts 600 --batches 1,3 --steps 2 \
+        --warm 1 --budget-tokens 128 --dense-layers 1 --gpu-kv-budget 2MiB --systems "$SYS"
 else
     COMMON=(--dtype bfloat16 --budget-tokens 2048 --gpu-kv-budget 33GiB --replay smollm2 --steps 8 --warm 4
             --systems "$SYS")
@@ -39,5 +43,12 @@ else
         --contexts 32768,65536,130816 --batches 1,2,4
     step sweep_mix "${MIX_TIMEOUT:-110}" --model random:llama-3.1-8b "${COMMON[@]}" \
         --mix mooncake --mix-only --mix-requests 16 --mix-scale 4 --mix-max-output 128
+    if [ "${MOE_TIMEOUT:-0}" -gt 0 ]; then
+        step sweep_moe "$MOE_TIMEOUT" --model random:qwen3-30b-a3b-128k --dtype bfloat16 --budget-tokens 2048 \
+            --gpu-kv-budget 40GiB --replay smollm2 --steps 8 --warm 4 --systems "$SYS" \
+            --contexts 32768,130816 --batches 1,4,16
+    else
+        echo "== sweep_moe skipped (set MOE_TIMEOUT=<seconds> to run Qwen3-30B-A3B)"
+    fi
 fi
 echo "sweep took $(( $(date +%s) - t0 )) s"

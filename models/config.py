@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 # model_type -> family implemented in models/. Llama, Mistral, Qwen2 and SmolLM2 (a Llama) share one
-# implementation; Qwen3 adds q/k RMSNorm and an explicit head_dim.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# implementation; Qwen3 adds q/k RMSNorm and an explicit head_dim; Qwen3-MoE replaces the MLP with routed experts.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -95,6 +95,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    # Mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` SwiGLU experts of width
+    # `moe_intermediate_size`; a router picks `num_experts_per_tok` per token (0 experts: a dense MLP)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the picked experts' router probabilities to sum to 1
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -107,6 +113,15 @@ class ModelConfig:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 1 (corrupt config?)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size >= 1):
+            raise ValueError(f"a mixture of experts needs 1 <= num_experts_per_tok ({self.num_experts_per_tok}) <= "
+                             f"num_experts ({self.num_experts}) and moe_intermediate_size >= 1 "
+                             f"({self.moe_intermediate_size}): corrupt config?")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def group_size(self) -> int:
@@ -124,14 +139,17 @@ class ModelConfig:
         """Bytes of K and V that one token occupies across all layers."""
         return 2 * self.num_layers * self.kv_dim * dtype_bytes
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, active: bool = False) -> int:
+        """Weights of the model; `active`: only those one token reads (a mixture of experts: its k experts)."""
         d, f, layers = self.hidden_size, self.intermediate_size, self.num_layers
         attn = d * self.q_dim + 2 * d * self.kv_dim + self.q_dim * d
         if self.attention_bias:
             attn += self.q_dim + 2 * self.kv_dim
         if self.qk_norm:
             attn += 2 * self.head_dim
-        per_layer = attn + 3 * d * f + 2 * d
+        picked = self.num_experts_per_tok if active else self.num_experts
+        mlp = (picked * 3 * d * self.moe_intermediate_size + d * self.num_experts if self.is_moe else 3 * d * f)
+        per_layer = attn + mlp + 2 * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return layers * per_layer + embed + d
 
@@ -208,10 +226,11 @@ class ModelConfig:
                                         "yarn)")
         window = d.get("sliding_window")
         max_pos = int(d.get("max_position_embeddings", 4096))
-        if model_type in ("mistral", "qwen2", "qwen3") and window and d.get("use_sliding_window", True):
+        if model_type in ("mistral", "qwen2", "qwen3", "qwen3_moe") and window and d.get("use_sliding_window", True):
             if int(window) < max_pos:
                 # Full attention up to the window is exact; past it we would silently differ.
                 max_pos = int(window)
+        moe = _moe_fields(d, model_type, name)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -229,8 +248,30 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            **moe,
         )
+
+
+def _moe_fields(d: dict[str, Any], model_type: str, name: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE config.json (`num_experts`, spelled `num_local_experts` by
+    transformers 5.2x); only every-layer-sparse models are implemented (Qwen3-30B-A3B, Qwen3-235B-A22B)."""
+    if model_type != "qwen3_moe":
+        return {}
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    try:
+        fields = {"num_experts": int(experts), "num_experts_per_tok": int(d["num_experts_per_tok"]),
+                  "moe_intermediate_size": int(d["moe_intermediate_size"]),
+                  "norm_topk_prob": bool(d.get("norm_topk_prob", False))}
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"qwen3_moe config of {name or 'model'} lacks num_experts / num_experts_per_tok / "
+                         f"moe_intermediate_size ({e})") from None
+    step, dense_layers = int(d.get("decoder_sparse_step", 1)), list(d.get("mlp_only_layers") or [])
+    if step != 1 or dense_layers:
+        raise UnsupportedModelError(
+            f"{name or 'model'}: qwen3_moe with dense MLP layers (decoder_sparse_step={step}, mlp_only_layers="
+            f"{dense_layers}) is not supported; only models whose every layer is a mixture of experts are")
+    return fields

@@ -48,7 +48,8 @@ def _dense(features: int, bias: bool, dtype: Any, name: str) -> nn.Dense:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x)). Params: wq/wk/wv/wo, w_gate/w_up/w_down."""
+    """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x)). Params: wq/wk/wv/wo, w_gate/w_up/w_down (the MLP:
+    `setup_mlp` / `mlp`, which Qwen3-MoE replaces)."""
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
@@ -61,10 +62,18 @@ class DecoderLayer(nn.Module):
         self.wv = _dense(c.kv_dim, c.attention_bias, self.dtype, "wv")
         self.wo = _dense(c.hidden_size, False, self.dtype, "wo")
         self.mlp_norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.setup_mlp()
+        self.setup_qk_norm()
+
+    def setup_mlp(self) -> None:
+        """The feed-forward block's weights: SwiGLU here; routed experts in Qwen3-MoE."""
+        c = self.cfg
         self.w_gate = _dense(c.intermediate_size, False, self.dtype, "w_gate")
         self.w_up = _dense(c.intermediate_size, False, self.dtype, "w_up")
         self.w_down = _dense(c.hidden_size, False, self.dtype, "w_down")
-        self.setup_qk_norm()
+
+    def mlp(self, h: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
+        return self.w_down(nn.silu(self.w_gate(h)) * self.w_up(h))
 
     def setup_qk_norm(self) -> None:
         """Hook for families that normalise q and k per head (Qwen3)."""
@@ -102,8 +111,7 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         b, t, _ = x.shape
         x = x + self.wo(o.reshape(b, t, c.q_dim).astype(x.dtype))
-        h = self.mlp_norm(x)
-        return x + self.w_down(nn.silu(self.w_gate(h)) * self.w_up(h))
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class Embedder(nn.Module):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -20,7 +19,8 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.presets import PRESETS
-from models.transformer import Transformer, resolve_dtype, split_layers, stacked_layers, unstack_layers
+from models.safetensors_dir import SafetensorsDir
+from models.transformer import Transformer, resolve_dtype, split_layers, stacked_layers
 from models.weights import CheckpointError, params_from_hf
 
 if TYPE_CHECKING:
@@ -73,35 +73,6 @@ class LoadedModel:
         object.__setattr__(self, "params", {**self.params, "layers": layers})
 
 
-class _SafetensorsDir(Mapping[str, Any]):
-    """Lazy name -> numpy array over one or many safetensors files (tensors read on access)."""
-
-    def __init__(self, files: list[pathlib.Path]):
-        from safetensors import SafetensorError, safe_open
-
-        self._handles = {}
-        self._where: dict[str, Any] = {}
-        for f in files:
-            if not f.is_file():
-                raise CheckpointError(f"weight file {f} is listed but missing (incomplete download?)")
-            try:
-                h = safe_open(str(f), framework="numpy")
-            except SafetensorError as e:
-                raise CheckpointError(f"{f} is not a readable safetensors file (truncated or corrupt?): {e}") from None
-            self._handles[f] = h
-            for k in h.keys():
-                self._where[k] = h
-
-    def __getitem__(self, name: str) -> Any:
-        return self._where[name].get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-
 def _hf_weight_files(path: pathlib.Path) -> list[pathlib.Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -134,7 +105,7 @@ def load_hf_dir(path: pathlib.Path, dtype: Any, device: Any = None, layout: str 
         if eos is not None:
             hf_cfg = {**hf_cfg, "eos_token_id": eos}
     cfg = ModelConfig.from_hf_dict(hf_cfg, name=path.name)
-    tensors = _SafetensorsDir(_hf_weight_files(path))
+    tensors = SafetensorsDir(_hf_weight_files(path))
     params = params_from_hf(cfg, tensors, dtype, source=str(path), device=device, layout=layout)
     from models.tokenizer import Tokenizer
 
@@ -153,16 +124,21 @@ def load_gguf_file(path: pathlib.Path, dtype: Any, device: Any = None, layout: s
 
 
 def random_model(name: str, dtype: Any, seed: int = 0, device: Any = None, layout: str = "stacked") -> LoadedModel:
-    """Random weights for a named real config, initialised by a jitted function directly on `device` (the same
-    values in either layout)."""
+    """Random weights for a named real config, initialised by jitted functions directly on `device` (the same
+    values in either layout; layout "layers" builds them one layer at a time, so a model never exists twice)."""
     if name not in PRESETS:
         raise ValueError(f"unknown random-weight preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
     cfg = ModelConfig.from_hf_dict(PRESETS[name], name=name)
     model = Transformer(cfg, dtype)
-    device = device or jax.devices()[0]
-    make = model.init if layout == "stacked" else (lambda key: unstack_layers(model.init(key)))
-    init = jax.jit(make, out_shardings=jax.sharding.SingleDeviceSharding(device))
-    params = init(jax.random.key(seed))
+    on = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    key = jax.random.key(seed)
+    if layout == "stacked":
+        params = jax.jit(model.init, out_shardings=on)(key)
+    else:
+        k_emb, k_layers = model.init_keys(key)
+        one_layer = jax.jit(model.init_layer, out_shardings=on)  # one compile for every layer
+        params = {"embedder": jax.jit(model.init_embedder, out_shardings=on)(k_emb),
+                  "layers": [one_layer(k_layers[i]) for i in range(cfg.num_layers)]}
     return LoadedModel(cfg, params, None, dtype, f"random:{name}")
 
 

@@ -28,6 +28,25 @@ PRESETS: dict[str, dict] = {
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
         "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
     },
+    # Qwen3-30B-A3B: 128 routed experts per layer, 8 per token (3.3B of 30.5B parameters active)
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960, "tie_word_embeddings": False, "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    # the same past 32K tokens (its model card: YaRN, factor 4 over the native 32K)
+    "qwen3-30b-a3b-128k": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
     "smollm2-135m": {
         "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
@@ -38,6 +57,13 @@ PRESETS: dict[str, dict] = {
         "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 65536,
+        "tie_word_embeddings": False,
+    },
+    "tiny-qwen3-moe": {
+        "model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 65536,
         "tie_word_embeddings": False,
     },
 }

@@ -21,6 +21,7 @@ from jaxtyping import Array, Float, Int
 from models.config import ModelConfig
 from models.llama import AttendFn, DecoderLayer, Embedder
 from models.qwen3 import Qwen3DecoderLayer
+from models.qwen3_moe import Qwen3MoeDecoderLayer
 from models.rope import rope_tables
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -77,7 +78,7 @@ class Transformer:
 
     @property
     def layer_module(self) -> DecoderLayer:
-        cls = Qwen3DecoderLayer if self.cfg.qk_norm else DecoderLayer
+        cls = Qwen3MoeDecoderLayer if self.cfg.is_moe else Qwen3DecoderLayer if self.cfg.qk_norm else DecoderLayer
         return cls(self.cfg, self.dtype)
 
     @property
@@ -86,23 +87,31 @@ class Transformer:
 
     def init(self, key: Array) -> dict:
         """Random params (normal std 0.02, norms at 1), built inside whatever jit/device context calls it."""
-        c = self.cfg
+        k_emb, k_layers = self.init_keys(key)
+        return {"embedder": self.init_embedder(k_emb), "layers": jax.vmap(self.init_layer)(k_layers)}
+
+    def init_keys(self, key: Array) -> tuple[Array, Array]:
+        """(embedder key, one key per layer) of `init`: `init_layer(k_layers[i])` is layer i of `init(key)`, so
+        random weights can be built one layer at a time (a 30B model's stacked init would not fit twice)."""
         k_emb, k_layers = jax.random.split(key)
-        emb = self.embedder.init(k_emb, jnp.zeros((1, 1), jnp.int32))["params"]
-        emb_logits = self.embedder.init(k_emb, jnp.zeros((1, 1, c.hidden_size), self.dtype),
+        return k_emb, jax.random.split(k_layers, self.cfg.num_layers)
+
+    def init_embedder(self, key: Array) -> dict:
+        c = self.cfg
+        emb = self.embedder.init(key, jnp.zeros((1, 1), jnp.int32))["params"]
+        emb_logits = self.embedder.init(key, jnp.zeros((1, 1, c.hidden_size), self.dtype),
                                         method=Embedder.logits)["params"]
-        emb = {**emb, **emb_logits}
+        return {**emb, **emb_logits}
+
+    def init_layer(self, key: Array) -> dict:
+        c = self.cfg
         dummy_x = jnp.zeros((1, 1, c.hidden_size), self.dtype)
         dummy_cs = jnp.zeros((1, 1, c.head_dim // 2), jnp.float32)
 
         def attend(q, k, v, s):
             return jnp.repeat(v, c.group_size, axis=2), s
 
-        def init_one(k):
-            return self.layer_module.init(k, dummy_x, dummy_cs, dummy_cs, attend, None)["params"]
-
-        layers = jax.vmap(init_one)(jax.random.split(k_layers, c.num_layers))
-        return {"embedder": emb, "layers": layers}
+        return self.layer_module.init(key, dummy_x, dummy_cs, dummy_cs, attend, None)["params"]
 
     def embed(self, params: dict, tokens: Int[Array, "b t"]) -> Float[Array, "b t d"]:
         return self.embedder.apply({"params": params["embedder"]}, tokens)

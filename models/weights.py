@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -18,6 +18,7 @@ _LAYER_KERNELS = {
 }
 _LAYER_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 _QK_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+_MLP_KERNELS = ("w_gate", "w_up", "w_down")  # replaced by the experts in a mixture-of-experts model
 
 
 class CheckpointError(ValueError):
@@ -57,30 +58,35 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any, sou
     norms = dict(_LAYER_NORMS)
     if cfg.qk_norm:
         norms.update(_QK_NORMS)
-    # (our weight, leaf, HF suffix, HF shape, transpose) of every per-layer tensor
-    specs = [(ours, "kernel", hf + ".weight", shapes[ours], True) for ours, hf in _LAYER_KERNELS.items()]
-    if cfg.attention_bias:
-        specs += [(ours, "bias", _LAYER_KERNELS[ours] + ".bias", shapes[ours][:1], False)
-                  for ours in ("wq", "wk", "wv")]
-    specs += [(ours, "weight", hf + ".weight", (cfg.head_dim if ours in _QK_NORMS else cfg.hidden_size,), False)
-              for ours, hf in norms.items()]
+    kernels = {k: v for k, v in _LAYER_KERNELS.items() if not (cfg.is_moe and k in _MLP_KERNELS)}
 
-    def host(i: int, spec: tuple) -> np.ndarray:
-        _, _, suffix, shape, transpose = spec
-        a = get(f"model.layers.{i}.{suffix}", shape)
-        return a.T if transpose else a
+    def kernel(suffix: str, shape: tuple[int, ...]) -> Callable[[int], np.ndarray]:
+        return lambda i: get(f"model.layers.{i}.{suffix}", shape).T
+
+    def plain(suffix: str, shape: tuple[int, ...]) -> Callable[[int], np.ndarray]:
+        return lambda i: get(f"model.layers.{i}.{suffix}", shape)
+
+    # (our weight, leaf, layer index -> host array in our layout) of every per-layer tensor
+    specs = [(ours, "kernel", kernel(hf + ".weight", shapes[ours])) for ours, hf in kernels.items()]
+    if cfg.attention_bias:
+        specs += [(ours, "bias", plain(_LAYER_KERNELS[ours] + ".bias", shapes[ours][:1]))
+                  for ours in ("wq", "wk", "wv")]
+    specs += [(ours, "weight", plain(hf + ".weight", (cfg.head_dim if ours in _QK_NORMS else cfg.hidden_size,)))
+              for ours, hf in norms.items()]
+    if cfg.is_moe:
+        specs += _moe_specs(cfg, tensors, get)
 
     if layout == "layers":
         layers: Any = []
         for i in range(cfg.num_layers):
             lp: dict[str, dict] = {}
-            for spec in specs:
-                lp.setdefault(spec[0], {})[spec[1]] = put(host(i, spec))
+            for ours, leaf, host in specs:
+                lp.setdefault(ours, {})[leaf] = put(host(i))
             layers.append(lp)
     else:  # one tensor kind at a time over all layers: the host holds one stacked weight, not the whole model
         layers = {}
-        for spec in specs:
-            layers.setdefault(spec[0], {})[spec[1]] = put(np.stack([host(i, spec) for i in range(cfg.num_layers)]))
+        for ours, leaf, host in specs:
+            layers.setdefault(ours, {})[leaf] = put(np.stack([host(i) for i in range(cfg.num_layers)]))
 
     v, d = cfg.vocab_size, cfg.hidden_size
     emb = {"embed": {"embedding": put(get("model.embed_tokens.weight", (v, d)))},
@@ -88,3 +94,37 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any, sou
     if not cfg.tie_word_embeddings:
         emb["lm_head"] = {"kernel": put(get("lm_head.weight", (v, d)).T)}
     return {"embedder": emb, "layers": layers}
+
+
+def _moe_specs(cfg: ModelConfig, tensors: Mapping[str, Any],
+               get: Callable[[str, tuple[int, ...]], np.ndarray]) -> list[tuple[str, str, Callable]]:
+    """The experts of every layer (models/moe.py layout) from either checkpoint spelling: one tensor per expert
+    and projection (`mlp.experts.{e}.gate_proj.weight` [f, d] ..., what the released Qwen3-MoE checkpoints hold
+    and transformers saves) or transformers 5's fused `mlp.experts.gate_up_proj` [E, 2f, d] / `down_proj` [E, d, f]."""
+    d, e_n, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+
+    def fused(i: int) -> bool:
+        return f"model.layers.{i}.mlp.experts.gate_up_proj" in tensors
+
+    def router(i: int) -> np.ndarray:
+        return get(f"model.layers.{i}.mlp.gate.weight", (e_n, d)).T  # [d, E]
+
+    def gate_up(i: int) -> np.ndarray:  # [d, E, 2f]
+        pre = f"model.layers.{i}.mlp.experts"
+        if fused(i):
+            return get(f"{pre}.gate_up_proj", (e_n, 2 * f, d)).transpose(2, 0, 1)
+        out = None
+        for e in range(e_n):
+            g, u = (get(f"{pre}.{e}.{w}_proj.weight", (f, d)) for w in ("gate", "up"))
+            if out is None:  # in the checkpoint's dtype: a float32 copy of a bf16 layer would be twice the size
+                out = np.empty((d, e_n, 2 * f), g.dtype)
+            out[:, e, :f], out[:, e, f:] = g.T, u.T
+        return out
+
+    def down(i: int) -> np.ndarray:  # [E, f, d]
+        pre = f"model.layers.{i}.mlp.experts"
+        if fused(i):
+            return get(f"{pre}.down_proj", (e_n, d, f)).transpose(0, 2, 1)
+        return np.stack([get(f"{pre}.{e}.down_proj.weight", (d, f)).T for e in range(e_n)])
+
+    return [("moe", "router", router), ("moe", "gate_up", gate_up), ("moe", "down", down)]

@@ -180,6 +180,7 @@ def _info(args: argparse.Namespace) -> int:
         "source": source,
         "config": dataclasses.asdict(c),
         "parameters": c.num_parameters(),
+        "active_parameters_per_token": c.num_parameters(active=True),
         "dtype": args.dtype,
         "weight_bytes": c.num_parameters() * itemsize,
         "kv_bytes_per_token": c.kv_bytes_per_token(itemsize),

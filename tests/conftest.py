@@ -9,7 +9,7 @@ if str(ROOT) not in sys.path:
 
 GOLDENS = ROOT / "tests" / "goldens"
 TINY = GOLDENS / "tiny"
-TINY_FAMILIES = ("llama2", "llama31", "mistral", "qwen2", "qwen3", "smollm2")
+TINY_FAMILIES = ("llama2", "llama31", "mistral", "qwen2", "qwen3", "qwen3_moe", "smollm2")
 
 
 def record_sampled_logits(monkeypatch) -> dict:
@@ -40,9 +40,9 @@ def tiny():
     return load_model(TINY / "llama31")
 
 
-@pytest.fixture(scope="module")
-def tiny4(tiny):
-    """A 4-layer model (the tiny checkpoint's two layers twice) so dense_layers=2 leaves two sparse layers."""
+def doubled(m, name: str):
+    """`m` with its layers run twice (the second time in reverse order): a 2-layer checkpoint becomes 4 layers, so
+    dense_layers=2 leaves two sparse layers."""
     import dataclasses
 
     import jax
@@ -51,9 +51,24 @@ def tiny4(tiny):
     from models.loading import LoadedModel
     from models.transformer import stacked_layers
 
-    params = dict(tiny.params)
-    params["layers"] = jax.tree.map(lambda a: jnp.concatenate([a, a[::-1]]), stacked_layers(tiny.params))
-    return LoadedModel(dataclasses.replace(tiny.cfg, num_layers=4), params, tiny.tokenizer, tiny.dtype, "tiny4")
+    params = dict(m.params)
+    params["layers"] = jax.tree.map(lambda a: jnp.concatenate([a, a[::-1]]), stacked_layers(m.params))
+    cfg = dataclasses.replace(m.cfg, num_layers=2 * m.cfg.num_layers)
+    return LoadedModel(cfg, params, m.tokenizer, m.dtype, name)
+
+
+@pytest.fixture(scope="module")
+def tiny4(tiny):
+    """A 4-layer model (the tiny checkpoint's two layers twice) so dense_layers=2 leaves two sparse layers."""
+    return doubled(tiny, "tiny4")
+
+
+@pytest.fixture(scope="module")
+def moe4():
+    """The tiny Qwen3-MoE checkpoint of the goldens (8 experts, 2 per token), its two layers twice."""
+    from models.loading import load_model
+
+    return doubled(load_model(TINY / "qwen3_moe"), "moe4")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -209,7 +209,8 @@ def test_per_layer_params_layout_is_the_same_model(tiny):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("spec", [str(TINY / "qwen2"), "random:smollm2-135m"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("spec", [str(TINY / "qwen2"), "random:smollm2-135m", "random:tiny-qwen3-moe",
+                                  str(TINY / "qwen3_moe")])  # qwen2: q/k/v biases
 def test_load_model_per_layer_layout(spec):
     """load_model(layout="layers") gives the stacked load's weights, one pytree per layer (no stacked array)."""
     import jax

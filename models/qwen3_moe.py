@@ -1,0 +1,19 @@
+"""Qwen3-MoE decoder layer: the Qwen3 block (q/k RMSNorm) with its MLP replaced by routed experts (models/moe.py)."""
+
+from __future__ import annotations
+
+from jaxtyping import Array, Float
+
+from models.llama import matmul_precision
+from models.moe import MoEFeedForward
+from models.qwen3 import Qwen3DecoderLayer
+
+
+class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    def setup_mlp(self) -> None:
+        c = self.cfg
+        self.moe = MoEFeedForward(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
+                                  self.dtype, matmul_precision(self.dtype))
+
+    def mlp(self, h: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
+        return self.moe(h)

@@ -1,0 +1,164 @@
+"""Mixture of experts (Qwen3-MoE): routing, both expert strategies against the plain loop, checkpoint layouts and
+configs. Logit / greedy parity with Hugging Face is in test_hf_parity (the `qwen3_moe` tiny golden)."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import TINY
+
+from models.config import ModelConfig, UnsupportedModelError
+from models.loading import load_model
+from models.moe import experts_ffn, moe_ffn_reference, moe_strategy, route
+from models.presets import PRESETS
+from models.safetensors_dir import SafetensorsDir
+from models.weights import params_from_hf
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
+
+
+def _weights(seed, d=32, e=8, f=16, dtype=jnp.float32):
+    r = np.random.default_rng(seed)
+    router, gate_up, down = (r.normal(0, s, shape).astype(np.float32)
+                             for s, shape in ((0.5, (d, e)), (0.2, (d, e, 2 * f)), (0.2, (e, f, d))))
+    return tuple(jnp.asarray(a, dtype) for a in (router, gate_up, down))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n", [1, 3, 4, 16])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_both_strategies_equal_the_expert_loop(dtype, n, normalize):
+    """dense (every expert, unpicked weighted 0) and gather (only the picked experts) give the loop's sum, fresh
+    random inputs per case; with E=8, k=2 the automatic choice is gather below 4 tokens and dense from 4 on."""
+    router, gate_up, down = _weights(n + 10 * normalize, dtype=dtype)
+    x = jnp.asarray(np.random.default_rng(n).normal(0, 1, (n, 32)), dtype)
+    want = np.asarray(moe_ffn_reference(x, router, gate_up, down, 2, normalize))
+    hi = jax.lax.Precision.HIGHEST
+    idx, w = route(x, router, 2, normalize, hi)
+    for strategy in ("dense", "gather", None):
+        got = np.asarray(experts_ffn(x, idx, w, gate_up, down, strategy, hi), np.float32)
+        assert got.shape == (n, 32)
+        err = np.abs(got - want).max() / max(1.0, np.abs(want).max())
+        assert err <= TOL[dtype], (strategy, err)
+    assert moe_strategy(n, 2, 8) == ("dense" if n >= 4 else "gather")
+
+
+def test_route_is_softmax_top_k_with_ties_to_the_lower_expert():
+    r = np.random.default_rng(0)
+    x, router = r.normal(0, 1, (64, 16)).astype(np.float32), r.normal(0, 1, (16, 8)).astype(np.float32)
+    router[:, 5] = router[:, 2]  # experts 2 and 5 always tie
+    idx, w = route(jnp.asarray(x), jnp.asarray(router), 3, False, jax.lax.Precision.HIGHEST)
+    logits = x.astype(np.float64) @ router
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.argsort(-p, axis=-1, kind="stable")[:, :3]  # stable: the lower id first among equals
+    assert np.array_equal(np.asarray(idx), want)
+    np.testing.assert_allclose(np.asarray(w), np.take_along_axis(p, want, -1), rtol=1e-5)
+    _, wn = route(jnp.asarray(x), jnp.asarray(router), 3, True, jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(wn).sum(-1), 1.0, rtol=1e-6)
+
+
+def test_bad_strategy_is_a_clear_error():
+    router, gate_up, down = _weights(0)
+    x = jnp.ones((2, 32))
+    idx, w = route(x, router, 2, True)
+    with pytest.raises(ValueError, match="strategy='sorted' must be"):
+        experts_ffn(x, idx, w, gate_up, down, "sorted")
+
+
+def test_fused_expert_layout_loads_the_same_params():
+    """transformers 5's fused `mlp.experts.gate_up_proj` [E, 2f, d] / `down_proj` [E, d, f] and the released
+    checkpoints' one tensor per expert give the same params."""
+    m = load_model(TINY / "qwen3_moe")
+    tensors = dict(SafetensorsDir([TINY / "qwen3_moe" / "model.safetensors"]))
+    c = m.cfg
+    fused = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}.mlp.experts"
+        fused[f"{pre}.gate_up_proj"] = np.stack([np.concatenate([tensors[f"{pre}.{e}.gate_proj.weight"],
+                                                                 tensors[f"{pre}.{e}.up_proj.weight"]])
+                                                 for e in range(c.num_experts)])
+        fused[f"{pre}.down_proj"] = np.stack([tensors[f"{pre}.{e}.down_proj.weight"] for e in range(c.num_experts)])
+    for layout in ("stacked", "layers"):
+        a = params_from_hf(c, tensors, jnp.float32, layout=layout)
+        b = params_from_hf(c, fused, jnp.float32, layout=layout)
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    # random weights (`random:qwen3-30b-a3b`) have the checkpoint's structure and shapes
+    init = jax.eval_shape(m.transformer.init, jax.random.key(0))
+    stacked = params_from_hf(c, tensors, jnp.float32)
+    assert jax.tree.structure(init) == jax.tree.structure(stacked)
+    assert [x.shape for x in jax.tree.leaves(init)] == [x.shape for x in jax.tree.leaves(stacked)]
+
+
+def test_a_missing_expert_is_named():
+    tensors = dict(SafetensorsDir([TINY / "qwen3_moe" / "model.safetensors"]))
+    del tensors["model.layers.1.mlp.experts.7.up_proj.weight"]
+    cfg = load_model(TINY / "qwen3_moe").cfg
+    with pytest.raises(ValueError, match=r"lacks tensor 'model.layers.1.mlp.experts.7.up_proj.weight'"):
+        params_from_hf(cfg, tensors, jnp.float32)
+
+
+def _write_safetensors(path, arrays: dict[str, np.ndarray], names: dict | None = None) -> None:
+    """A minimal safetensors writer (8-byte header length, JSON header, data) that also writes bfloat16."""
+    codes = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.uint16): "U16"}
+    header, blobs, off = {}, [], 0
+    for k, a in arrays.items():
+        b = np.ascontiguousarray(a).tobytes()
+        header[k] = {"dtype": (names or {}).get(k, codes[a.dtype]), "shape": list(a.shape),
+                     "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
+
+
+def test_bfloat16_checkpoint_loads(tmp_path):
+    """Released checkpoints are bfloat16, which safetensors' numpy reader rejects: the loader maps the file itself."""
+    src = TINY / "qwen3"
+    shutil.copytree(src, tmp_path / "m")
+    f32 = dict(SafetensorsDir([src / "model.safetensors"]))
+    _write_safetensors(tmp_path / "m" / "model.safetensors", {k: v.astype(ml_dtypes.bfloat16) for k, v in f32.items()})
+    got = load_model(tmp_path / "m", dtype="bfloat16")
+    want = load_model(src, dtype="bfloat16")
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
+        assert a.dtype == jnp.bfloat16 and np.array_equal(np.asarray(a), np.asarray(b))
+    # the writer is a real safetensors file: the library itself reads an f32 one back
+    from safetensors.numpy import load_file
+
+    _write_safetensors(tmp_path / "f32.safetensors", {"a": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    assert np.array_equal(load_file(tmp_path / "f32.safetensors")["a"], np.arange(6).reshape(2, 3))
+
+
+def test_unreadable_dtype_is_named(tmp_path):
+    _write_safetensors(tmp_path / "w.safetensors", {"t": np.zeros(4, np.uint16)})
+    with pytest.raises(ValueError, match="tensor 't' has dtype U16"):
+        SafetensorsDir([tmp_path / "w.safetensors"])["t"]
+
+
+def _moe_cfg(**over):
+    base = dict(PRESETS["qwen3-30b-a3b"])
+    base.update(over)
+    return base
+
+
+def test_qwen3_moe_configs():
+    c = ModelConfig.from_hf_dict(PRESETS["qwen3-30b-a3b"], name="30b")
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob, c.qk_norm) == (
+        128, 8, 768, True, True)
+    assert round(c.num_parameters() / 1e9, 1) == 30.5 and round(c.num_parameters(active=True) / 1e9, 1) == 3.4
+    spelled = {k: v for k, v in _moe_cfg().items() if k != "num_experts"} | {"num_local_experts": 128}
+    assert ModelConfig.from_hf_dict(spelled).num_experts == 128  # transformers 5.2x's spelling
+    with pytest.raises(UnsupportedModelError, match="mlp_only_layers"):
+        ModelConfig.from_hf_dict(_moe_cfg(mlp_only_layers=[0, 47]))
+    with pytest.raises(UnsupportedModelError, match="decoder_sparse_step=2"):
+        ModelConfig.from_hf_dict(_moe_cfg(decoder_sparse_step=2))
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf_dict(_moe_cfg(num_experts_per_tok=129))
+    with pytest.raises(ValueError, match="lacks num_experts"):
+        ModelConfig.from_hf_dict({k: v for k, v in _moe_cfg().items() if k != "moe_intermediate_size"})
