@@ -14,8 +14,9 @@ Two ways to compute the same sum, chosen from the static token count n (`moe_str
   - "dense" (n * k >= E: most experts are picked anyway: a decode batch of E/k or more tokens, a prefill
     chunk): every expert runs on every token, the unpicked ones weighted zero. It reads each expert's weights
     once, which is what decode is bound by; it does E/k times the useful FLOPs, which a prefill chunk pays
-    (a grouped-GEMM kernel would not: XLA's ragged_dot on NVIDIA GPUs expands to this same dense product
-    with a padded copy of the tokens per expert, so it is not used).
+    (a grouped-GEMM kernel would not. `jax.lax.ragged_dot` is not used: XLA's default GPU lowering rewrites it
+    into a zero-padded dense product, the same FLOPs plus a padded copy of the tokens per expert, per the
+    descriptions of openxla/xla#40189 and #45998 (cuDNN / Triton grouped-GEMM paths behind flags); unmeasured here).
   - "gather" (n * k < E: a few tokens, e.g. decode at batch 1): the n * k picked experts' weights are gathered
     and applied token by token: only the picked experts are read.
 """
