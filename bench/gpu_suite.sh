@@ -79,8 +79,9 @@ XDIST=()
 if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${TEST_WORKERS:-8}"); fi
 
 echo "== tests on $("$PY" -c 'import jax; print(jax.default_backend())')"
+# (the Qwen3-MoE offload cases are plain jnp, platform-independent: left to CPU CI to keep the 110 s limit)
 XLA_PYTHON_CLIENT_PREALLOCATE=false TAIL=25 step tests "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
-    --durations=10 "${XDIST[@]}" "${TESTS[@]}"
+    --durations=10 "${XDIST[@]}" -k "not moe4" "${TESTS[@]}"
 [ "$MODE" = "--tests-only" ] && exit 0
 
 step kernels "${KERNEL_TIMEOUT:-80}" "$PY" bench/kernels.py "${SMOKE[@]}" --out "$OUT"

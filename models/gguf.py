@@ -21,9 +21,11 @@ from typing import Any
 import gguf
 import numpy as np
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3moe")
 
-_ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "qwen3moe": "Qwen3MoeForCausalLM"}
+_MODEL_TYPE = {"qwen3moe": "qwen3_moe"}  # GGUF architecture -> HF model_type where they differ
 
 # GGUF leaf name inside ``blk.N.`` -> Hugging Face name inside ``model.layers.N.``
 _LAYER_LEAVES: dict[str, str] = {
@@ -38,7 +40,11 @@ _LAYER_LEAVES: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # mixture of experts: the router [E, d]
 }
+# llama.cpp's stacked experts, [E, f, d] gate / up and [E, d, f] down: mapped to transformers 5's fused
+# `mlp.experts.gate_up_proj` [E, 2f, d] (gate rows first) and `mlp.experts.down_proj` (models/weights.py reads both)
+_EXPERT_LEAVES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _GLOBAL_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -210,10 +216,12 @@ def _hf_config(path: pathlib.Path, arch: str, md: Mapping[str, Any], tensors: Ma
         raise ValueError(f"{path} has no token_embd.weight tensor; it is not a complete language model")
     config: dict[str, Any] = {
         "architectures": [_ARCHITECTURE_CLASS[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPE.get(arch, arch),
         "vocab_size": _numpy_shape(tensors["token_embd.weight"])[0],
         "hidden_size": hidden,
-        "intermediate_size": int(required("feed_forward_length")),
+        # (a mixture of experts has no dense MLP: its files may lack the key, the experts' width stands in)
+        "intermediate_size": int(md.get(f"{arch}.feed_forward_length") or required(
+            "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length")),
         "num_hidden_layers": int(required("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -227,6 +235,12 @@ def _hf_config(path: pathlib.Path, arch: str, md: Mapping[str, Any], tensors: Ma
         "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
     }
+    if arch == "qwen3moe":
+        config.update(
+            num_experts=int(required("expert_count")), num_experts_per_tok=int(required("expert_used_count")),
+            moe_intermediate_size=int(required("expert_feed_forward_length")),
+            # llama.cpp always renormalises Qwen3-MoE's picked experts (and so does every released Qwen3-MoE)
+            norm_topk_prob=bool(md.get(f"{arch}.expert_weights_norm", True)))
     rope_scaling = _rope_scaling(arch, md)
     if rope_scaling is None and "rope_freqs.weight" in tensors:
         rope_scaling = _llama3_rope_scaling(path, dequantize_tensor(tensors["rope_freqs.weight"]), config)
@@ -290,9 +304,20 @@ def _hf_entries(path: pathlib.Path, arch: str, config: dict, tensors: Mapping[st
     entries: dict[str, tuple[Any, Callable[[np.ndarray], np.ndarray] | None]] = {}
     for gguf_name, tensor in tensors.items():
         fix = None
-        if gguf_name in _GLOBAL_NAMES:
+        match = _LAYER_NAME.match(gguf_name)
+        if match and match.group(2) in _EXPERT_LEAVES:
+            layer, leaf, _ = match.groups()
+            if leaf == "ffn_up_exps":
+                continue  # the second half of gate_up_proj (below)
+            hf_name = f"model.layers.{layer}.mlp.experts.{'down_proj' if leaf == 'ffn_down_exps' else 'gate_up_proj'}"
+            if leaf == "ffn_gate_exps":
+                up = tensors.get(f"blk.{layer}.ffn_up_exps.weight")
+                if up is None:
+                    raise ValueError(f"{path} has {gguf_name} but no blk.{layer}.ffn_up_exps.weight (truncated?)")
+                fix = _append_up_rows(up)
+        elif gguf_name in _GLOBAL_NAMES:
             hf_name = _GLOBAL_NAMES[gguf_name]
-        elif (match := _LAYER_NAME.match(gguf_name)) and match.group(2) in _LAYER_LEAVES:
+        elif match and match.group(2) in _LAYER_LEAVES:
             layer, leaf, kind = match.groups()
             hf_name = f"model.layers.{layer}.{_LAYER_LEAVES[leaf]}.{kind}"
             if arch == "llama" and leaf in ("attn_q", "attn_k"):
@@ -305,6 +330,12 @@ def _hf_entries(path: pathlib.Path, arch: str, config: dict, tensors: Mapping[st
             raise ValueError(f"{path}: tensors {first!r} and {gguf_name!r} both map to {hf_name}")
         entries[hf_name] = (tensor, fix)
     return entries
+
+
+def _append_up_rows(up: Any) -> Callable[[np.ndarray], np.ndarray]:
+    """The layout fix of a fused gate_up_proj entry: the gate experts [E, f, d] with the up experts appended
+    per expert -> [E, 2f, d] (its `info` describes the gate part)."""
+    return lambda gate: np.concatenate([gate, dequantize_tensor(up)], axis=1)
 
 
 def _rope_unpermuter(num_heads: int) -> Callable[[np.ndarray], np.ndarray]:

