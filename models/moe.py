@@ -11,14 +11,18 @@ Routing follows Hugging Face's Qwen3MoeTopKRouter: logits in the model dtype, so
 the lower expert id), optionally renormalised over the k picked, then cast to the model dtype.
 
 Two ways to compute the same sum, chosen from the static token count n (`moe_strategy`):
-  - "dense" (n * k >= E: most experts are picked anyway: a decode batch of E/k or more tokens, a prefill
-    chunk): every expert runs on every token, the unpicked ones weighted zero. It reads each expert's weights
-    once, which is what decode is bound by; it does E/k times the useful FLOPs, which a prefill chunk pays
-    (a grouped-GEMM kernel would not. `jax.lax.ragged_dot` is not used: XLA's default GPU lowering rewrites it
-    into a zero-padded dense product, the same FLOPs plus a padded copy of the tokens per expert, per the
-    descriptions of openxla/xla#40189 and #45998 (cuDNN / Triton grouped-GEMM paths behind flags); unmeasured here).
-  - "gather" (n * k < E: a few tokens, e.g. decode at batch 1): the n * k picked experts' weights are gathered
-    and applied token by token: only the picked experts are read.
+  - "dense" (4 * n * k >= E: a decode batch of E/(4k) or more tokens, every prefill chunk): every expert runs on
+    every token, the unpicked ones weighted zero. It reads each expert's weights once, which is what decode is
+    bound by; it does E/k times the useful FLOPs, which a prefill chunk pays (a grouped-GEMM kernel would not.
+    `jax.lax.ragged_dot` is not used: XLA's default GPU lowering rewrites it into a zero-padded dense product,
+    the same FLOPs plus a padded copy of the tokens per expert, per the descriptions of openxla/xla#40189 and
+    #45998 (cuDNN / Triton grouped-GEMM paths behind flags); unmeasured here).
+  - "gather" (fewer tokens, e.g. decode at batch 1-3 on Qwen3-30B-A3B): the n * k picked experts' weights are
+    gathered and applied token by token: only the picked experts are read, but each is copied once more.
+The switch point is measured, not n * k = E: gathering a picked expert cost about 5x what reading it inside the
+dense product did, so dense wins from n * k ~ E/4 on (`bench/moe_ffn.py`, CPU, Qwen3-30B-A3B layer, bf16: at
+n = 2 gather 165 vs dense 259 ms, at n = 4 dense 252 vs gather 330 ms; bench/RESULTS.md). A GPU pays the same
+extra copy (write + read of each gathered slice), so the same order of switch point is expected; unmeasured.
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ def route(
 
 
 def moe_strategy(num_tokens: int, top_k: int, num_experts: int) -> str:
-    """"dense" when the tokens pick at least as many (token, expert) pairs as there are experts, else "gather"."""
-    return "dense" if num_tokens * top_k >= num_experts else "gather"
+    """"dense" once the tokens pick a quarter as many (token, expert) pairs as there are experts, else "gather"
+    (the measured switch point: module docstring)."""
+    return "dense" if 4 * num_tokens * top_k >= num_experts else "gather"
 
 
 def experts_ffn(

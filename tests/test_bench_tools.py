@@ -324,3 +324,24 @@ def test_host_overhead_breakdown_times_the_wrapped_calls_and_restores_them():
     assert set(rows) == {"HostKVPool.gather_blocks", "HostKVPool.stage_blocks"}
     assert rows["HostKVPool.gather_blocks"]["calls_per_step"] == 0.5
     assert rows["HostKVPool.gather_blocks"]["cpu_ms_per_step"] >= rows["HostKVPool.stage_blocks"]["cpu_ms_per_step"]
+
+
+def test_moe_ffn_bench_times_both_strategies(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from bench import moe_ffn
+
+    monkeypatch.setattr(sys, "argv", ["moe_ffn.py", "--model", "tiny-qwen3-moe", "--dtype", "float32",
+                                      "--tokens", "1,4", "--repeats", "1", "--out", str(tmp_path)])
+    assert moe_ffn.main() == 0
+    r = json.loads((tmp_path / "moe_ffn_cpu.json").read_text())
+    assert [row["tokens"] for row in r["rows"]] == [1, 4] and r["experts"] == 8 and r["top_k"] == 2
+    for row in r["rows"]:
+        assert row["dense_ms"] > 0 and row["gather_ms"] > 0 and row["faster"] in ("dense", "gather")
+        expert = 3 * 64 * 32 * 4  # gate, up, down of one expert: hidden 64, width 32, float32
+        assert row["dense_weight_bytes"] == 8 * expert and row["gather_weight_bytes"] == row["tokens"] * 2 * expert
+        assert row["auto"] == "dense"  # 4 * n * k >= E already at one token
+    monkeypatch.setattr(sys, "argv", ["moe_ffn.py", "--model", "tiny-llama"])
+    with pytest.raises(SystemExit):
+        moe_ffn.main()

@@ -33,7 +33,7 @@ def _weights(seed, d=32, e=8, f=16, dtype=jnp.float32):
 @pytest.mark.parametrize("normalize", [True, False])
 def test_both_strategies_equal_the_expert_loop(dtype, n, normalize):
     """dense (every expert, unpicked weighted 0) and gather (only the picked experts) give the loop's sum, fresh
-    random inputs per case; with E=8, k=2 the automatic choice is gather below 4 tokens and dense from 4 on."""
+    random inputs per case."""
     router, gate_up, down = _weights(n + 10 * normalize, dtype=dtype)
     x = jnp.asarray(np.random.default_rng(n).normal(0, 1, (n, 32)), dtype)
     want = np.asarray(moe_ffn_reference(x, router, gate_up, down, 2, normalize))
@@ -44,7 +44,10 @@ def test_both_strategies_equal_the_expert_loop(dtype, n, normalize):
         assert got.shape == (n, 32)
         err = np.abs(got - want).max() / max(1.0, np.abs(want).max())
         assert err <= TOL[dtype], (strategy, err)
-    assert moe_strategy(n, 2, 8) == ("dense" if n >= 4 else "gather")
+
+def test_strategy_switches_at_a_quarter_of_the_experts():
+    assert [moe_strategy(n, 8, 128) for n in (1, 2, 3, 4, 64)] == ["gather"] * 3 + ["dense"] * 2
+    assert moe_strategy(1, 2, 8) == "dense" and moe_strategy(1, 1, 8) == "gather"
 
 
 def test_route_is_softmax_top_k_with_ties_to_the_lower_expert():
