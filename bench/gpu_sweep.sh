@@ -6,8 +6,9 @@
 #      GPU KV budget (points whose host pool would not fit in the machine's RAM are recorded as skipped);
 #   2. random Qwen3-14B with its 128K YaRN setting: 32K / 64K / 128K x 1, 2, 4, same systems;
 #   3. a Mooncake-shaped mix (16 requests, prompts x 4, outputs <= 128) on Llama-3.1-8B;
-#   4. only with MOE_TIMEOUT=<seconds> set (it does not fit the 10 minutes with the rest): random Qwen3-30B-A3B
-#      (128 experts, 8 per token; 61 GB of bf16 weights) at 32K / 128K x 1, 4, 16 under a 40 GiB GPU KV budget.
+#   4. only with MOE_TIMEOUT=<seconds> set (it does not fit the 10 minutes with the rest): bench/moe_ffn.py (the
+#      expert strategies' switch point on the GPU, <= 60 s), then random Qwen3-30B-A3B (128 experts, 8 per token;
+#      61 GB of bf16 weights) at 32K / 128K x 1, 4, 16 under a 40 GiB GPU KV budget.
 # All with a real model's selections replayed (bench/results/traces/smollm2_*_b2048.npz).
 #   bench/gpu_sweep.sh OUT_DIR [--smoke]
 set -uo pipefail
@@ -44,6 +45,9 @@ else
     step sweep_mix "${MIX_TIMEOUT:-110}" --model random:llama-3.1-8b "${COMMON[@]}" \
         --mix mooncake --mix-only --mix-requests 16 --mix-scale 4 --mix-max-output 128
     if [ "${MOE_TIMEOUT:-0}" -gt 0 ]; then
+        echo "== moe_ffn (limit 60s): dense vs gather expert matmuls by token count, one Qwen3-30B-A3B layer"
+        timeout -s INT -k 10 60 "$PY" bench/moe_ffn.py --out "$OUT" > "$OUT/moe_ffn.log" 2>&1
+        echo "moe_ffn exit $?"; tail -8 "$OUT/moe_ffn.log"
         step sweep_moe "$MOE_TIMEOUT" --model random:qwen3-30b-a3b-128k --dtype bfloat16 --budget-tokens 2048 \
             --gpu-kv-budget 40GiB --replay smollm2 --steps 8 --warm 4 --systems "$SYS" \
             --contexts 32768,130816 --batches 1,4,16
