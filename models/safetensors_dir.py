@@ -32,8 +32,8 @@ class SafetensorsDir(Mapping[str, Any]):
     def __init__(self, files: list[pathlib.Path]):
         from safetensors import SafetensorError, safe_open
 
-        self._where: dict[str, tuple[pathlib.Path, dict]] = {}
-        self._maps: dict[pathlib.Path, tuple[np.memmap | None, int]] = {}  # (mapped lazily, data start)
+        # name -> (the file, its map: pages are read only when touched; where its data starts; the header entry)
+        self._where: dict[str, tuple[pathlib.Path, np.memmap, int, dict]] = {}
         for f in files:
             if not f.is_file():
                 raise CheckpointError(f"weight file {f} is listed but missing (incomplete download?)")
@@ -45,21 +45,17 @@ class SafetensorsDir(Mapping[str, Any]):
                 n = int.from_bytes(fh.read(8), "little")
                 header = json.loads(fh.read(n))
             header.pop("__metadata__", None)
+            mapped = np.memmap(f, np.uint8, mode="r")
             for name, info in header.items():
-                self._where[name] = (f, info)
-            self._maps[f] = (None, 8 + n)
+                self._where[name] = (f, mapped, 8 + n, info)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        f, info = self._where[name]
-        mm, start = self._maps[f]
-        if mm is None:
-            mm = np.memmap(f, np.uint8, mode="r")
-            self._maps[f] = (mm, start)
+        f, mapped, start, info = self._where[name]
         if info["dtype"] not in DTYPES:
             raise CheckpointError(f"{f}: tensor {name!r} has dtype {info['dtype']}, which the loader does not "
                                   f"read (supported: {', '.join(DTYPES)})")
         begin, end = info["data_offsets"]
-        return mm[start + begin:start + end].view(DTYPES[info["dtype"]]).reshape(info["shape"])
+        return mapped[start + begin:start + end].view(DTYPES[info["dtype"]]).reshape(info["shape"])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

@@ -63,8 +63,12 @@ def write_tiny_gguf(
     writer.add_rope_freq_base(10000.0)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    for name, array in tensors.items():
-        qtype = types.get(name.replace(".", "_"))
+    write_tensors(writer, {name: (array, types.get(name.replace(".", "_"))) for name, array in tensors.items()})
+
+
+def write_tensors(writer: gguf.GGUFWriter, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType | None]]):
+    """Add each tensor (quantized to its type, or as it is for None) and write the file out."""
+    for name, (array, qtype) in tensors.items():
         if qtype is None:
             writer.add_tensor(name, array)
         else:
@@ -365,17 +369,9 @@ def write_qwen3moe_gguf(src: pathlib.Path, path: pathlib.Path, quantize_experts:
         for w in ("gate", "up", "down"):
             out[f"blk.{i}.ffn_{w}_exps.weight"] = np.stack(
                 [hf[f"model.layers.{i}.mlp.experts.{e}.{w}_proj.weight"] for e in range(n_exp)])
-    for name, array in out.items():
-        array = np.ascontiguousarray(array, np.float32)
-        if quantize_experts and "_exps" in name:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(name, gguf.quants.quantize(array, q8), raw_dtype=q8)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_tensors(writer, {name: (np.ascontiguousarray(a, np.float32), q8 if quantize_experts and "_exps" in name
+                                  else None) for name, a in out.items()})
 
 
 @pytest.mark.parametrize("quantize_experts", [False, True])
