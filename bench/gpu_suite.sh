@@ -43,7 +43,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run with a timeout, log to $OUT/NAME
 }
 
 KERNEL_TESTS=(tests/test_sparse_decode_attention.py tests/test_block_scoring.py tests/test_gather_scatter.py
-              tests/test_host_offload.py tests/test_offload.py tests/test_attention.py)
+              tests/test_grouped_matmul.py tests/test_host_offload.py tests/test_offload.py tests/test_attention.py)
 if [ "$MODE" = "--smoke" ]; then
     TESTS=(tests/test_gather_scatter.py tests/test_host_offload.py)
     TEST_TIMEOUT=300

@@ -7,7 +7,7 @@
 #   2. random Qwen3-14B with its 128K YaRN setting: 32K / 64K / 128K x 1, 2, 4, same systems;
 #   3. a Mooncake-shaped mix (16 requests, prompts x 4, outputs <= 128) on Llama-3.1-8B;
 #   4. only with MOE_TIMEOUT=<seconds> set (it does not fit the 10 minutes with the rest): bench/moe_ffn.py (the
-#      expert strategies' switch point on the GPU, <= 60 s), then random Qwen3-30B-A3B (128 experts, 8 per token;
+#      expert strategies on the GPU, the grouped-GEMM Pallas kernel among them, <= 90 s), then random Qwen3-30B-A3B (128 experts, 8 per token;
 #      61 GB of bf16 weights) at 32K / 128K x 1, 4, 16 under a 40 GiB GPU KV budget.
 # All with a real model's selections replayed (bench/results/traces/smollm2_*_b2048.npz).
 #   bench/gpu_sweep.sh OUT_DIR [--smoke]
@@ -32,6 +32,10 @@ if [ "$MODE" = "--smoke" ]; then
     step sweep_llama 300 --smoke --systems "$SYS"
     step sweep_qwen 300 --smoke --systems "$SYS"
     step sweep_mix 300 --smoke --systems "$SYS" --mix mooncake --mix-only
+    echo "== moe_ffn smoke (every strategy, the Pallas one in interpret mode)"
+    "$PY" bench/moe_ffn.py --model tiny-qwen3-moe --dtype float32 --tokens 1,8 --repeats 1 \
+        --strategies dense,gather,grouped,grouped-pallas --out "$OUT" > "$OUT/moe_ffn.log" 2>&1
+    echo "moe_ffn exit $?"; tail -3 "$OUT/moe_ffn.log"
     step sweep_moe 300 --model random:tiny-qwen3-moe --dtype float32 --contexts 600 --batches 1,3 --steps 2 \
         --warm 1 --budget-tokens 128 --dense-layers 1 --gpu-kv-budget 2MiB --systems "$SYS"
 else
@@ -45,8 +49,8 @@ else
     step sweep_mix "${MIX_TIMEOUT:-110}" --model random:llama-3.1-8b "${COMMON[@]}" \
         --mix mooncake --mix-only --mix-requests 16 --mix-scale 4 --mix-max-output 128
     if [ "${MOE_TIMEOUT:-0}" -gt 0 ]; then
-        echo "== moe_ffn (limit 60s): dense vs gather expert matmuls by token count, one Qwen3-30B-A3B layer"
-        timeout -s INT -k 10 60 "$PY" bench/moe_ffn.py --out "$OUT" > "$OUT/moe_ffn.log" 2>&1
+        echo "== moe_ffn (limit 90s): dense / gather / grouped (jnp, Pallas) expert matmuls by token count, one Qwen3-30B-A3B layer"
+        timeout -s INT -k 10 90 "$PY" bench/moe_ffn.py --out "$OUT" > "$OUT/moe_ffn.log" 2>&1
         echo "moe_ffn exit $?"; tail -8 "$OUT/moe_ffn.log"
         step sweep_moe "$MOE_TIMEOUT" --model random:qwen3-30b-a3b-128k --dtype bfloat16 --budget-tokens 2048 \
             --gpu-kv-budget 40GiB --replay smollm2 --steps 8 --warm 4 --systems "$SYS" \

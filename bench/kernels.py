@@ -45,6 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
+from pallas_kernels.common import pow2_divisor  # noqa: E402
 
 ROWS: list[tuple[str, str, str, float, float | None]] = []  # (section, impl, config, ms, GB/s) for the table
 
@@ -106,13 +107,6 @@ def free() -> None:
 
 def rand(key: int, shape, dtype) -> jax.Array:
     return jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(dtype))(jax.random.key(key))
-
-
-def pow2_divisor(n: int, cap: int) -> int:
-    t = n & -n
-    while t > cap:
-        t //= 2
-    return max(t, 1)
 
 
 # ------------------------------------------------------------------------------------------------

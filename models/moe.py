@@ -10,29 +10,43 @@ no transposed copy of the weights.
 Routing follows Hugging Face's Qwen3MoeTopKRouter: logits in the model dtype, softmax in float32, top-k (ties to
 the lower expert id), optionally renormalised over the k picked, then cast to the model dtype.
 
-Two ways to compute the same sum, chosen from the static token count n (`moe_strategy`):
-  - "dense" (4 * n * k >= E: a decode batch of E/(4k) or more tokens, every prefill chunk): every expert runs on
-    every token, the unpicked ones weighted zero. It reads each expert's weights once, which is what decode is
-    bound by; it does E/k times the useful FLOPs, which a prefill chunk pays (a grouped-GEMM kernel would not.
-    `jax.lax.ragged_dot` is not used: XLA's default GPU lowering rewrites it into a zero-padded dense product,
-    the same FLOPs plus a padded copy of the tokens per expert, per the descriptions of openxla/xla#40189 and
-    #45998 (cuDNN / Triton grouped-GEMM paths behind flags); unmeasured here).
-  - "gather" (fewer tokens, e.g. decode at batch 1-3 on Qwen3-30B-A3B): the n * k picked experts' weights are
-    gathered and applied token by token: only the picked experts are read, but each is copied once more.
-The switch point is measured, not n * k = E: gathering a picked expert cost about 5x what reading it inside the
-dense product did, so dense wins from n * k ~ E/4 on (`bench/moe_ffn.py`, CPU, Qwen3-30B-A3B layer, bf16: at
-n = 2 gather 165 vs dense 259 ms, at n = 4 dense 252 vs gather 330 ms; bench/RESULTS.md). A GPU pays the same
-extra copy (write + read of each gathered slice), so the same order of switch point is expected; unmeasured.
+Three ways to compute the same sum (`experts_ffn`; `MoEOptions` / `moe_strategy` choose per call from the static
+token count n and the platform):
+  - "dense": every expert runs on every token, the unpicked ones weighted zero. It reads each expert's weights
+    once, which is what decode is bound by, but does E/k times the useful FLOPs (16x on Qwen3-30B-A3B).
+  - "gather": the n * k picked experts' weights are gathered and applied token by token: only the picked experts
+    are read, but each is copied once more.
+  - "grouped": the n * k (token, pick) pairs are sorted by expert and each expert's run padded to whole tiles
+    (`grouped_layout`); each tile is one [T, d] @ [d, 2f] and one [T, f] @ [f, d] matmul with its expert's weights
+    read in place (pallas_kernels/grouped_matmul.py: the jnp tile loop, or the Pallas kernel for a GPU). It does
+    the useful FLOPs plus at most one partial tile per picked expert, and reads each picked expert once per tile.
+    T grows with the rows per expert (`grouped_tile_m`, 16..128).
+Measured on CPU (`bench/moe_ffn.py`, one Qwen3-30B-A3B layer, bf16, bench/RESULTS.md): grouped is the fastest
+at every token count from 1 to 4096, 7x gather at one token and 14x dense at 4,096, so "auto" is grouped on
+CPU. On a GPU the jnp tile loop is one dependent step per tile (launch-bound at decode) and the Pallas kernel
+has not run there yet, so "auto" keeps the measured-on-CPU dense / gather switch (gather while 4 * n * k < E:
+gathering a picked expert cost ~5x reading it inside the dense product) until bench/moe_ffn.py has timed
+"grouped-pallas" on a GPU (bench/gpu_sweep.sh). `jax.lax.ragged_dot` is not used: on CPU it took 12x dense's time
+(n = 256), and XLA's default GPU lowering rewrites it into a zero-padded dense product (openxla/xla#40189,
+#45998).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+from pallas_kernels.common import GPU_PLATFORMS
+from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
+
+GROUPED_KERNELS = ("jnp", "pallas")
+MOE_STRATEGIES = ("auto", "dense", "gather", "grouped")
 
 
 def route(
@@ -48,18 +62,83 @@ def route(
     return idx, weight.astype(x.dtype)
 
 
-def moe_strategy(num_tokens: int, top_k: int, num_experts: int) -> str:
-    """"dense" once the tokens pick a quarter as many (token, expert) pairs as there are experts, else "gather"
-    (the measured switch point: module docstring)."""
+def moe_strategy(num_tokens: int, top_k: int, num_experts: int, platform: str = "cpu") -> str:
+    """The measured choice (module docstring): "grouped" on CPU at every token count; on a GPU, until the
+    grouped paths are timed there, "dense" once the tokens pick a quarter as many (token, expert) pairs as
+    there are experts, else "gather"."""
+    if platform == "cpu":
+        return "grouped"
     return "dense" if 4 * num_tokens * top_k >= num_experts else "gather"
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEOptions:
+    """How a model's MoE layers compute (static, hashable: part of the jitted model).
+
+    strategy: "auto" (`moe_strategy` from the token count and `platform`), or one of "dense", "gather",
+    "grouped" for every call. grouped_kernel: "jnp" (lax.map over tiles) or "pallas"
+    (pallas_kernels.grouped_matmul, for a GPU). platform: the device platform "auto" decides for; None = JAX's
+    default backend when traced (engines pass their device's platform)."""
+
+    strategy: str = "auto"
+    grouped_kernel: str = "jnp"
+    platform: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in MOE_STRATEGIES:
+            raise ValueError(f"MoE strategy={self.strategy!r}; use one of {', '.join(MOE_STRATEGIES)}")
+        if self.grouped_kernel not in GROUPED_KERNELS:
+            raise ValueError(f"grouped_kernel={self.grouped_kernel!r}; use one of {', '.join(GROUPED_KERNELS)}")
+
+    def resolve(self, num_tokens: int, top_k: int, num_experts: int) -> str:
+        if self.strategy != "auto":
+            return self.strategy
+        platform = self.platform or jax.default_backend()
+        return moe_strategy(num_tokens, top_k, num_experts, "gpu" if platform in GPU_PLATFORMS else platform)
+
+
+def grouped_tile_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per tile of the grouped strategy: the power of two nearest above the mean rows per expert,
+    between 16 (the GPU kernel's smallest dot) and 128."""
+    mean = -(-num_pairs // num_experts)
+    return min(128, max(16, 1 << max(0, (mean - 1).bit_length())))
+
+
+def grouped_layout(
+    idx: Int[Array, "n k"], num_experts: int, tile_m: int
+) -> tuple[Int[Array, " R"], Int[Array, " nk"], Int[Array, " tiles"]]:
+    """The (token, pick) pairs sorted by expert, each expert's run padded to whole tiles of `tile_m` rows.
+
+    Returns (pair_of_row [R]: flat pair index n*k + j held by each padded row, -1 for padding;
+    row_of_pair [n*k]: the row each pair landed in; tile_group [tiles]: each tile's expert, -1 for the unused
+    tiles at the end). R = tiles * tile_m with tiles = ceil(n*k / tile_m) + min(E, n*k): every picked expert
+    adds at most one partial tile, so the static size always fits."""
+    n, k = idx.shape
+    pairs = n * k
+    tiles = -(-pairs // tile_m) + min(num_experts, pairs)
+    flat = idx.reshape(pairs).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True)  # [nk] pairs by expert, ties in pair order
+    counts = jnp.bincount(flat, length=num_experts)  # [E]
+    padded = -(-counts // tile_m) * tile_m  # [E] rows of each expert's run
+    padded_end = jnp.cumsum(padded)  # [E]
+    sorted_e = flat[order]  # [nk]
+    rank = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[sorted_e]  # place in its run
+    dest = (padded_end - padded)[sorted_e] + rank  # [nk] padded row of the i-th sorted pair
+    pair_of_row = jnp.full((tiles * tile_m,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    row_of_pair = jnp.zeros((pairs,), jnp.int32).at[order].set(dest.astype(jnp.int32))
+    start = jnp.arange(tiles, dtype=jnp.int32) * tile_m  # [tiles]
+    group = jnp.searchsorted(padded_end, start, side="right").astype(jnp.int32)
+    tile_group = jnp.where(start < padded_end[-1], group, -1)
+    return pair_of_row, row_of_pair, tile_group
 
 
 def experts_ffn(
     x: Float[Array, "n d"], idx: Int[Array, "n k"], weight: Float[Array, "n k"],
     gate_up: Float[Array, "d E 2f"], down: Float[Array, "E f d"], strategy: str | None = None,
-    precision: jax.lax.Precision | None = None,
+    precision: jax.lax.Precision | None = None, grouped_kernel: str = "jnp",
 ) -> Float[Array, "n d"]:
-    """sum_j weight[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n)) with e = idx[n, j] (see the module docstring)."""
+    """sum_j weight[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n)) with e = idx[n, j] (see the module docstring).
+    `grouped_kernel`: "jnp" (lax.map over tiles) or "pallas" (pallas_kernels.grouped_matmul) for "grouped"."""
     n, k = idx.shape
     num_experts, f = down.shape[0], down.shape[1]
     strategy = strategy or moe_strategy(n, k, num_experts)
@@ -72,7 +151,25 @@ def experts_ffn(
         h = jnp.einsum("nd,dnkf->nkf", x, jnp.take(gate_up, idx, axis=1), precision=precision)  # [n, k, 2f]
         act = nn.silu(h[..., :f]) * h[..., f:]  # [n, k, f]
         return jnp.einsum("nkf,nkfd->nd", act * weight[..., None], down[idx], precision=precision)
-    raise ValueError(f"strategy={strategy!r} must be 'dense', 'gather' or None (chosen from the token count)")
+    if strategy == "grouped":
+        if grouped_kernel not in GROUPED_KERNELS:
+            raise ValueError(f"grouped_kernel={grouped_kernel!r}; use one of {', '.join(GROUPED_KERNELS)}")
+        tile_m = grouped_tile_m(n * k, num_experts)
+        pair_of_row, row_of_pair, tile_group = grouped_layout(idx, num_experts, tile_m)
+        valid = pair_of_row >= 0  # [R]
+        safe = jnp.maximum(pair_of_row, 0)
+        rows = jnp.where(valid[:, None], x[safe // k], 0).astype(x.dtype)  # [R, d] each pair's token
+        row_w = jnp.where(valid, weight.reshape(n * k)[safe], 0).astype(x.dtype)  # [R]
+        if grouped_kernel == "pallas":
+            mm = functools.partial(grouped_matmul, tile_m=tile_m)
+        else:
+            mm = functools.partial(grouped_matmul_reference, tile_m=tile_m)
+        h = mm(rows, gate_up, tile_group, expert_axis=1)  # [R, 2f]
+        act = (nn.silu(h[:, :f]) * h[:, f:] * row_w[:, None]).astype(x.dtype)  # [R, f]
+        y = mm(act, down, tile_group, expert_axis=0)  # [R, d]
+        return jnp.sum(y[row_of_pair].reshape(n, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
+    raise ValueError(f"strategy={strategy!r} must be 'dense', 'gather', 'grouped' or None (chosen from the "
+                     "token count)")
 
 
 def moe_ffn_reference(
@@ -102,6 +199,7 @@ class MoEFeedForward(nn.Module):
     normalize: bool
     dtype: Any = jnp.float32
     precision: jax.lax.Precision | None = None
+    options: MoEOptions = MoEOptions()
 
     @nn.compact
     def __call__(self, h: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
@@ -112,4 +210,6 @@ class MoEFeedForward(nn.Module):
         down = self.param("down", init, (self.num_experts, self.width, d), self.dtype)
         x = h.reshape(b * t, d)
         idx, weight = route(x, router, self.top_k, self.normalize, self.precision)
-        return experts_ffn(x, idx, weight, gate_up, down, precision=self.precision).reshape(b, t, d)
+        strategy = self.options.resolve(b * t, self.top_k, self.num_experts)
+        return experts_ffn(x, idx, weight, gate_up, down, strategy, self.precision,
+                           self.options.grouped_kernel).reshape(b, t, d)

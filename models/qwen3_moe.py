@@ -5,15 +5,17 @@ from __future__ import annotations
 from jaxtyping import Array, Float
 
 from models.llama import matmul_precision
-from models.moe import MoEFeedForward
+from models.moe import MoEFeedForward, MoEOptions
 from models.qwen3 import Qwen3DecoderLayer
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    moe_options: MoEOptions = MoEOptions()  # how the experts compute (models/moe.py)
+
     def setup_mlp(self) -> None:
         c = self.cfg
         self.moe = MoEFeedForward(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
-                                  self.dtype, matmul_precision(self.dtype))
+                                  self.dtype, matmul_precision(self.dtype), self.moe_options)
 
     def mlp(self, h: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
         return self.moe(h)

@@ -20,6 +20,7 @@ from jaxtyping import Array, Float, Int
 
 from models.config import ModelConfig
 from models.llama import AttendFn, DecoderLayer, Embedder
+from models.moe import MoEOptions
 from models.qwen3 import Qwen3DecoderLayer
 from models.qwen3_moe import Qwen3MoeDecoderLayer
 from models.rope import rope_tables
@@ -75,11 +76,13 @@ class Transformer:
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
+    moe: MoEOptions = MoEOptions()  # how mixture-of-experts layers compute (ignored by dense models)
 
     @property
     def layer_module(self) -> DecoderLayer:
-        cls = Qwen3MoeDecoderLayer if self.cfg.is_moe else Qwen3DecoderLayer if self.cfg.qk_norm else DecoderLayer
-        return cls(self.cfg, self.dtype)
+        if self.cfg.is_moe:
+            return Qwen3MoeDecoderLayer(self.cfg, self.dtype, moe_options=self.moe)
+        return (Qwen3DecoderLayer if self.cfg.qk_norm else DecoderLayer)(self.cfg, self.dtype)
 
     @property
     def embedder(self) -> Embedder:

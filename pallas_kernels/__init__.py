@@ -1,2 +1,3 @@
-"""Pallas kernels (sparse paged decode attention, block scoring/top-k, gather/scatter), each beside its jnp
-reference. The dense engine currently runs the jnp attention in `pulseinfer_jax.attention`."""
+"""Pallas kernels (sparse paged decode attention, block scoring/top-k, gather/scatter, MoE grouped matmul), each
+beside its jnp reference. Engines pick the Pallas or jnp version per platform (EngineConfig.decode_attention,
+EngineConfig.moe_strategy)."""

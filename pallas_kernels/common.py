@@ -28,3 +28,11 @@ def triton_params(num_warps: int = 4, num_stages: int = 2) -> plt.CompilerParams
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two that divides n and is <= cap."""
+    t = n & -n
+    while t > cap:
+        t //= 2
+    return max(t, 1)

@@ -39,17 +39,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Int, Shaped
 
-from pallas_kernels.common import resolve_interpret, triton_params
+from pallas_kernels.common import pow2_divisor, resolve_interpret, triton_params
 
 DEFAULT_MAX_TILE = 8192  # elements per program (16 KiB in bf16)
 
-
-def _pow2_divisor(n: int, cap: int) -> int:
-    """Largest power of two that divides n and is <= cap."""
-    t = n & -n
-    while t > cap:
-        t //= 2
-    return max(t, 1)
 
 
 def _check_pool(name: str, pool: Array) -> None:
@@ -137,8 +130,8 @@ def _full_spec(shape: tuple[int, ...]) -> pl.BlockSpec:
 
 
 def _heads_tiles(two_bs: int, hd: int, max_tile: int) -> tuple[int, int]:
-    cols = _pow2_divisor(hd, max_tile)
-    rows = _pow2_divisor(two_bs, max(1, max_tile // cols))
+    cols = pow2_divisor(hd, max_tile)
+    rows = pow2_divisor(two_bs, max(1, max_tile // cols))
     return rows, cols
 
 
@@ -160,7 +153,7 @@ def gather_blocks(
     if n == 0:
         return jnp.zeros((0, 2, bs, hkv, hd), pool.dtype)
     f = 2 * bs * hkv * hd
-    tile = _pow2_divisor(f, max_tile)
+    tile = pow2_divisor(f, max_tile)
     out = pl.pallas_call(
         functools.partial(_gather_blocks_kernel, tile=tile),
         grid=(n, f // tile),
@@ -194,7 +187,7 @@ def scatter_blocks(
     if n == 0:
         return cache
     f = 2 * bs * hkv * hd
-    tile = _pow2_divisor(f, max_tile)
+    tile = pow2_divisor(f, max_tile)
     out = pl.pallas_call(
         functools.partial(_scatter_blocks_kernel, tile=tile),
         grid=(n, f // tile),

@@ -60,6 +60,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="groups two-level scoring keeps, in middle budgets' worth of blocks (default: the engine's)")
     o.add_argument("--host-io", default="auto",
                    help="auto | xla (pinned host pool) | numpy (pageable, the fallback); default auto")
+    o.add_argument("--moe-strategy", default="auto",
+                   help="mixture-of-experts layers: auto | dense | gather | grouped | grouped-pallas (GPU kernel); "
+                        "default auto (grouped on CPU, dense/gather by token count on a GPU)")
 
 
 def engine_config(args: argparse.Namespace, **extra):
@@ -69,6 +72,7 @@ def engine_config(args: argparse.Namespace, **extra):
     return EngineConfig(block_size=args.block_size, mode=args.mode, budget_tokens=args.budget_tokens,
                         selection=args.selection, io=args.io, recall=args.recall, gpu_kv_budget=args.gpu_kv_budget,
                         host_kv_tokens=args.host_kv_tokens, dense_layers=args.dense_layers, host_io=args.host_io,
+                        moe_strategy=args.moe_strategy,
                         score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks,
                         score_kept_blocks=args.score_kept_blocks, score_coarse_group=args.score_coarse_group,
                         **({} if args.score_coarse_keep is None else {"score_coarse_keep": args.score_coarse_keep}),

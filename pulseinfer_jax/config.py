@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from models.moe import MoEOptions
 from pulseinfer_jax.sparse import BlockScoring
 
 MODES = ("dense", "offload", "auto")
@@ -16,6 +17,7 @@ CHOICES = {
     "offload_placement": ("host", "device"),
     "host_io": ("auto", "xla", "numpy"),
     "layer_loop": ("auto", "scan", "layerwise"),
+    "moe_strategy": ("auto", "dense", "gather", "grouped", "grouped-pallas"),
 }
 
 
@@ -95,6 +97,12 @@ class EngineConfig:
     # layer only, LoadedModel.unstack, and prefills layer-wise too); "auto" = layerwise on a GPU (dense and
     # offloaded requests then read weights the same way), scan elsewhere (XLA:CPU: fewer dispatches)
     layer_loop: str = "auto"
+    # mixture-of-experts layers (models/moe.py): "dense" = every expert on every token; "gather" = the picked
+    # experts' weights gathered per token; "grouped" = (token, expert) pairs sorted into per-expert row tiles,
+    # jnp tile loop; "grouped-pallas" = the same tiles through pallas_kernels/grouped_matmul.py (GPU);
+    # "auto" = grouped on CPU (fastest at every token count measured), dense / gather by token count on a GPU
+    # until the grouped paths are timed there (bench/moe_ffn.py)
+    moe_strategy: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch", "prefill_chunk", "key_chunk"):
@@ -182,6 +190,13 @@ def weights_layout(choice: str, platform: str) -> str:
     """How `models.loading.load_model` should lay out the layer weights for an engine with this layer loop: one
     pytree per layer for a layer-wise engine (loaded that way, never stacked), stacked for a scan."""
     return "layers" if resolve_layer_loop(choice, platform) == "layerwise" else "stacked"
+
+
+def moe_options(choice: str, platform: str) -> MoEOptions:
+    """The MoE options (models/moe.py) an engine on `platform` runs for the configured `moe_strategy`."""
+    if choice == "grouped-pallas":
+        return MoEOptions("grouped", "pallas", platform)
+    return MoEOptions(choice, "jnp", platform)
 
 
 def resolve_decode_attention(choice: str, platform: str) -> str:

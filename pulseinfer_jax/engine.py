@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.loading import LoadedModel
-from pulseinfer_jax.config import EngineConfig, resolve_decode_attention, resolve_layer_loop
+from pulseinfer_jax.config import EngineConfig, moe_options, resolve_decode_attention, resolve_layer_loop
 from pulseinfer_jax.ioaa import IOAAConfig
 from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for, bucket
 from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
@@ -56,6 +56,9 @@ class Engine:
         self.steps = 0  # engine steps taken in the current run
         self.decode_attention = resolve_decode_attention(config.decode_attention, self.device.platform)
         self.layer_loop = resolve_layer_loop(config.layer_loop, "gpu" if self.on_gpu else self.device.platform)
+        # the jitted model: the loaded one with this engine's MoE options (how expert layers compute on its device)
+        self.transformer = dataclasses.replace(model.transformer, moe=moe_options(
+            config.moe_strategy, "gpu" if self.on_gpu else self.device.platform))
         if self.layer_loop == "layerwise":
             model.unstack()  # every step reads per-layer weights: keep only those (no stacked second copy)
         self._layer_ids: list[jax.Array] | None = None
@@ -178,7 +181,7 @@ class Engine:
                               solohead=cfg.solohead, scoring=scoring, retrieval_heads=cfg.retrieval_heads)
         if self.sparse is None or self.sparse.plan != plan or self.sparse.nb != num_blocks:
             cls = self.decoder_class or SparseDecoder
-            self.sparse = cls(self.model.transformer, self.model.params, plan, pcfg, self.host_pool, num_blocks,
+            self.sparse = cls(self.transformer, self.model.params, plan, pcfg, self.host_pool, num_blocks,
                               self.device, split_weights=lambda: self.layer_params, max_requests=cfg.max_batch)
 
     def _resolve_sparse_kernels(self) -> tuple[str, BlockScoring]:
@@ -316,10 +319,10 @@ class Engine:
         args = (self.kv, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n), jnp.asarray(table))
         key_chunk = min(cfg.key_chunk, size)
         if self.layer_loop == "layerwise":
-            self.kv, logits = prefill_step_layerwise(self.model.transformer, self.model.params, self.layer_params,
+            self.kv, logits = prefill_step_layerwise(self.transformer, self.model.params, self.layer_params,
                                                      self.layer_ids, *args, key_chunk=key_chunk)
         else:
-            self.kv, logits = prefill_step(self.model.transformer, self.model.stacked_params, *args,
+            self.kv, logits = prefill_step(self.transformer, self.model.stacked_params, *args,
                                            key_chunk=key_chunk)
         return n, logits
 
@@ -385,8 +388,8 @@ class Engine:
     def _run_decode(self, attention: str, *args: jax.Array) -> tuple[jax.Array, jax.Array]:
         model = self.model
         if self.layer_loop == "scan":
-            return decode_step(model.transformer, model.stacked_params, self.kv, *args, attention=attention)
-        return decode_step_layerwise(model.transformer, model.params, self.layer_params, self.layer_ids, self.kv,
+            return decode_step(self.transformer, model.stacked_params, self.kv, *args, attention=attention)
+        return decode_step_layerwise(self.transformer, model.params, self.layer_params, self.layer_ids, self.kv,
                                      *args, attention=attention)
 
     # ---- postprocess ---------------------------------------------------------------------------

@@ -326,7 +326,7 @@ def test_host_overhead_breakdown_times_the_wrapped_calls_and_restores_them():
     assert rows["HostKVPool.gather_blocks"]["cpu_ms_per_step"] >= rows["HostKVPool.stage_blocks"]["cpu_ms_per_step"]
 
 
-def test_moe_ffn_bench_times_both_strategies(tmp_path, monkeypatch):
+def test_moe_ffn_bench_times_every_strategy(tmp_path, monkeypatch):
     import json
     import sys
 
@@ -338,10 +338,14 @@ def test_moe_ffn_bench_times_both_strategies(tmp_path, monkeypatch):
     r = json.loads((tmp_path / "moe_ffn_cpu.json").read_text())
     assert [row["tokens"] for row in r["rows"]] == [1, 4] and r["experts"] == 8 and r["top_k"] == 2
     for row in r["rows"]:
-        assert row["dense_ms"] > 0 and row["gather_ms"] > 0 and row["faster"] in ("dense", "gather")
+        assert row["dense_ms"] > 0 and row["gather_ms"] > 0 and row["grouped_ms"] > 0
+        assert "grouped-pallas_ms" not in row  # the GPU kernel only on a GPU (interpret mode would time nothing)
+        assert row["faster"] in ("dense", "gather", "grouped")
         expert = 3 * 64 * 32 * 4  # gate, up, down of one expert: hidden 64, width 32, float32
         assert row["dense_weight_bytes"] == 8 * expert and row["gather_weight_bytes"] == row["tokens"] * 2 * expert
-        assert row["auto"] == "dense"  # 4 * n * k >= E already at one token
+        tiles = 1 + min(8, row["tokens"] * 2)  # 16-row tiles: one full-size bound + one partial per picked expert
+        assert row["grouped_tile_m"] == 16 and row["grouped_weight_bytes"] == tiles * expert
+        assert row["auto"] == "grouped"  # on CPU at every token count
     monkeypatch.setattr(sys, "argv", ["moe_ffn.py", "--model", "tiny-llama"])
     with pytest.raises(SystemExit):
         moe_ffn.main()

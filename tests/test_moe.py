@@ -1,5 +1,6 @@
-"""Mixture of experts (Qwen3-MoE): routing, both expert strategies against the plain loop, checkpoint layouts and
-configs. Logit / greedy parity with Hugging Face is in test_hf_parity (the `qwen3_moe` tiny golden)."""
+"""Mixture of experts (Qwen3-MoE): routing, every expert strategy against the plain loop, the grouped layout,
+checkpoint layouts and configs. Logit / greedy parity with Hugging Face is in test_hf_parity (the `qwen3_moe`
+tiny golden)."""
 
 import json
 import shutil
@@ -13,7 +14,7 @@ from conftest import TINY
 
 from models.config import ModelConfig, UnsupportedModelError
 from models.loading import load_model
-from models.moe import experts_ffn, moe_ffn_reference, moe_strategy, route
+from models.moe import MoEOptions, experts_ffn, grouped_layout, grouped_tile_m, moe_ffn_reference, moe_strategy, route
 from models.presets import PRESETS
 from models.safetensors_dir import SafetensorsDir
 from models.weights import params_from_hf
@@ -31,23 +32,85 @@ def _weights(seed, d=32, e=8, f=16, dtype=jnp.float32):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("n", [1, 3, 4, 16])
 @pytest.mark.parametrize("normalize", [True, False])
-def test_both_strategies_equal_the_expert_loop(dtype, n, normalize):
-    """dense (every expert, unpicked weighted 0) and gather (only the picked experts) give the loop's sum, fresh
-    random inputs per case."""
+def test_every_strategy_equals_the_expert_loop(dtype, n, normalize):
+    """dense (every expert, unpicked weighted 0), gather (only the picked experts) and grouped (pairs sorted into
+    per-expert tiles; jnp tile loop and the Pallas kernel in interpret mode) give the loop's sum, fresh random
+    inputs per case."""
     router, gate_up, down = _weights(n + 10 * normalize, dtype=dtype)
     x = jnp.asarray(np.random.default_rng(n).normal(0, 1, (n, 32)), dtype)
     want = np.asarray(moe_ffn_reference(x, router, gate_up, down, 2, normalize))
     hi = jax.lax.Precision.HIGHEST
     idx, w = route(x, router, 2, normalize, hi)
-    for strategy in ("dense", "gather", None):
-        got = np.asarray(experts_ffn(x, idx, w, gate_up, down, strategy, hi), np.float32)
+    for strategy, kernel in (("dense", "jnp"), ("gather", "jnp"), ("grouped", "jnp"), ("grouped", "pallas"),
+                             (None, "jnp")):
+        got = np.asarray(experts_ffn(x, idx, w, gate_up, down, strategy, hi, kernel), np.float32)
         assert got.shape == (n, 32)
         err = np.abs(got - want).max() / max(1.0, np.abs(want).max())
-        assert err <= TOL[dtype], (strategy, err)
+        assert err <= TOL[dtype], (strategy, kernel, err)
 
-def test_strategy_switches_at_a_quarter_of_the_experts():
-    assert [moe_strategy(n, 8, 128) for n in (1, 2, 3, 4, 64)] == ["gather"] * 3 + ["dense"] * 2
-    assert moe_strategy(1, 2, 8) == "dense" and moe_strategy(1, 1, 8) == "gather"
+
+def test_strategy_by_platform_and_token_count():
+    """CPU: grouped at every count (bench/moe_ffn.py); GPU: gather below a quarter of the experts, else dense."""
+    assert {moe_strategy(n, 8, 128, "cpu") for n in (1, 4, 64, 4096)} == {"grouped"}
+    assert [moe_strategy(n, 8, 128, "gpu") for n in (1, 2, 3, 4, 64)] == ["gather"] * 3 + ["dense"] * 2
+    assert moe_strategy(1, 2, 8, "gpu") == "dense" and moe_strategy(1, 1, 8, "gpu") == "gather"
+    assert MoEOptions(platform="cuda").resolve(64, 8, 128) == "dense"
+    assert MoEOptions(platform="cpu").resolve(64, 8, 128) == "grouped"
+    assert MoEOptions("gather", platform="cpu").resolve(64, 8, 128) == "gather"
+    with pytest.raises(ValueError, match="MoE strategy='sorted'"):
+        MoEOptions("sorted")
+    with pytest.raises(ValueError, match="grouped_kernel='cuda'"):
+        MoEOptions("grouped", "cuda")
+
+
+@pytest.mark.parametrize("n,k,e,kind", [(1, 2, 8, "random"), (37, 3, 8, "random"), (40, 2, 8, "one expert"),
+                                        (4, 2, 8, "every expert once"), (64, 2, 8, "whole tiles"),
+                                        (300, 8, 128, "random")])
+def test_grouped_layout_places_every_pair_once_in_its_experts_tiles(n, k, e, kind):
+    r = np.random.default_rng(n * k + e)
+    if kind == "one expert":
+        idx = np.full((n, k), 5)
+    elif kind == "every expert once":
+        idx = r.permutation(e).reshape(n, k)
+    elif kind == "whole tiles":
+        idx = np.repeat(np.arange(e), n * k // e).reshape(n, k)  # 16 pairs per expert: exactly one tile each
+    else:
+        idx = np.stack([r.choice(e, k, replace=False) for _ in range(n)])
+    tile_m = grouped_tile_m(n * k, e)
+    pair_of_row, row_of_pair, tile_group = (np.asarray(a) for a in grouped_layout(jnp.asarray(idx), e, tile_m))
+    flat = idx.reshape(-1)
+    assert pair_of_row.size == tile_group.size * tile_m
+    assert tile_group.size == -(-n * k // tile_m) + min(e, n * k)  # the static bound
+    assert np.array_equal(pair_of_row[row_of_pair], np.arange(n * k))  # each pair sits in the row it names
+    assert sorted(pair_of_row[pair_of_row >= 0]) == list(range(n * k))  # every pair exactly once
+    row_tile = np.arange(pair_of_row.size) // tile_m
+    assert np.array_equal(flat[pair_of_row[pair_of_row >= 0]], tile_group[row_tile[pair_of_row >= 0]])
+    used = tile_group[tile_group >= 0]
+    assert np.array_equal(used, np.sort(used)) and (tile_group[used.size:] == -1).all()  # by expert, unused last
+    counts = np.bincount(flat, minlength=e)
+    assert used.size == (-(-counts // tile_m)).sum()  # no empty tile inside an expert's run
+    if kind == "whole tiles":
+        assert (pair_of_row[: n * k] >= 0).all()  # no padding when every run fills whole tiles
+
+
+def test_engine_moe_strategies_generate_the_same_tokens():
+    """EngineConfig(moe_strategy=...) reaches the model's expert layers; every strategy generates the same greedy
+    tokens on the tiny Qwen3-MoE (prefill: 20 tokens at once, decode: 1 at a time)."""
+    from pulseinfer_jax import EngineConfig, generate_long
+    from pulseinfer_jax.engine import Engine
+
+    model = load_model(TINY / "qwen3_moe")
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, model.cfg.vocab_size, 20)]
+    outs = {}
+    for strategy in ("auto", "dense", "gather", "grouped", "grouped-pallas"):
+        eng = Engine(model, EngineConfig(moe_strategy=strategy, progress=False))
+        assert eng.transformer.moe.strategy == ("grouped" if strategy == "grouped-pallas" else strategy)
+        assert eng.transformer.moe.grouped_kernel == ("pallas" if strategy == "grouped-pallas" else "jnp")
+        outs[strategy] = generate_long([prompt], eng, max_new_tokens=6, ignore_eos=True,
+                                       engine_config=eng.config)[0].token_ids
+    assert len(set(map(tuple, outs.values()))) == 1, outs
+    with pytest.raises(ValueError, match="moe_strategy='sorted'"):
+        EngineConfig(moe_strategy="sorted")
 
 
 def test_route_is_softmax_top_k_with_ties_to_the_lower_expert():
