@@ -52,7 +52,18 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any, sou
         return arr
 
     def put(arr: np.ndarray) -> jax.Array:
-        return jax.device_put(arr.astype(np_dtype), device)
+        return jax.device_put(arr.astype(np_dtype, copy=False), device)
+
+    def stacked(host: Callable[[int], np.ndarray]) -> np.ndarray:
+        """[L, ...] in the model dtype, filled layer by layer: the host holds the stacked array plus one layer in
+        the checkpoint's dtype (np.stack + astype would hold it twice, 2x a 30B model's experts for a GGUF's
+        float32 dequantisation)."""
+        first = host(0)
+        out = np.empty((cfg.num_layers, *first.shape), np_dtype)
+        out[0] = first
+        for i in range(1, cfg.num_layers):
+            out[i] = host(i)
+        return out
 
     shapes = _expected_shapes(cfg)
     norms = dict(_LAYER_NORMS)
@@ -86,7 +97,7 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any, sou
     else:  # one tensor kind at a time over all layers: the host holds one stacked weight, not the whole model
         layers = {}
         for ours, leaf, host in specs:
-            layers.setdefault(ours, {})[leaf] = put(np.stack([host(i) for i in range(cfg.num_layers)]))
+            layers.setdefault(ours, {})[leaf] = put(stacked(host))
 
     v, d = cfg.vocab_size, cfg.hidden_size
     emb = {"embed": {"embedding": put(get("model.embed_tokens.weight", (v, d)))},
