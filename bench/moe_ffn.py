@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.moe import experts_ffn, grouped_tile_m, moe_strategy, route
+from models.moe import MoEOptions, experts_ffn, grouped_tile_m, route
 from models.presets import PRESETS
 
 STRATEGIES = ("dense", "gather", "grouped", "grouped-pallas")
@@ -67,7 +67,7 @@ def main() -> int:
         idx, w = route(x, router, k, cfg.norm_topk_prob)
         distinct = int(np.unique(np.asarray(idx)).size)
         tile_m = grouped_tile_m(n * k, e)
-        row = {"tokens": n, "picked_pairs": n * k, "distinct_experts": distinct, "auto": moe_strategy(n, k, e),
+        row = {"tokens": n, "picked_pairs": n * k, "distinct_experts": distinct, "auto": MoEOptions().resolve(n, k, e),
                "grouped_tile_m": tile_m}
         scratch = {"dense": n * e * 3 * f, "gather": n * k * 3 * d * f}  # elements of the biggest temporaries
         tiles = -(-n * k // tile_m) + min(e, n * k)

@@ -62,10 +62,12 @@ def route(
     return idx, weight.astype(x.dtype)
 
 
-def moe_strategy(num_tokens: int, top_k: int, num_experts: int, platform: str = "cpu") -> str:
+def moe_strategy(num_tokens: int, top_k: int, num_experts: int, platform: str) -> str:
     """The measured choice (module docstring): "grouped" on CPU at every token count; on a GPU, until the
     grouped paths are timed there, "dense" once the tokens pick a quarter as many (token, expert) pairs as
     there are experts, else "gather"."""
+    if platform not in ("cpu", "gpu"):
+        raise ValueError(f"platform={platform!r} must be 'cpu' or 'gpu'")
     if platform == "cpu":
         return "grouped"
     return "dense" if 4 * num_tokens * top_k >= num_experts else "gather"
@@ -94,7 +96,7 @@ class MoEOptions:
         if self.strategy != "auto":
             return self.strategy
         platform = self.platform or jax.default_backend()
-        return moe_strategy(num_tokens, top_k, num_experts, "gpu" if platform in GPU_PLATFORMS else platform)
+        return moe_strategy(num_tokens, top_k, num_experts, "gpu" if platform in GPU_PLATFORMS else "cpu")
 
 
 def grouped_tile_m(num_pairs: int, num_experts: int) -> int:
@@ -141,7 +143,7 @@ def experts_ffn(
     `grouped_kernel`: "jnp" (lax.map over tiles) or "pallas" (pallas_kernels.grouped_matmul) for "grouped"."""
     n, k = idx.shape
     num_experts, f = down.shape[0], down.shape[1]
-    strategy = strategy or moe_strategy(n, k, num_experts)
+    strategy = strategy or MoEOptions().resolve(n, k, num_experts)
     if strategy == "dense":
         h = jnp.einsum("nd,def->nef", x, gate_up, precision=precision)  # [n, E, 2f]
         act = nn.silu(h[..., :f]) * h[..., f:]  # [n, E, f]

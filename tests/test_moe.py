@@ -54,6 +54,8 @@ def test_strategy_by_platform_and_token_count():
     assert {moe_strategy(n, 8, 128, "cpu") for n in (1, 4, 64, 4096)} == {"grouped"}
     assert [moe_strategy(n, 8, 128, "gpu") for n in (1, 2, 3, 4, 64)] == ["gather"] * 3 + ["dense"] * 2
     assert moe_strategy(1, 2, 8, "gpu") == "dense" and moe_strategy(1, 1, 8, "gpu") == "gather"
+    with pytest.raises(ValueError, match="platform='tpu'"):
+        moe_strategy(1, 2, 8, "tpu")
     assert MoEOptions(platform="cuda").resolve(64, 8, 128) == "dense"
     assert MoEOptions(platform="cpu").resolve(64, 8, 128) == "grouped"
     assert MoEOptions("gather", platform="cpu").resolve(64, 8, 128) == "gather"
