@@ -99,6 +99,20 @@ class MoEOptions:
         return moe_strategy(num_tokens, top_k, num_experts, "gpu" if platform in GPU_PLATFORMS else "cpu")
 
 
+def probe_grouped_kernel(device: jax.Device, dtype: Any) -> str | None:
+    """Compile and run the grouped-GEMM Pallas kernel once on tiny shapes in `dtype`, both weight layouts, on
+    `device`; None if fine, else the error text (engines fall back to the jnp tile loop on it)."""
+    try:
+        with jax.default_device(device):
+            x = jnp.ones((32, 64), dtype)
+            tiles = jnp.array([1, -1], jnp.int32)
+            for axis, shape in ((0, (2, 64, 32)), (1, (64, 2, 32))):
+                jax.block_until_ready(grouped_matmul(x, jnp.ones(shape, dtype), tiles, tile_m=16, expert_axis=axis))
+    except Exception as e:  # noqa: BLE001 - any lowering / compile error
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    return None
+
+
 def grouped_tile_m(num_pairs: int, num_experts: int) -> int:
     """Rows per tile of the grouped strategy: the power of two nearest above the mean rows per expert,
     between 16 (the GPU kernel's smallest dot) and 128."""

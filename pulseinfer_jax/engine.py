@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.loading import LoadedModel
+from models.moe import MoEOptions, probe_grouped_kernel
 from pulseinfer_jax.config import EngineConfig, moe_options, resolve_decode_attention, resolve_layer_loop
 from pulseinfer_jax.ioaa import IOAAConfig
 from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for, bucket
@@ -57,8 +58,7 @@ class Engine:
         self.decode_attention = resolve_decode_attention(config.decode_attention, self.device.platform)
         self.layer_loop = resolve_layer_loop(config.layer_loop, "gpu" if self.on_gpu else self.device.platform)
         # the jitted model: the loaded one with this engine's MoE options (how expert layers compute on its device)
-        self.transformer = dataclasses.replace(model.transformer, moe=moe_options(
-            config.moe_strategy, "gpu" if self.on_gpu else self.device.platform))
+        self.transformer = dataclasses.replace(model.transformer, moe=self._moe_options())
         if self.layer_loop == "layerwise":
             model.unstack()  # every step reads per-layer weights: keep only those (no stacked second copy)
         self._layer_ids: list[jax.Array] | None = None
@@ -72,6 +72,19 @@ class Engine:
         self.scoring: BlockScoring = config.scoring  # its block scoring (the bounds dtype may fall back on a GPU)
         self.h2d_bytes_per_s: float | None = config.h2d_bytes_per_s
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids if model.tokenizer else model.cfg.eos_token_ids)
+
+    def _moe_options(self) -> MoEOptions:
+        """config.moe_strategy for this device; "grouped-pallas" on a GPU first compiles the kernel once and falls
+        back to the jnp tile loop with a warning if that fails (off a GPU the kernel runs in interpret mode)."""
+        opts = moe_options(self.config.moe_strategy, "gpu" if self.on_gpu else self.device.platform)
+        if opts.grouped_kernel == "pallas" and self.model.cfg.is_moe and self.on_gpu:
+            err = probe_grouped_kernel(self.device, self.model.dtype)
+            if err is not None:
+                warnings.warn(f"the grouped-GEMM Pallas kernel failed on {self.device.device_kind} ({err}); the MoE "
+                              "layers run moe_strategy='grouped' with the jnp tile loop instead", RuntimeWarning,
+                              stacklevel=3)
+                opts = dataclasses.replace(opts, grouped_kernel="jnp")
+        return opts
 
     @property
     def on_gpu(self) -> bool:

@@ -230,3 +230,37 @@ def test_qwen3_moe_configs():
         ModelConfig.from_hf_dict(_moe_cfg(num_experts_per_tok=129))
     with pytest.raises(ValueError, match="lacks num_experts"):
         ModelConfig.from_hf_dict({k: v for k, v in _moe_cfg().items() if k != "moe_intermediate_size"})
+
+
+def test_grouped_pallas_is_probed_on_a_gpu_and_falls_back_to_jnp(monkeypatch):
+    """moe_strategy="grouped-pallas" on a GPU compiles the kernel once at engine start; if that fails the engine warns
+    and runs the jnp tile loop (emulated: on_gpu forced, probe scripted). Off a GPU, and for dense models, no probe."""
+    from models import moe
+    from pulseinfer_jax import EngineConfig
+    from pulseinfer_jax import engine as engine_mod
+    from pulseinfer_jax.engine import Engine
+
+    assert moe.probe_grouped_kernel(jax.devices()[0], jnp.float32) is None  # interpret mode here
+    monkeypatch.setattr(moe, "grouped_matmul", lambda *a, **k: (_ for _ in ()).throw(NotImplementedError("no")))
+    assert moe.probe_grouped_kernel(jax.devices()[0], jnp.float32) == "NotImplementedError: no"
+
+    calls = []
+
+    def probe(device, dtype, result=None):
+        calls.append(dtype)
+        return result
+
+    cfg = EngineConfig(moe_strategy="grouped-pallas", progress=False)
+    model = load_model(TINY / "qwen3_moe")
+    assert Engine(model, cfg).transformer.moe.grouped_kernel == "pallas" and calls == []  # CPU: not probed
+    monkeypatch.setattr(Engine, "on_gpu", property(lambda self: True))
+    monkeypatch.setattr(engine_mod, "probe_grouped_kernel", probe)
+    assert Engine(model, cfg).transformer.moe.grouped_kernel == "pallas" and calls == [model.dtype]
+    monkeypatch.setattr(engine_mod, "probe_grouped_kernel", lambda d, t: "NotImplementedError: Triton said no")
+    with pytest.warns(RuntimeWarning, match="Triton said no.*moe_strategy='grouped' with the jnp tile loop"):
+        eng = Engine(model, cfg)
+    assert eng.transformer.moe == MoEOptions("grouped", "jnp", "gpu")
+    calls.clear()
+    monkeypatch.setattr(engine_mod, "probe_grouped_kernel", probe)
+    Engine(load_model(TINY / "llama31"), cfg)  # a dense model has no expert layers to probe for
+    assert calls == []
