@@ -126,6 +126,7 @@ def _stats(r: Request, t_start: float, engine: Engine) -> dict[str, Any]:
         "mode": r.placement or "dense",
         "decode_attention": engine.decode_attention,
         "layer_loop": engine.layer_loop,
+        **({"moe_strategy": engine.moe_strategy} if engine.moe_strategy else {}),
         "offloaded": r.sparse is not None and engine.config.offload_placement == "host",
         **_io_stats(r, engine),
     }

@@ -87,6 +87,14 @@ class Engine:
         return opts
 
     @property
+    def moe_strategy(self) -> str | None:
+        """What the MoE layers run (EngineConfig.moe_strategy after any fallback); None for a model without experts."""
+        if not self.model.cfg.is_moe:
+            return None
+        moe = self.transformer.moe
+        return "grouped-pallas" if moe.strategy == "grouped" and moe.grouped_kernel == "pallas" else moe.strategy
+
+    @property
     def on_gpu(self) -> bool:
         from pallas_kernels.common import GPU_PLATFORMS
 

@@ -108,8 +108,9 @@ def test_engine_moe_strategies_generate_the_same_tokens():
         eng = Engine(model, EngineConfig(moe_strategy=strategy, progress=False))
         assert eng.transformer.moe.strategy == ("grouped" if strategy == "grouped-pallas" else strategy)
         assert eng.transformer.moe.grouped_kernel == ("pallas" if strategy == "grouped-pallas" else "jnp")
-        outs[strategy] = generate_long([prompt], eng, max_new_tokens=6, ignore_eos=True,
-                                       engine_config=eng.config)[0].token_ids
+        r = generate_long([prompt], eng, max_new_tokens=6, ignore_eos=True, engine_config=eng.config)[0]
+        assert r.stats["moe_strategy"] == strategy  # what ran (no fallback off a GPU)
+        outs[strategy] = r.token_ids
     assert len(set(map(tuple, outs.values()))) == 1, outs
     with pytest.raises(ValueError, match="moe_strategy='sorted'"):
         EngineConfig(moe_strategy="sorted")
@@ -259,8 +260,8 @@ def test_grouped_pallas_is_probed_on_a_gpu_and_falls_back_to_jnp(monkeypatch):
     monkeypatch.setattr(engine_mod, "probe_grouped_kernel", lambda d, t: "NotImplementedError: Triton said no")
     with pytest.warns(RuntimeWarning, match="Triton said no.*moe_strategy='grouped' with the jnp tile loop"):
         eng = Engine(model, cfg)
-    assert eng.transformer.moe == MoEOptions("grouped", "jnp", "gpu")
+    assert eng.transformer.moe == MoEOptions("grouped", "jnp", "gpu") and eng.moe_strategy == "grouped"
     calls.clear()
     monkeypatch.setattr(engine_mod, "probe_grouped_kernel", probe)
-    Engine(load_model(TINY / "llama31"), cfg)  # a dense model has no expert layers to probe for
-    assert calls == []
+    dense = Engine(load_model(TINY / "llama31"), cfg)  # a dense model has no expert layers to probe for
+    assert calls == [] and dense.moe_strategy is None
