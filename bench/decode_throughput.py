@@ -221,6 +221,7 @@ def run_point(model, system: str, prompt_len: int, batch: int, steps: int, warm:
         "gpu_kv_bytes_allocated": eng.spec.total_bytes + meta_bytes,
         "host_kv_bytes": eng.host_pool.total_bytes if eng.host_pool is not None else 0,
         "host_io": eng.host_io, "layer_loop": eng.layer_loop, "decode_attention": eng.decode_attention,
+        "moe_strategy": eng.moe_strategy,
         "h2d_gb_per_s_implied": io["h2d_bytes_per_step"] / p50 / 1e9,
         "compiles_in_timed_steps": compiled,
     }
@@ -331,6 +332,9 @@ def main() -> int:
     ap.add_argument("--layer-loop", default=None, choices=("auto", "scan", "layerwise"),
                     help="EngineConfig.layer_loop of every system but dense-scan (default: the engine's auto; "
                          "layerwise on CPU rehearses the GPU's path)")
+    ap.add_argument("--moe-strategy", default="auto",
+                    choices=("auto", "dense", "gather", "grouped", "grouped-pallas"),
+                    help="EngineConfig.moe_strategy of every system (mixture-of-experts models; default auto)")
     ap.add_argument("--smoke", action="store_true", help="tiny random model and sizes (CPU check of the script)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -364,7 +368,7 @@ def main() -> int:
     batches = [int(x) for x in args.batches.split(",")]
     base = dict(block_size=args.block_size, budget_tokens=args.budget_tokens, dense_layers=args.dense_layers,
                 max_batch=max(batches + [args.mix_requests]), gpu_kv_budget=args.gpu_kv_budget, progress=False,
-                prefill_chunk=max(512, args.block_size), host_io=args.host_io,
+                prefill_chunk=max(512, args.block_size), host_io=args.host_io, moe_strategy=args.moe_strategy,
                 **({} if args.layer_loop is None else {"layer_loop": args.layer_loop}))
     name = args.name or ("decode_throughput_smoke" if args.smoke else f"decode_throughput_{jax.devices()[0].platform}")
     meta = {"kind": "decode_throughput", "model": args.model, "dtype": args.dtype, "engine": base,

@@ -8,7 +8,8 @@
 #   3. a Mooncake-shaped mix (16 requests, prompts x 4, outputs <= 128) on Llama-3.1-8B;
 #   4. only with MOE_TIMEOUT=<seconds> set (it does not fit the 10 minutes with the rest): bench/moe_ffn.py (the
 #      expert strategies on the GPU, the grouped-GEMM Pallas kernel among them, <= 90 s), then random Qwen3-30B-A3B (128 experts, 8 per token;
-#      61 GB of bf16 weights) at 32K / 128K x 1, 4, 16 under a 40 GiB GPU KV budget.
+#      61 GB of bf16 weights) at 32K / 128K x 1, 4, 16 under a 40 GiB GPU KV budget, then at 32K again with
+#      moe_strategy grouped-pallas (the grouped-GEMM kernel in every expert layer).
 # All with a real model's selections replayed (bench/results/traces/smollm2_*_b2048.npz).
 #   bench/gpu_sweep.sh OUT_DIR [--smoke]
 set -uo pipefail
@@ -38,6 +39,8 @@ if [ "$MODE" = "--smoke" ]; then
     echo "moe_ffn exit $?"; tail -3 "$OUT/moe_ffn.log"
     step sweep_moe 300 --model random:tiny-qwen3-moe --dtype float32 --contexts 600 --batches 1,3 --steps 2 \
         --warm 1 --budget-tokens 128 --dense-layers 1 --gpu-kv-budget 2MiB --systems "$SYS"
+    step sweep_moe_grouped 300 --model random:tiny-qwen3-moe --dtype float32 --contexts 600 --batches 1 --steps 2 \
+        --warm 1 --budget-tokens 128 --dense-layers 1 --gpu-kv-budget 2MiB --systems "$SYS" --moe-strategy grouped-pallas
 else
     COMMON=(--dtype bfloat16 --budget-tokens 2048 --gpu-kv-budget 33GiB --replay smollm2 --steps 8 --warm 4
             --systems "$SYS")
@@ -55,6 +58,10 @@ else
         step sweep_moe "$MOE_TIMEOUT" --model random:qwen3-30b-a3b-128k --dtype bfloat16 --budget-tokens 2048 \
             --gpu-kv-budget 40GiB --replay smollm2 --steps 8 --warm 4 --systems "$SYS" \
             --contexts 32768,130816 --batches 1,4,16
+        # the same at 32K with the grouped-GEMM kernel in every expert layer (the engine probes it first)
+        step sweep_moe_grouped "$MOE_TIMEOUT" --model random:qwen3-30b-a3b-128k --dtype bfloat16 --budget-tokens 2048 \
+            --gpu-kv-budget 40GiB --replay smollm2 --steps 8 --warm 4 --systems "$SYS" \
+            --contexts 32768 --batches 1,4,16 --moe-strategy grouped-pallas
     else
         echo "== sweep_moe skipped (set MOE_TIMEOUT=<seconds> to run Qwen3-30B-A3B)"
     fi
