@@ -14,20 +14,21 @@ A strategy is skipped (null) where its scratch would pass --max-scratch-gb (gath
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import pathlib
-import platform
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from models.config import ModelConfig
-from models.moe import MoEOptions, experts_ffn, grouped_tile_m, route
-from models.presets import PRESETS
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.common import write_result  # noqa: E402
+from models.config import ModelConfig  # noqa: E402
+from models.moe import MoEOptions, experts_ffn, grouped_tile_m, grouped_tiles, route  # noqa: E402
+from models.presets import PRESETS  # noqa: E402
 
 STRATEGIES = ("dense", "gather", "grouped", "grouped-pallas")
 
@@ -70,7 +71,7 @@ def main() -> int:
         row = {"tokens": n, "picked_pairs": n * k, "distinct_experts": distinct, "auto": MoEOptions().resolve(n, k, e),
                "grouped_tile_m": tile_m}
         scratch = {"dense": n * e * 3 * f, "gather": n * k * 3 * d * f}  # elements of the biggest temporaries
-        tiles = -(-n * k // tile_m) + min(e, n * k)
+        tiles = grouped_tiles(n * k, e, tile_m)
         weight_reads = {"dense": e, "gather": n * k, "grouped": tiles, "grouped-pallas": tiles}  # expert slices
         for s, fn in calls.items():
             row[f"{s}_weight_bytes"] = weight_reads[s] * slice_bytes
@@ -93,16 +94,10 @@ def main() -> int:
     result = {
         "bench": "moe_ffn", "model": args.model, "dtype": args.dtype, "experts": e, "top_k": k,
         "hidden": d, "expert_width": f, "rows": rows, "device": str(jax.devices()[0].device_kind),
-        "platform": jax.devices()[0].platform, "host": platform.node(), "jax": jax.__version__,
-        "date": datetime.date.today().isoformat(),
-        "command": "python bench/moe_ffn.py " + " ".join(f"--{k_.replace('_', '-')} {v}" for k_, v in vars(args).items()
-                                                         if v is not None and k_ != "out"),
+        "platform": jax.devices()[0].platform, "jax": jax.__version__,
     }
     if args.out:
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"moe_ffn_{result['platform']}.json"
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        path = write_result(f"moe_ffn_{result['platform']}", result, args.out)
         print(f"wrote {path}")
     return 0
 

@@ -18,6 +18,7 @@ from jaxtyping import Array, Float
 
 from models.config import ModelConfig
 from models.rope import apply_rope
+from pallas_kernels.common import matmul_precision
 
 # attend(q [B,T,Hq,hd], k [B,T,Hkv,hd], v [B,T,Hkv,hd], state) -> (o [B,T,Hq,hd], state)
 AttendFn = Callable[[Array, Array, Array, Any], tuple[Array, Any]]
@@ -35,11 +36,6 @@ class RMSNorm(nn.Module):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return w * y.astype(x.dtype)
-
-
-def matmul_precision(dtype: Any) -> jax.lax.Precision | None:
-    """float32 models compute in true float32 (GPUs would otherwise use TF32); narrower dtypes use the default."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _dense(features: int, bias: bool, dtype: Any, name: str) -> nn.Dense:

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.common import GPU_PLATFORMS
+from pallas_kernels.common import GPU_PLATFORMS, next_pow2
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 
 GROUPED_KERNELS = ("jnp", "pallas")
@@ -116,8 +116,13 @@ def probe_grouped_kernel(device: jax.Device, dtype: Any) -> str | None:
 def grouped_tile_m(num_pairs: int, num_experts: int) -> int:
     """Rows per tile of the grouped strategy: the power of two nearest above the mean rows per expert,
     between 16 (the GPU kernel's smallest dot) and 128."""
-    mean = -(-num_pairs // num_experts)
-    return min(128, max(16, 1 << max(0, (mean - 1).bit_length())))
+    return min(128, max(16, next_pow2(-(-num_pairs // num_experts))))
+
+
+def grouped_tiles(num_pairs: int, num_experts: int, tile_m: int) -> int:
+    """The static tile count of `grouped_layout`: the pairs' whole tiles plus at most one partial tile per picked
+    expert."""
+    return -(-num_pairs // tile_m) + min(num_experts, num_pairs)
 
 
 def grouped_layout(
@@ -127,11 +132,11 @@ def grouped_layout(
 
     Returns (pair_of_row [R]: flat pair index n*k + j held by each padded row, -1 for padding;
     row_of_pair [n*k]: the row each pair landed in; tile_group [tiles]: each tile's expert, -1 for the unused
-    tiles at the end). R = tiles * tile_m with tiles = ceil(n*k / tile_m) + min(E, n*k): every picked expert
-    adds at most one partial tile, so the static size always fits."""
+    tiles at the end). R = tiles * tile_m with tiles = `grouped_tiles` = ceil(n*k / tile_m) + min(E, n*k): every
+    picked expert adds at most one partial tile, so the static size always fits."""
     n, k = idx.shape
     pairs = n * k
-    tiles = -(-pairs // tile_m) + min(num_experts, pairs)
+    tiles = grouped_tiles(pairs, num_experts, tile_m)
     flat = idx.reshape(pairs).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True)  # [nk] pairs by expert, ties in pair order
     counts = jnp.bincount(flat, length=num_experts)  # [E]

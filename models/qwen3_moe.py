@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from jaxtyping import Array, Float
 
-from models.llama import matmul_precision
 from models.moe import MoEFeedForward, MoEOptions
 from models.qwen3 import Qwen3DecoderLayer
+from pallas_kernels.common import matmul_precision
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):

@@ -9,6 +9,7 @@ as ordinary inputs (Triton has no scalar prefetch).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import triton as plt
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # platform names under which pallas_call lowers for a GPU
@@ -24,6 +25,11 @@ def resolve_interpret(interpret: bool | None) -> bool:
 def triton_params(num_warps: int = 4, num_stages: int = 2) -> plt.CompilerParams:
     """Explicit Triton compiler params (the Triton lowering does not guess them well for small tiles)."""
     return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def matmul_precision(dtype) -> jax.lax.Precision | None:
+    """float32 computes in true float32 (GPUs would otherwise use TF32); narrower dtypes use the default."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def next_pow2(n: int) -> int:

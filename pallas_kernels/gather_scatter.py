@@ -44,7 +44,6 @@ from pallas_kernels.common import pow2_divisor, resolve_interpret, triton_params
 DEFAULT_MAX_TILE = 8192  # elements per program (16 KiB in bf16)
 
 
-
 def _check_pool(name: str, pool: Array) -> None:
     if pool.ndim != 5 or pool.shape[1] != 2:
         raise ValueError(f"{name} must be [blocks, 2, block_size, num_kv_heads, head_dim], got shape {pool.shape}")

@@ -33,10 +33,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.common import pow2_divisor, resolve_interpret, triton_params
+from pallas_kernels.common import matmul_precision, pow2_divisor, resolve_interpret, triton_params
 
 MIN_DOT_DIM = 16  # Triton's tensor-core dots want every operand dim >= 16
-
 
 
 def _dims(x: Array, w: Array, tile_group: Array, tile_m: int, expert_axis: int) -> tuple[int, int, int, int]:
@@ -62,10 +61,6 @@ def _dims(x: Array, w: Array, tile_group: Array, tile_m: int, expert_axis: int) 
     if x.dtype != w.dtype:
         raise ValueError(f"x dtype {x.dtype} != W dtype {w.dtype}: cast one (the dots take one operand dtype)")
     return m // tile_m, k, n, g
-
-
-def _precision(dtype) -> jax.lax.Precision | None:
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _grouped_matmul_kernel(group_ref, x_ref, w_ref, out_ref, *, block_k: int, block_n: int, expert_axis: int,
@@ -124,7 +119,7 @@ def grouped_matmul(
     if num_tiles == 0:
         return jnp.zeros((0, n), x.dtype)
     kernel = functools.partial(_grouped_matmul_kernel, block_k=bk, block_n=bn, expert_axis=expert_axis,
-                               precision=_precision(x.dtype))
+                               precision=matmul_precision(x.dtype))
     return pl.pallas_call(
         kernel,
         grid=(num_tiles, n // bn),
@@ -153,7 +148,7 @@ def grouped_matmul_reference(
     """Plain-jnp twin of `grouped_matmul` (same contract): one `lax.map` step per tile, a tile of group g a
     [T, K] @ [K, N] dot with W[g] sliced in place, tiles outside [0, G) zeros without touching W."""
     num_tiles, k, n, num_groups = _dims(x, w, tile_group, tile_m, expert_axis)
-    precision = _precision(x.dtype)
+    precision = matmul_precision(x.dtype)
 
     def one(args: tuple[Array, Array]) -> Array:
         xt, g = args  # [T, K], scalar

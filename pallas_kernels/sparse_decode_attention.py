@@ -65,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.common import next_pow2, resolve_interpret, triton_params
+from pallas_kernels.common import matmul_precision, next_pow2, resolve_interpret, triton_params
 from pallas_kernels.merge import merge_stacked_partials
 
 MIN_DOT_DIM = 16  # Triton's tensor-core dots want every operand dim >= 16
@@ -177,7 +177,7 @@ def _sparse_decode_call(
         _sparse_decode_kernel,
         scale=scale,
         blocks_per_step=blocks_per_step,
-        precision=jax.lax.Precision.HIGHEST if pool.dtype == jnp.float32 else None,
+        precision=matmul_precision(pool.dtype),
     )
     in_specs = [
         pl.BlockSpec((None, None, gp, hd), lambda i, h, s: (i, h, 0, 0)),  # q   -> [Gp, hd]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from models.llama import matmul_precision
+from pallas_kernels.common import matmul_precision
 
 NEG_INF = -1e30
 
