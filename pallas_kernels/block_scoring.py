@@ -62,7 +62,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.common import next_pow2, resolve_interpret, triton_params
+from pallas_kernels.common import next_pow2, on_platform, resolve_interpret, triton_params
 
 # Elements of one gathered [TK, hd] bound tile; two tiles live in registers at once. 8192 f32 with 4 warps
 # is 64 registers per thread per tile, well below the 255 cap: TK = 64 at hd = 128, 128 at hd = 64.
@@ -226,12 +226,13 @@ def block_scores(
     """
     _check_inputs(q, meta_min, meta_max, cand_ids)
     _check_options(beta, sub_blocks, meta_min.shape[0])
-    interpret = resolve_interpret(interpret)
     b, hq, hd = q.shape
+    if interpret is None and hd & (hd - 1):  # no GPU kernel for this shape: interpret off-GPU, the error on one
+        interpret = resolve_interpret(None)
     if scale is None:
         scale = default_scale(hd, hq // meta_min.shape[1], per_head)
     k = cand_ids.shape[1]
-    if not interpret and hd & (hd - 1):
+    if interpret is False and hd & (hd - 1):
         raise ValueError(f"head_dim={hd} must be a power of two for the Triton lowering; allocate the metadata "
                          "(and pad q) with next_pow2(head_dim) features: zero features add nothing to a score")
     if tile_k is None:
@@ -241,9 +242,9 @@ def block_scores(
     tile_k = min(tile_k, next_pow2(max(k, 1)))
     kp = -(-max(k, 1) // tile_k) * tile_k
     ids = jnp.pad(cand_ids.astype(jnp.int32), ((0, 0), (0, kp - k)), constant_values=-1)
-    out = _block_scores_pallas(q, meta_min, meta_max, ids, tile_k=tile_k, per_head=per_head, beta=float(beta),
-                               sub=sub_blocks, scale=float(scale), num_warps=num_warps,
-                               interpret=interpret)  # [B, Hkv, R, Kp]
+    out = on_platform(lambda interp: _block_scores_pallas(
+        q, meta_min, meta_max, ids, tile_k=tile_k, per_head=per_head, beta=float(beta), sub=sub_blocks,
+        scale=float(scale), num_warps=num_warps, interpret=interp), interpret)  # [B, Hkv, R, Kp]
     return out.reshape(b, -1, kp)[:, :, :k]
 
 

@@ -1,12 +1,16 @@
 """Shared helpers of the Pallas kernels: interpret-mode default and explicit Triton compiler params.
 
-Every kernel's public function takes `interpret: bool | None = None`; None means "interpret when the
-default backend is not a GPU", so tests run the same kernels in Pallas interpret mode on CPU while a
-GPU compiles them through the Triton lowering (`pl.pallas_call`). Block tables and index lists are passed
-as ordinary inputs (Triton has no scalar prefetch).
+Every kernel's public function takes `interpret: bool | None = None`; None lets the platform a program is
+*compiled for* choose (`on_platform`): Pallas interpret mode in a program lowered for a CPU (the tests), the
+Triton kernel (`pl.pallas_call`'s Triton lowering) in one lowered for a GPU, whatever the default backend of
+the process that compiles it, so an ahead-of-time compile for a GPU from a CPU-only machine compiles the real
+kernel (pulseinfer_jax/aot). Block tables and index lists are passed as ordinary inputs (Triton has no scalar
+prefetch).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +20,20 @@ GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # platform names under which pallas_cal
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
-    """True -> Pallas interpret mode. None picks interpret mode unless the default backend is a GPU."""
+    """True -> Pallas interpret mode. None picks interpret mode unless the default backend is a GPU (for callers
+    outside a kernel's own jit, e.g. benchmarks calling jax's own Pallas ops; the kernels use `on_platform`)."""
     if interpret is None:
         return jax.default_backend() not in GPU_PLATFORMS
     return bool(interpret)
+
+
+def on_platform[T](run: Callable[[bool], T], interpret: bool | None) -> T:
+    """`run(interpret)` with the caller's choice, or for None with the lowering platform's: interpret mode where
+    the program is lowered for a CPU, the compiled kernel anywhere else (`jax.lax.platform_dependent`: both
+    branches are traced, only the matching one is lowered, so no runtime branch is left)."""
+    if interpret is not None:
+        return run(bool(interpret))
+    return jax.lax.platform_dependent(cpu=lambda: run(True), default=lambda: run(False))
 
 
 def triton_params(num_warps: int = 4, num_stages: int = 2) -> plt.CompilerParams:

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Int, Shaped
 
-from pallas_kernels.common import pow2_divisor, resolve_interpret, triton_params
+from pallas_kernels.common import on_platform, pow2_divisor, triton_params
 
 DEFAULT_MAX_TILE = 8192  # elements per program (16 KiB in bf16)
 
@@ -153,16 +153,16 @@ def gather_blocks(
         return jnp.zeros((0, 2, bs, hkv, hd), pool.dtype)
     f = 2 * bs * hkv * hd
     tile = pow2_divisor(f, max_tile)
-    out = pl.pallas_call(
+    out = on_platform(lambda interp: pl.pallas_call(
         functools.partial(_gather_blocks_kernel, tile=tile),
         grid=(n, f // tile),
         in_specs=[_full_spec((n,)), _full_spec((nb, f))],
         out_specs=pl.BlockSpec((None, tile), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((n, f), pool.dtype),
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
-        interpret=resolve_interpret(interpret),
+        interpret=interp,
         name="gather_blocks",
-    )(ids.astype(jnp.int32), pool.reshape(nb, f))
+    )(ids.astype(jnp.int32), pool.reshape(nb, f)), interpret)
     return out.reshape(n, 2, bs, hkv, hd)
 
 
@@ -187,7 +187,7 @@ def scatter_blocks(
         return cache
     f = 2 * bs * hkv * hd
     tile = pow2_divisor(f, max_tile)
-    out = pl.pallas_call(
+    out = on_platform(lambda interp: pl.pallas_call(
         functools.partial(_scatter_blocks_kernel, tile=tile),
         grid=(n, f // tile),
         in_specs=[_full_spec((n,)), pl.BlockSpec((None, tile), lambda i, j: (i, j)), _full_spec((ns, f))],
@@ -195,9 +195,9 @@ def scatter_blocks(
         out_shape=jax.ShapeDtypeStruct((ns, f), cache.dtype),
         input_output_aliases={2: 0},
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
-        interpret=resolve_interpret(interpret),
+        interpret=interp,
         name="scatter_blocks",
-    )(slots.astype(jnp.int32), staging.reshape(n, f), cache.reshape(ns, f))
+    )(slots.astype(jnp.int32), staging.reshape(n, f), cache.reshape(ns, f)), interpret)
     return out.reshape(cache.shape)
 
 
@@ -221,16 +221,16 @@ def gather_block_heads(
     if n == 0:
         return jnp.zeros((0, 2, bs, hd), pool.dtype)
     rows, cols = _heads_tiles(2 * bs, hd, max_tile)
-    out = pl.pallas_call(
+    out = on_platform(lambda interp: pl.pallas_call(
         functools.partial(_gather_heads_kernel, rows=rows, cols=cols),
         grid=(n, 2 * bs // rows, hd // cols),
         in_specs=[_full_spec((n,)), _full_spec((n,)), _full_spec((nb, 2 * bs, hkv, hd))],
         out_specs=pl.BlockSpec((None, rows, cols), lambda i, r, c: (i, r, c)),
         out_shape=jax.ShapeDtypeStruct((n, 2 * bs, hd), pool.dtype),
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
-        interpret=resolve_interpret(interpret),
+        interpret=interp,
         name="gather_block_heads",
-    )(ids.astype(jnp.int32), heads.astype(jnp.int32), pool.reshape(nb, 2 * bs, hkv, hd))
+    )(ids.astype(jnp.int32), heads.astype(jnp.int32), pool.reshape(nb, 2 * bs, hkv, hd)), interpret)
     return out.reshape(n, 2, bs, hd)
 
 
@@ -256,7 +256,7 @@ def scatter_block_heads(
     if n == 0:
         return cache
     rows, cols = _heads_tiles(2 * bs, hd, max_tile)
-    out = pl.pallas_call(
+    out = on_platform(lambda interp: pl.pallas_call(
         functools.partial(_scatter_heads_kernel, rows=rows, cols=cols),
         grid=(n, 2 * bs // rows, hd // cols),
         in_specs=[_full_spec((n,)), _full_spec((n,)),
@@ -266,10 +266,10 @@ def scatter_block_heads(
         out_shape=jax.ShapeDtypeStruct((ns, 2 * bs, hkv, hd), cache.dtype),
         input_output_aliases={3: 0},
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
-        interpret=resolve_interpret(interpret),
+        interpret=interp,
         name="scatter_block_heads",
     )(slots.astype(jnp.int32), heads.astype(jnp.int32), staging.reshape(n, 2 * bs, hd),
-      cache.reshape(ns, 2 * bs, hkv, hd))
+      cache.reshape(ns, 2 * bs, hkv, hd)), interpret)
     return out.reshape(cache.shape)
 
 

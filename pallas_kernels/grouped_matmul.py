@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.common import matmul_precision, pow2_divisor, resolve_interpret, triton_params
+from pallas_kernels.common import matmul_precision, on_platform, pow2_divisor, resolve_interpret, triton_params
 
 MIN_DOT_DIM = 16  # Triton's tensor-core dots want every operand dim >= 16
 
@@ -111,8 +111,9 @@ def grouped_matmul(
     dtype, accumulated in f32. See the module docstring for the layout contract."""
     num_tiles, k, n, _ = _dims(x, w, tile_group, tile_m, expert_axis)
     bk, bn = pow2_divisor(k, block_k), pow2_divisor(n, block_n)
-    interp = resolve_interpret(interpret)
-    if not interp and min(tile_m, bk, bn) < MIN_DOT_DIM:
+    if interpret is None and min(tile_m, bk, bn) < MIN_DOT_DIM:  # no GPU kernel: interpret off-GPU, error on one
+        interpret = resolve_interpret(None)
+    if interpret is False and min(tile_m, bk, bn) < MIN_DOT_DIM:
         raise ValueError(f"the GPU kernel needs tile_m, K's and N's block >= {MIN_DOT_DIM} (got tile_m={tile_m}, "
                          f"block_k={bk} for K={k}, block_n={bn} for N={n}): use a larger tile_m, or the jnp path "
                          "grouped_matmul_reference")
@@ -120,7 +121,7 @@ def grouped_matmul(
         return jnp.zeros((0, n), x.dtype)
     kernel = functools.partial(_grouped_matmul_kernel, block_k=bk, block_n=bn, expert_axis=expert_axis,
                                precision=matmul_precision(x.dtype))
-    return pl.pallas_call(
+    return on_platform(lambda interp: pl.pallas_call(
         kernel,
         grid=(num_tiles, n // bn),
         in_specs=[
@@ -133,7 +134,7 @@ def grouped_matmul(
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interp,
         name=f"grouped_matmul_t{tile_m}",
-    )(tile_group.astype(jnp.int32), x, w)
+    )(tile_group.astype(jnp.int32), x, w), interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("tile_m", "expert_axis"))

@@ -65,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.common import matmul_precision, next_pow2, resolve_interpret, triton_params
+from pallas_kernels.common import matmul_precision, next_pow2, on_platform, triton_params
 from pallas_kernels.merge import merge_stacked_partials
 
 MIN_DOT_DIM = 16  # Triton's tensor-core dots want every operand dim >= 16
@@ -297,7 +297,8 @@ def sparse_decode_attention(
         blocks_per_step * bs >= 16 (None: about 64 tokens per step).
       num_warps, num_stages: Triton compiler params (num_warps None: 4, or 8 when a step's K tile
         has >= 8192 elements, e.g. 64 tokens x hd 128).
-      interpret: Pallas interpret mode (None: interpret unless the default backend is a GPU).
+      interpret: Pallas interpret mode (None: where the program is compiled for a CPU; the Triton kernel
+        where it is compiled for a GPU, `pallas_kernels.common.on_platform`).
 
     Returns:
       o [B, Hq, hd] (q.dtype, softmax-normalised; 0 where nothing was attended),
@@ -325,11 +326,11 @@ def sparse_decode_attention(
     q_grouped = q.astype(pool.dtype).reshape(b, hkv, g, hd)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [B, Hkv, Gp, hd]
 
-    acc, m, l = _sparse_decode_call(  # noqa: E741
+    acc, m, l = on_platform(lambda interp: _sparse_decode_call(  # noqa: E741
         q_grouped, pool, ids, lens,
         scale=scale, split_k=split_k, blocks_per_step=bps,
-        num_warps=num_warps, num_stages=num_stages, interpret=resolve_interpret(interpret),
-    )
+        num_warps=num_warps, num_stages=num_stages, interpret=interp,
+    ), interpret)
     acc, m, l = acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]  # noqa: E741  drop padded query rows
     o_split = acc / jnp.where(l > 0, l, 1.0)[..., None]
     o, m, l = merge_stacked_partials(o_split, m, l, out_dtype=q.dtype)  # noqa: E741

@@ -57,9 +57,9 @@ from host_offload.host_pool import HostKVPool
 from host_offload.placement import SparseKV, SparsePlan
 from models.transformer import Transformer, head_params, split_layers
 from pulseinfer_jax import layer_ops, slot_plan
-from pulseinfer_jax.kept_scores import kept_logical
 from pulseinfer_jax.kv_cache import blocks_for, bucket, zeros_on
 from pulseinfer_jax.sparse import BlockScoring
+from pulseinfer_jax.step_inputs import StepTables, micro_batch_inputs, slot_step_inputs
 
 Stop = tuple[str, jax.Array, jax.Array | None]  # (kind, awaited array, GPU work queued ahead of it)
 
@@ -271,62 +271,18 @@ class SparseDecoder:
                      outs: dict[int, jax.Array], key: int) -> Generator[Stop, None, None]:
         p, cfg, nb = self.plan, self.config, self.nb
         model, params = self.model, self.params
-        bs = p.block_size
-        b_real = len(sparse)
-        bp = bucket(b_real)
-        lengths_np = np.asarray(lengths, np.int64)
-        n_blocks = [blocks_for(length, bs) for length in lengths]
-        kc = bucket(max(n_blocks))
-        positions = np.zeros(bp, np.int32)
-        positions[:b_real] = lengths_np - 1
-        tok = np.zeros(bp, np.int32)
-        tok[:b_real] = tokens
-        tables = StepTables.of(sparse, lengths_np, bs, nb)
-        host_tab, gpu_tab = tables.host, tables.gpu
-        nblk = np.zeros(bp, np.int32)
-        nblk[:b_real] = n_blocks
-        # middle blocks are scored from their metadata rows; sinks and window are always selected (by position)
-        # and keep no metadata while resident (-1 here; scored from their keys below if scoring.scores_kept)
-        col = np.arange(kc)
-        is_mid = (col >= p.sink_blocks) & (col < nblk[:, None] - p.window_blocks)  # [bp, kc]
-        cand = np.where(is_mid, host_tab, -1)
-        newest = np.full(bp, -1, np.int32)  # GPU block of each row's newest logical block (-1: padding row)
-        newest[:b_real] = gpu_tab[np.arange(b_real), nblk[:b_real] - 1]
-        f = cfg.scoring.coarse_group
-        coarse = cfg.scoring.coarse_groups(p.budget_blocks, p.sink_blocks, p.window_blocks, kc)
-        groups = np.full((bp, -(-kc // f) if coarse else 1), -1, np.int32)
-        if coarse:  # each group holding a middle block -> its coarse row (its extent: host row // f)
-            for b, s in enumerate(sparse):
-                lo, hi = p.sink_blocks, n_blocks[b] - p.window_blocks  # middle blocks lo..hi-1
-                g = np.arange(lo // f, -(-hi // f) if hi > lo else 0)
-                groups[b, g] = s.host_row_arr[g * f] // f
-        positions_d, cand_d, nblk_d, newest_d = (jnp.asarray(a) for a in (positions, cand, nblk, newest))
-        groups_d = jnp.asarray(groups)
-        # the always-kept blocks' logical indices and GPU blocks (resident: every layer's slice is there)
-        score_kept = cfg.scoring.scores_kept(p.selection, cfg.solohead)
-        kept_l = kept_logical(nblk, p.sink_blocks, p.window_blocks) if score_kept else np.full((bp, 1), -1, np.int32)
-        kept_l[b_real:] = -1
-        kept_gpu = np.where(kept_l >= 0, np.take_along_axis(gpu_tab, np.clip(kept_l, 0, kc - 1), axis=1), -1)
-        kept_l_d, kept_gpu_d = jnp.asarray(kept_l), jnp.asarray(kept_gpu.astype(np.int32))
-        step = self._step_inputs(sparse, tables, bp)
-
-        # valid tokens per block: the same in every dense layer
-        dense_lens = np.clip(lengths_np[:, None] - np.arange(kc) * bs, 0, bs) * (np.arange(kc) < np.asarray(
-            n_blocks)[:, None])
-        dense_lens = jnp.asarray(np.pad(dense_lens, ((0, bp - b_real), (0, 0))).astype(np.int32)[:, None, :])
-        dense_ids, dense_write = [], []
-        units = [s.dense_units(n, nb) for s, n in zip(sparse, n_blocks, strict=True)]  # [D, n] per row
-        for d in range(p.dense_layers):
-            ids = np.full((bp, 1, kc), -1, np.int32)
-            write = np.zeros(bp, np.int32)
-            for b, u in enumerate(units):
-                ids[b, 0, : u.shape[1]] = u[d]
-                write[b] = u[d, -1]
-            dense_ids.append(jnp.asarray(ids))
-            dense_write.append(jnp.asarray(write))
+        mb = micro_batch_inputs(p, cfg.scoring, cfg.solohead, nb, sparse, tokens, lengths)
+        bp = mb.tokens.shape[0]
+        coarse = mb.coarse
+        positions_d, cand_d, nblk_d, newest_d, groups_d, kept_l_d, kept_gpu_d, tok_d, dense_lens = (
+            jnp.asarray(a) for a in (mb.positions, mb.cand, mb.num_blocks, mb.newest, mb.groups, mb.kept_logical,
+                                     mb.kept_gpu, mb.tokens, mb.dense_lens))
+        dense_ids = [jnp.asarray(a) for a in mb.dense_ids]
+        dense_write = [jnp.asarray(a) for a in mb.dense_write]
+        step = self._step_inputs(sparse, mb.tables, bp)
 
         head = head_params(params)  # embed / logits read no layer weights: do not pass them
-        x = layer_ops.embed(model, head, jnp.asarray(tok))
+        x = layer_ops.embed(model, head, tok_d)
         for layer in range(model.cfg.num_layers):
             lp = self.layer_params[layer]
             if layer < p.dense_layers:
@@ -376,21 +332,11 @@ class SparseDecoder:
         return "bookkeep" if self.config.scoring.favours_resident(self.plan.selection, self.config.solohead) else "none"
 
     def _step_inputs(self, sparse: list[SparseKV], tables: StepTables, bp: int) -> dict:
-        """The device plan's per-step inputs (`slot_plan.layer_plan`'s `step`), one dict of arrays; frees the slot
-        caches of requests decoding for the first time."""
-        rows = [s.slot_row for s in sparse]
-        pad = self.slot_state[0].shape[1] - 1  # (see _prepare_slots)
-        r = np.full(bp, pad, np.int32)
-        r[: len(sparse)] = rows
-        cap = np.full(bp, self.slot_state[0].shape[3], np.int32)
-        cap[: len(sparse)] = [s.slot_capacity for s in sparse]
-        lengths = np.zeros(bp, np.int32)
-        lengths[: len(sparse)] = tables.lengths
-        step = {"rows": r, "capacity": cap, "gpu": tables.gpu, "host": tables.host, "slots": tables.slots,
-                "lengths": lengths}
-        override = self._override(sparse, tables, bp)
-        if override is not None:
-            step["override"] = override
+        """The device plan's per-step inputs (`slot_plan.layer_plan`'s `step`, step_inputs.slot_step_inputs) on the
+        device; the padding rows use the slot table's last row (see _prepare_slots)."""
+        stamp = self.slot_state[0]
+        step = slot_step_inputs(sparse, tables, bp, stamp.shape[1], stamp.shape[3],
+                                self._override(sparse, tables, bp))
         return {k: jnp.asarray(v) for k, v in step.items()}
 
     def _prepare_slots(self, sparse: list[SparseKV]) -> None:
@@ -477,36 +423,3 @@ class PlanInfo:
     misses: np.ndarray  # [b] misses per request
     rows: np.ndarray  # [count] host row of each miss, in row / lane / selection order
     lanes: np.ndarray  # [count] its lane (headwise: the KV head)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepTables:
-    """Host tables of one micro-batch's decode step, shared by its layers' plans (bp rows, kc logical blocks)."""
-
-    host: np.ndarray  # [bp, kc] host row of each logical block, -1 = none
-    gpu: np.ndarray  # [bp, kc] GPU block of each resident logical block (sinks, window), -1 = not resident
-    slots: np.ndarray  # [bp, C] GPU block of each slot of the row's slot cache, -1 = none
-    lengths: np.ndarray  # [b_real] tokens of each real row
-    block_size: int
-    num_gpu_blocks: int
-
-    @staticmethod
-    def of(sparse: list[SparseKV], lengths: np.ndarray, block_size: int, num_gpu_blocks: int) -> StepTables:
-        """The tables of requests `sparse` holding `lengths` tokens: bp = bucket(len(sparse)) rows, kc = bucket(most
-        logical blocks) columns."""
-        n_blocks = -(-np.asarray(lengths, np.int64) // block_size)
-        bp, kc = bucket(len(sparse)), bucket(int(n_blocks.max()))
-        host = np.full((bp, kc), -1, np.int32)
-        gpu = np.full((bp, kc), -1, np.int32)
-        slots = np.full((bp, max(len(s.slot_block_arr) for s in sparse) or 1), -1, np.int32)
-        for b, (s, n) in enumerate(zip(sparse, n_blocks, strict=True)):
-            host[b, :n] = s.host_row_arr[:n]
-            gpu[b, :n] = s.gpu_arr[:n]
-            slots[b, : len(s.slot_block_arr)] = s.slot_block_arr
-        return StepTables(host, gpu, slots, np.asarray(lengths, np.int64), block_size, num_gpu_blocks)
-
-    @property
-    def num_blocks(self) -> np.ndarray:  # [bp] logical blocks of each row (0 for padding rows)
-        n = np.zeros(self.host.shape[0], np.int64)
-        n[: len(self.lengths)] = -(-self.lengths // self.block_size)
-        return n

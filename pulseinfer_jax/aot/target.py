@@ -1,0 +1,123 @@
+"""A GPU to compile for without one: compile-only devices from a `GpuTargetConfigProto` (no GPU, nothing runs).
+
+jax's CUDA plugin builds compile-only devices from a target description (`topologies.get_topology_desc(platform=
+"cuda", target_config=<text proto>)`); a program traced with `ShapeDtypeStruct` arguments sharded on a mesh of
+them goes through XLA:GPU's whole pipeline (HLO passes, Triton for the Pallas kernels, PTX for sm_90a, ptxas)
+and comes back as a `jax.stages.Compiled` that cannot run but can be read (optimised HLO, memory stats, and with
+`dump_to` the thunk sequence: every kernel's grid, threads and shared memory).
+
+Needs the CUDA plugin (`jax-cuda13-plugin` + `jax-cuda13-pjrt`, same version as jax) and `nvidia-cuda-nvcc` for
+ptxas: `./run.sh compile-gpu` builds that environment. Without a GPU the process must start with
+`JAX_PLATFORMS=cpu` (the entry points set it before jax starts), else the plugin fails to initialise and is not
+registered at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+TARGETS = pathlib.Path(__file__).resolve().parent / "targets"
+H200 = TARGETS / "h200.txtpb"
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuLimits:
+    """The launch limits and speeds of a target, read from its GpuTargetConfigProto's `gpu_device_info`."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    sm_count: int
+    threads_per_block: int
+    registers_per_block: int
+    registers_per_sm: int
+    threads_per_sm: int
+    shared_memory_per_block: int  # the opt-in maximum a kernel may request
+    shared_memory_per_sm: int
+    memory_bandwidth: float  # bytes/s
+    device_memory: int  # bytes
+
+    @staticmethod
+    def parse(text: str) -> GpuLimits:
+        def field(name: str, default: float | None = None) -> float:
+            m = re.search(rf"^\s*{name}:\s*([0-9.e+]+)\s*$", text, re.M)
+            if m is None:
+                if default is None:
+                    raise ValueError(f"the GPU target config has no {name!r} (is it a GpuTargetConfigProto?)")
+                return default
+            return float(m.group(1))
+
+        cc = re.search(r"cuda_compute_capability\s*\{([^}]*)\}", text)
+        major = int(re.search(r"major:\s*(\d+)", cc.group(1)).group(1)) if cc else 0
+        minor_m = re.search(r"minor:\s*(\d+)", cc.group(1)) if cc else None
+        name = re.search(r'device_description_str:\s*"([^"]*)"', text)
+        return GpuLimits(
+            name=name.group(1) if name else "GPU", compute_capability=(major, int(minor_m.group(1)) if minor_m else 0),
+            sm_count=int(field("core_count")), threads_per_block=int(field("threads_per_block_limit")),
+            registers_per_block=int(field("registers_per_block_limit")),
+            registers_per_sm=int(field("registers_per_core_limit")),
+            threads_per_sm=int(field("threads_per_core_limit")),
+            shared_memory_per_block=int(field("shared_memory_per_block_optin")),
+            shared_memory_per_sm=int(field("shared_memory_per_core")),
+            memory_bandwidth=field("memory_bandwidth"), device_memory=int(field("device_memory_size", 0)))
+
+
+class CompileTarget:
+    """Compile-only devices of one GPU (see the module docstring); `lower` / `compile` programs for it."""
+
+    def __init__(self, config_text: str, source: str = "<text>"):
+        from jax.experimental import topologies
+
+        self.config_text = config_text
+        self.source = source
+        self.limits = GpuLimits.parse(config_text)
+        try:
+            topo = topologies.get_topology_desc(platform="cuda", target_config=config_text, topology="1x1x1")
+        except Exception as e:  # noqa: BLE001 - the plugin missing or failing to start: say what to do
+            raise RuntimeError(
+                f"no compile-only CUDA target ({type(e).__name__}: {str(e).splitlines()[0][:300]}); it needs "
+                "jax-cuda13-plugin + jax-cuda13-pjrt of jax's version and JAX_PLATFORMS=cpu set before jax "
+                "starts: run it through './run.sh compile-gpu'") from None
+        self.mesh = topologies.make_mesh(topo, (1,), ("x",))
+        self.device = self.mesh.devices.flat[0]
+
+    @staticmethod
+    def load(path: str | pathlib.Path | None = None) -> CompileTarget:
+        """The target described by the GpuTargetConfigProto text file `path` (default: the project's H200)."""
+        p = pathlib.Path(path) if path is not None else H200
+        if not p.is_file():
+            raise FileNotFoundError(f"GPU target config {p} does not exist; pass a GpuTargetConfigProto text file "
+                                    f"(the GPU suite saves one: OUT/h200_target_config.txtpb)")
+        return CompileTarget(p.read_text(), str(p))
+
+    # ---- abstract arguments --------------------------------------------------------------------
+    def sharding(self, memory_kind: str | None = None) -> NamedSharding:
+        """The one device, in HBM (None) or in host memory ("pinned_host")."""
+        return NamedSharding(self.mesh, P(), memory_kind=memory_kind)
+
+    def struct(self, shape: tuple[int, ...], dtype: Any, memory_kind: str | None = None) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.dtype(dtype),
+                                    sharding=self.sharding(memory_kind))
+
+    def abstract(self, tree: Any, memory_kind: str | None = None) -> Any:
+        """Every array-like leaf of `tree` (arrays, ShapeDtypeStructs) as a struct on this target."""
+        return jax.tree.map(lambda a: self.struct(a.shape, a.dtype, memory_kind), tree)
+
+    # ---- lowering / compiling ------------------------------------------------------------------
+    def lower(self, fn: Any, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """`fn` (a jitted function, or a plain one, jitted here) lowered for this target with abstract `args`."""
+        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+        with jax.set_mesh(self.mesh):
+            return jitted.lower(*args, **kwargs)
+
+    def compile(self, lowered: jax.stages.Lowered, options: dict | None = None) -> jax.stages.Compiled:
+        """XLA:GPU's whole pipeline for this target; `options` are XLA debug options (e.g. xla_dump_to)."""
+        with jax.set_mesh(self.mesh):
+            return lowered.compile(compiler_options=options or None)
