@@ -35,7 +35,8 @@ class XlaHostIO:
 
     def __init__(self, device: jax.Device, first_layer: int):
         self.host, self.dev = host_sharding(device), device_sharding(device)
-        self._write, self._stage_blocks, self._stage_units, self._fragment = _compiled(device, first_layer)
+        self._write, self._stage_blocks, self._stage_units, self._fragment = transfers(self.host, self.dev,
+                                                                                       first_layer)
         self._layers: dict[int, tuple[Array, Array]] = {}  # pool layer -> its index on the host and on the device
 
     def _layer(self, layer: int) -> tuple[Array, Array]:
@@ -76,9 +77,11 @@ class XlaHostIO:
 
 
 @functools.cache
-def _compiled(device: jax.Device, first_layer: int) -> tuple:
-    """The jitted transfers for pools on `device` (shared by every pool there: engines reuse the compiles)."""
-    host, dev = host_sharding(device), device_sharding(device)
+def transfers(host: jax.sharding.Sharding, dev: jax.sharding.Sharding, first_layer: int) -> tuple:
+    """The jitted transfers (write_back, stage_blocks, stage_units, fragment) between a device's HBM (`dev`) and its
+    pinned host memory (`host`) for pools whose layer 0 is GPU layer `first_layer`; shared by every pool there, so
+    engines reuse the compiles. (Shardings, not a device: the ahead-of-time check builds them for compile-only
+    devices, pulseinfer_jax/aot.)"""
 
     @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
     @jax.jit

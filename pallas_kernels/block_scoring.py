@@ -64,8 +64,10 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import next_pow2, on_platform, resolve_interpret, triton_params
 
-# Elements of one gathered [TK, hd] bound tile; two tiles live in registers at once. 8192 f32 with 4 warps
-# is 64 registers per thread per tile, well below the 255 cap: TK = 64 at hd = 128, 128 at hd = 64.
+# Elements of one gathered [TK, hd] bound tile (TK = _TILE_ELEMS // hd candidates per program, 64 at hd = 128), for
+# group sums. Per-query-head scores keep G running rows per slice: ptxas (sm_90a, bench/results/h200_compile.json)
+# reports 234 registers per thread at TK = 64 and 119 at 32, and a spill at 64 with 2 sub-blocks, so they use half
+# the tile, and half again with sub-blocks (a quarter of the registers a block may hold, no spill).
 _TILE_ELEMS = 8192
 
 
@@ -220,9 +222,9 @@ def block_scores(
     Requires meta_min <= meta_max element-wise on the listed rows (true by construction). Scores are raw q.k
     bounds (no 1/sqrt(hd)); `beta` < 1 shrinks the key-range term (module docstring). `sub_blocks` = m reads
     m metadata rows per block (NBm = NB * m) and combines them by a log-sum-exp at temperature `scale`
-    (default `default_scale`; unused at m = 1). `tile_k` (a power of two, default 8192 // hd capped at 128)
-    is the number of candidates per program; the head dim must be a power of two on GPU (Triton loads need
-    power-of-two sizes).
+    (default `default_scale`; unused at m = 1). `tile_k` (a power of two, default 8192 // hd capped at 128, halved
+    for per-head scores and again for sub-blocks: see _TILE_ELEMS) is the number of candidates per program; the
+    head dim must be a power of two on GPU (Triton loads need power-of-two sizes).
     """
     _check_inputs(q, meta_min, meta_max, cand_ids)
     _check_options(beta, sub_blocks, meta_min.shape[0])
@@ -236,7 +238,8 @@ def block_scores(
         raise ValueError(f"head_dim={hd} must be a power of two for the Triton lowering; allocate the metadata "
                          "(and pad q) with next_pow2(head_dim) features: zero features add nothing to a score")
     if tile_k is None:
-        tile_k = max(16, min(128, _TILE_ELEMS // next_pow2(hd)))
+        shrink = (2 if per_head else 1) * (2 if sub_blocks > 1 else 1)
+        tile_k = max(16, min(128, _TILE_ELEMS // next_pow2(hd) // shrink))
     if tile_k <= 0 or tile_k & (tile_k - 1):
         raise ValueError(f"tile_k={tile_k} must be a positive power of two (Triton tile sizes)")
     tile_k = min(tile_k, next_pow2(max(k, 1)))

@@ -17,6 +17,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plt
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # platform names under which pallas_call lowers for a GPU
+# shared memory one program (thread block) may use on the target GPUs: the opt-in maximum of the H100 and H200
+# (227 KiB); kernels bound their tiles by it, since the compiler rejects a kernel over it
+SHARED_MEMORY_PER_BLOCK = 232448
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

@@ -36,6 +36,9 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.common import matmul_precision, on_platform, pow2_divisor, resolve_interpret, triton_params
 
 MIN_DOT_DIM = 16  # Triton's tensor-core dots want every operand dim >= 16
+# float32 operands: at most this many output elements per program, with 8 warps (ptxas for sm_90a, 30B-A3B's expert
+# shapes: 128 x 128 tiles spilled 4 KB at 4 warps and 1.5 KB at 8; 128 x 32 at 8 warps used 80 registers, no spill)
+F32_TILE_ELEMS = 4096
 
 
 def _dims(x: Array, w: Array, tile_group: Array, tile_m: int, expert_axis: int) -> tuple[int, int, int, int]:
@@ -102,14 +105,19 @@ def grouped_matmul(
     tile_m: int,
     expert_axis: int = 0,
     block_k: int = 64,
-    block_n: int = 128,
-    num_warps: int = 4,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     num_stages: int = 3,
     interpret: bool | None = None,
 ) -> Float[Array, "M N"]:
     """out[tile t] = x[tile t] @ W[tile_group[t]] (zeros where tile_group[t] is outside [0, G)); out in x's
     dtype, accumulated in f32. See the module docstring for the layout contract."""
     num_tiles, k, n, _ = _dims(x, w, tile_group, tile_m, expert_axis)
+    wide = jnp.dtype(x.dtype).itemsize >= 4  # IEEE f32 dots hold more registers: ptxas spills past F32_TILE_ELEMS
+    if block_n is None:
+        block_n = min(128, max(MIN_DOT_DIM, F32_TILE_ELEMS // tile_m)) if wide else 128
+    if num_warps is None:
+        num_warps = 8 if wide else 4
     bk, bn = pow2_divisor(k, block_k), pow2_divisor(n, block_n)
     if interpret is None and min(tile_m, bk, bn) < MIN_DOT_DIM:  # no GPU kernel: interpret off-GPU, error on one
         interpret = resolve_interpret(None)

@@ -65,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.common import matmul_precision, next_pow2, on_platform, triton_params
+from pallas_kernels.common import SHARED_MEMORY_PER_BLOCK, matmul_precision, next_pow2, on_platform, triton_params
 from pallas_kernels.merge import merge_stacked_partials
 
 MIN_DOT_DIM = 16  # Triton's tensor-core dots want every operand dim >= 16
@@ -73,6 +73,10 @@ TOKENS_PER_STEP = 64  # default tokens gathered per online-softmax step (P = TOK
 TARGET_PROGRAMS = 256  # auto split-K aims for about two waves of programs on a 132-SM H100/H200
 MAX_SPLIT_K = 16
 MIN_STEPS_PER_SPLIT = 2
+# Triton stages a step's K and V tiles in shared memory: measured for sm_90a (ptxas via the compile-only H200,
+# bench/results/h200_compile.json) 1.08-1.2x the two [P * bs, hd] tiles' bytes; over SHARED_MEMORY_PER_BLOCK the
+# compiler rejects the kernel (bf16, bs 16, hd 128: P = 16 needs 143,360 bytes, P = 32 282,624)
+SHARED_BYTES_PER_TILE_BYTE = 1.2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,13 +251,27 @@ def _check_inputs(q, pool, block_ids, block_lens) -> None:
         raise ValueError(f"pool must be floating point; got {pool.dtype}")
 
 
-def _pick_blocks_per_step(bs: int, k: int, blocks_per_step: int | None) -> int:
+def max_blocks_per_step(bs: int, hd: int, itemsize: int, shared_memory: int = SHARED_MEMORY_PER_BLOCK) -> int:
+    """The largest power-of-two blocks per step whose K and V tiles fit a program's shared memory."""
+    p = 1
+    while 2 * (2 * p) * bs * hd * itemsize * SHARED_BYTES_PER_TILE_BYTE <= shared_memory:
+        p *= 2
+    return p
+
+
+def _pick_blocks_per_step(bs: int, k: int, blocks_per_step: int | None, hd: int, itemsize: int) -> int:
     min_blocks = max(1, -(-MIN_DOT_DIM // bs))  # T = P * bs >= 16
+    most = max_blocks_per_step(bs, hd, itemsize)
     if blocks_per_step is None:
-        return max(min_blocks, min(max(1, TOKENS_PER_STEP // bs), next_pow2(k)))
+        return max(min_blocks, min(max(1, TOKENS_PER_STEP // bs), next_pow2(k), most))
     if not _is_pow2(blocks_per_step) or blocks_per_step < min_blocks:
         raise ValueError(f"{blocks_per_step=} must be a power of two >= {min_blocks} for block_size={bs} "
                          f"(Triton dots need >= {MIN_DOT_DIM} tokens per step)")
+    if blocks_per_step > most:
+        need = int(2 * blocks_per_step * bs * hd * itemsize * SHARED_BYTES_PER_TILE_BYTE)
+        raise ValueError(f"{blocks_per_step=} stages ~{need} bytes of K/V tiles in shared memory per program, over the "
+                         f"{SHARED_MEMORY_PER_BLOCK} a block may use on an H100/H200: use blocks_per_step <= {most} "
+                         f"for block_size={bs}, head_dim={hd}, {itemsize}-byte KV")
     return blocks_per_step
 
 
@@ -294,7 +312,8 @@ def sparse_decode_attention(
       scale: score scale, default hd ** -0.5.
       split_k: number of programs the K entries are split over (None: picked from K and B * Hkv).
       blocks_per_step: blocks gathered per online-softmax step, a power of two with
-        blocks_per_step * bs >= 16 (None: about 64 tokens per step).
+        blocks_per_step * bs >= 16 and at most `max_blocks_per_step` (its K / V tiles fit a program's shared
+        memory; more is a ValueError) (None: about 64 tokens per step).
       num_warps, num_stages: Triton compiler params (num_warps None: 4, or 8 when a step's K tile
         has >= 8192 elements, e.g. 64 tokens x hd 128).
       interpret: Pallas interpret mode (None: where the program is compiled for a CPU; the Triton kernel
@@ -313,7 +332,7 @@ def sparse_decode_attention(
     gp = max(MIN_DOT_DIM, next_pow2(g))
     scale = float(hd ** -0.5 if scale is None else scale)
 
-    bps = _pick_blocks_per_step(bs, k, blocks_per_step)
+    bps = _pick_blocks_per_step(bs, k, blocks_per_step, hd, jnp.dtype(pool.dtype).itemsize)
     num_steps = -(-k // bps)
     split_k = _pick_split_k(num_steps, b * hkv, split_k)
     steps_per_split = -(-num_steps // split_k)
@@ -381,4 +400,4 @@ def sparse_decode_attention_reference(
     return o.reshape(b, hq, hd).astype(q.dtype), m.reshape(b, hq), l.reshape(b, hq)
 
 
-__all__ = ["sparse_decode_attention", "sparse_decode_attention_reference"]
+__all__ = ["max_blocks_per_step", "sparse_decode_attention", "sparse_decode_attention_reference"]

@@ -132,37 +132,15 @@ class Engine:
     def ensure_pool(self, requests: Sequence[Request]) -> None:
         """Size the KV pool for `requests` (or to kv_cache_tokens) and (re)allocate it if it changed; in the
         offload modes also the host pool, the key metadata and the sparse decoder."""
+        from pulseinfer_jax import offload
+
         cfg = self.config
         bs = cfg.block_size
-        per_block = self._spec(1).bytes_per_block
-        cap_bytes = self._kv_byte_cap()
-        plan = None
-        if cfg.mode != "dense":
-            from pulseinfer_jax import offload
-
-            c = self.model.cfg
-            plan = offload.sparse_plan(cfg, c.num_layers, c.num_kv_heads)
-            rows = offload.host_rows_for(cfg, requests)
-            _, scoring = self._resolve_sparse_kernels()  # (the metadata dtype may fall back on a GPU)
-            meta_item = scoring.metadata_dtype(self.model.dtype).itemsize
-            cap_bytes -= offload.metadata_bytes(plan, rows, c.head_dim, meta_item, scoring.sub_blocks,
-                                                scoring.coarse_group)
-            if cap_bytes < 2 * per_block:
-                raise ValueError(f"gpu_kv_budget={cfg.gpu_kv_budget} does not even hold the key metadata of a "
-                                 f"{rows}-block host pool; raise gpu_kv_budget or lower host_kv_tokens")
-        scratch = 0 if plan is None else offload.scratch_blocks_for(cfg, plan, requests)
-        cap_bytes -= scratch * per_block
-        if cfg.kv_cache_tokens is not None:
-            num_blocks = blocks_for(cfg.kv_cache_tokens, bs) + 1
-        else:
-            if plan is None:
-                want = sum(blocks_for(r.need_tokens, bs) for r in requests) + 1
-            else:
-                want = offload.gpu_blocks_wanted(cfg, plan, requests) + 1
-            if plan is not None and cap_bytes < 2 * per_block:
-                raise ValueError(f"gpu_kv_budget={cfg.gpu_kv_budget} cannot hold the offload metadata and the prefill "
-                                 f"scratch ({scratch} blocks for the longest prompt); raise gpu_kv_budget")
-            num_blocks = max(2, min(want, cap_bytes // per_block))
+        meta_item = self._resolve_sparse_kernels()[1].metadata_dtype(self.model.dtype).itemsize \
+            if cfg.mode != "dense" else 1  # (the metadata dtype may fall back on a GPU)
+        sizes = offload.pool_sizes(cfg, self.model.cfg, jnp.dtype(self.model.dtype).itemsize, meta_item, requests,
+                                   self._kv_byte_cap())
+        plan, rows, num_blocks, scratch = sizes.plan, sizes.host_rows, sizes.num_blocks, sizes.scratch
         # blocks num_blocks.. are the prefill scratch of offloaded prompts, outside the allocator
         if self.spec is None or self.spec.num_blocks != num_blocks + scratch:
             self.kv = None  # free the old pool before allocating the new one

@@ -9,6 +9,7 @@ host pool holds one row per logical block of every sparse request.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -64,6 +65,49 @@ def scratch_blocks_for(config: EngineConfig, plan: SparsePlan, requests: Sequenc
     if plan.placement != "host" or not requests:
         return 0
     return max(blocks_for(len(r.prompt), config.block_size) for r in requests)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSizes:
+    """How an engine sizes its pools for a set of requests (`pool_sizes`)."""
+
+    num_blocks: int  # GPU blocks the allocator hands out, the null block included
+    scratch: int  # prefill scratch blocks after them (offloaded prompts prefill there)
+    host_rows: int  # host pool rows (0 in dense mode)
+    plan: SparsePlan | None  # the sparse plan (None in dense mode)
+
+
+def pool_sizes(config: EngineConfig, model_cfg, kv_itemsize: int, meta_itemsize: int, requests: Sequence[Request],
+               cap_bytes: int) -> PoolSizes:
+    """The GPU KV pool (blocks + prefill scratch) and host pool (rows) an engine allocates for `requests` under a cap
+    of `cap_bytes` GPU bytes (pool + offload metadata + scratch): kv_cache_tokens if set, else what the requests
+    need in the configured mode, capped. `meta_itemsize`: bytes per key-bound element (the scoring's metadata
+    dtype). A pure function of its inputs (the engine's Engine.ensure_pool, the ahead-of-time check's layouts)."""
+    c, bs = model_cfg, config.block_size
+    per_block = c.num_layers * 2 * c.num_kv_heads * bs * c.head_dim * kv_itemsize
+    plan, rows = None, 0
+    if config.mode != "dense":
+        plan = sparse_plan(config, c.num_layers, c.num_kv_heads)
+        rows = host_rows_for(config, requests)
+        cap_bytes -= metadata_bytes(plan, rows, c.head_dim, meta_itemsize, config.score_sub_blocks,
+                                    config.score_coarse_group)
+        if cap_bytes < 2 * per_block:
+            raise ValueError(f"gpu_kv_budget={config.gpu_kv_budget} does not even hold the key metadata of a "
+                             f"{rows}-block host pool; raise gpu_kv_budget or lower host_kv_tokens")
+    scratch = 0 if plan is None else scratch_blocks_for(config, plan, requests)
+    cap_bytes -= scratch * per_block
+    if config.kv_cache_tokens is not None:
+        num_blocks = blocks_for(config.kv_cache_tokens, bs) + 1
+    else:
+        if plan is None:
+            want = sum(blocks_for(r.need_tokens, bs) for r in requests) + 1
+        else:
+            want = gpu_blocks_wanted(config, plan, requests) + 1
+        if plan is not None and cap_bytes < 2 * per_block:
+            raise ValueError(f"gpu_kv_budget={config.gpu_kv_budget} cannot hold the offload metadata and the prefill "
+                             f"scratch ({scratch} blocks for the longest prompt); raise gpu_kv_budget")
+        num_blocks = max(2, min(want, cap_bytes // per_block))
+    return PoolSizes(num_blocks, scratch, rows, plan)
 
 
 class OffloadPlacer:

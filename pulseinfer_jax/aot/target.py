@@ -7,9 +7,9 @@ and comes back as a `jax.stages.Compiled` that cannot run but can be read (optim
 `dump_to` the thunk sequence: every kernel's grid, threads and shared memory).
 
 Needs the CUDA plugin (`jax-cuda13-plugin` + `jax-cuda13-pjrt`, same version as jax) and `nvidia-cuda-nvcc` for
-ptxas: `./run.sh compile-gpu` builds that environment. Without a GPU the process must start with
-`JAX_PLATFORMS=cpu` (the entry points set it before jax starts), else the plugin fails to initialise and is not
-registered at all.
+ptxas: `./run.sh compile-gpu` builds that environment. Without a GPU, jax must run on its CPU backend
+(`use_cpu_backend()` before any backend starts, or JAX_PLATFORMS=cpu), else the CUDA plugin fails to initialise
+and is not registered at all.
 """
 
 from __future__ import annotations
@@ -67,6 +67,19 @@ class GpuLimits:
             shared_memory_per_block=int(field("shared_memory_per_block_optin")),
             shared_memory_per_sm=int(field("shared_memory_per_core")),
             memory_bandwidth=field("memory_bandwidth"), device_memory=int(field("device_memory_size", 0)))
+
+
+def use_cpu_backend() -> None:
+    """Make jax run on its CPU backend (tracing, the compile-only target's host side): the entry points' first
+    call, before any backend starts; a clear error if one already did on another platform."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        if jax.default_backend() != "cpu":
+            raise RuntimeError(f"jax already runs on {jax.default_backend()!r}; the compile-only target needs its CPU "
+                               "backend: start the process with JAX_PLATFORMS=cpu")
+        return
+    jax.config.update("jax_platforms", "cpu")
 
 
 class CompileTarget:

@@ -1,6 +1,7 @@
 """XLA:GPU's thunk sequence of a compiled program, read from its dump (`xla_dump_to`): what a launch does.
 
-Two files per module: `*.thunk_sequence_after_thunk_passes.txt` (the executed tree: kernels with grid, threads and
+Two files per module: `*.thunk_sequence_after_thunk_passes.txt` (or `*.thunk_sequence.txt` where the thunk passes
+changed nothing: the executed tree: kernels with grid, threads and
 shared memory, command buffers = CUDA graphs, while loops with their condition and body, async starts/dones,
 copies) and `*.thunk_metadata.txt` (each thunk id's HLO instruction, its `profile_annotation`). A kernel line:
 
@@ -109,15 +110,14 @@ def parse_metadata(text: str) -> dict[int, str]:
     return out
 
 
-def load(dump_dir: str | pathlib.Path, module: str | None = None) -> list[Thunk]:
-    """The thunk tree of the (one, or `module`-named) compiled module in a dump directory."""
+def load(dump_dir: str | pathlib.Path) -> list[Thunk]:
+    """The thunk tree of the compiled module in a dump directory: the sequence after XLA's thunk passes (command
+    buffers formed) where they changed it, else the one they started from."""
     d = pathlib.Path(dump_dir)
-    seqs = sorted(d.glob("*thunk_sequence_after_thunk_passes.txt"))
-    if module is not None:
-        seqs = [p for p in seqs if f".{module}." in p.name]
+    seqs = sorted(d.glob("*thunk_sequence_after_thunk_passes.txt")) or sorted(d.glob("*thunk_sequence.txt"))
     if not seqs:
         raise FileNotFoundError(f"no thunk sequence in {d} (compiled with xla_dump_to={d}?)")
     seq = seqs[-1]
-    meta = seq.with_name(seq.name.replace("thunk_sequence_after_thunk_passes", "thunk_metadata"))
-    annotations = parse_metadata(meta.read_text()) if meta.is_file() else {}
+    meta = next(iter(sorted(d.glob("*thunk_metadata.txt"))), None)
+    annotations = parse_metadata(meta.read_text()) if meta is not None else {}
     return parse_sequence(seq.read_text(), annotations)
