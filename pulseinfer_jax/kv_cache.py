@@ -65,7 +65,14 @@ class CacheSpec:
 
 def zeros_on(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> jax.Array:
     """Zeros made where `sharding` says (device or pinned host memory) and committed there; no host copy."""
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    return zeros_program(shape, dtype, sharding)()
+
+
+def zeros_program(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
+    """The jitted allocation `zeros_on` runs (the ahead-of-time check compiles it for the GPU's memory kinds). The
+    put inside gives the result's type the memory space of `sharding` (out_shardings alone leaves a pinned-host
+    array typed as device memory, and the first call of each program it meets compiles once more for it)."""
+    return jax.jit(lambda: jax.device_put(jnp.zeros(shape, dtype), sharding), out_shardings=sharding)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -238,28 +238,3 @@ def test_bad_inputs_raise_clear_errors(q_shape, pool_shape, ids_shape, kw, match
     ids = jnp.zeros(ids_shape, jnp.int32)
     with pytest.raises(ValueError, match=match):
         sparse_decode_attention(q, pool, ids, ids, **kw)
-
-
-@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_lowers_to_triton_ir_for_h100(dtype):
-    """Lower (not compile) through the Pallas Triton lowering with a faked H100: catches unsupported ops and
-    non-power-of-two tensors on CPU. Uses private jax modules; skipped if they moved."""
-    try:
-        from jax._src.pallas.triton import gpu_info, pallas_call_registration
-        h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-    except (ImportError, AttributeError) as e:
-        pytest.skip(f"private Pallas Triton modules changed: {e}")
-    mp = pytest.MonkeyPatch()
-    mp.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h100)
-    try:
-        for b, hkv, group, hd, bs, rows in [(2, 2, 4, 64, 16, 1), (1, 4, 8, 128, 8, 4), (3, 1, 1, 64, 32, 1)]:
-            args = (jax.ShapeDtypeStruct((b, hkv * group, hd), dtype),
-                    jax.ShapeDtypeStruct((9, 2, bs, hkv, hd), dtype),
-                    jax.ShapeDtypeStruct((b, rows, 5), jnp.int32),
-                    jax.ShapeDtypeStruct((b, rows, 5), jnp.int32))
-            text = sparse_decode_attention.trace(*args, split_k=2, interpret=False).lower(
-                lowering_platforms=("cuda",)).as_text()
-            assert "__gpu$xla.gpu.triton" in text
-    finally:
-        mp.undo()

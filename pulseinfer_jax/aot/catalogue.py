@@ -29,7 +29,7 @@ from host_offload.placement import SparseKV
 from models.moe import MoEOptions
 from models.transformer import Transformer
 from pulseinfer_jax import layer_ops, runner, sampling, slot_plan
-from pulseinfer_jax.aot.programs import HOST, Call, Program, Spec, _is_spec, program, spec, specs_of
+from pulseinfer_jax.aot.programs import HOST, PLACED, Call, Program, Spec, _is_spec, program, spec, specs_of
 from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.kv_cache import blocks_for, bucket
 from pulseinfer_jax.offload import pool_sizes
@@ -367,11 +367,11 @@ def _recall_calls(es: EngineShapes, layout: SparseLayout, recall: int, add, host
         if es.host_io == "xla":
             _, stage_blocks, stage_units, _ = _io(es, plan.dense_layers, host_s, dev_s)
             if solo:
-                add(es.program("stage_blocks_outer", "host_io", stage_blocks, (pool, _scalar(HOST), _vec(n, HOST))),
+                add(es.program("stage_blocks_outer", "host_io", stage_blocks, (pool, _scalar(HOST), _vec(n, PLACED))),
                     sl_n)
             else:
                 add(es.program("stage_units_outer", "host_io", stage_units,
-                            (pool, _scalar(HOST), spec((2, n), I32, HOST))), sl_n)
+                            (pool, _scalar(HOST), spec((2, n), I32, PLACED))), sl_n)
         return spec((n, 2, bs, c.num_kv_heads, c.head_dim) if solo else (n, 2, bs, c.head_dim), dt)
     units = recall * c.num_kv_heads if solo else recall
     n = bucket(units)
@@ -409,6 +409,22 @@ def refresh_coarse_program(es: EngineShapes, layout: SparseLayout, blocks: int, 
     return es.program("refresh_coarse", group, layer_ops.refresh_coarse,
                    (layout.meta, layout.meta, layout.coarse_meta, layout.coarse_meta, spec((n, f), I32), _vec(n)),
                    {"sub_blocks": es.config.scoring.sub_blocks})
+
+
+def allocations(es: EngineShapes, shardings, layout: SparseLayout | None = None,
+                num_blocks: int | None = None) -> list[Call]:
+    """The engine's zero-filled pools (kv_cache.zeros_on): the KV cache, and for offloaded requests the key bounds
+    (device) and the host pool (pinned host memory with host_io "xla"). Once per engine, not per step."""
+    from pulseinfer_jax.kv_cache import zeros_program
+
+    nb = layout.num_gpu_blocks if layout is not None else num_blocks
+    arrays = [(es.kv(nb), "device")]
+    if layout is not None:
+        arrays += [(layout.meta, "device"), (layout.coarse_meta, "device")]
+        if es.host_io == "xla":
+            arrays.append((layout.pool, HOST))
+    return [Call(es.program("<lambda>", "alloc", zeros_program(a.shape, a.dtype, shardings(kind)), (),
+                            tag=f"zeros {a.aval}@{kind}"), 0.0) for a, kind in arrays]
 
 
 def sparse_prompt(es: EngineShapes, layout: SparseLayout, prompt_tokens: int, *, shardings=None,

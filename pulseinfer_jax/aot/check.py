@@ -104,7 +104,8 @@ def compile_one(target: CompileTarget, recorder: PtxasRecorder, prog, work: path
     kernels = kernel_reports(tree, reports)
     cost = program_cost(hlo_text, tree)
     violations = []
-    found = {k.name for k in kernels if _is_pallas(k.name, hlo_text)}
+    pallas = _pallas_names(hlo_text)
+    found = {k.name for k in kernels if k.name in pallas}
     for want in prog.pallas:
         if not any(name.startswith(want) for name in found):
             violations.append(f"{want}: no Triton kernel in the compiled program (Pallas interpret mode?)")
@@ -112,8 +113,10 @@ def compile_one(target: CompileTarget, recorder: PtxasRecorder, prog, work: path
         violations += [f"{k.name}: {v}" for v in limit_violations(k, target.limits)]
         if k.spill_stores:
             violations.append(f"{k.name}: {k.spill_stores} bytes of register spill stores")
+    mem = compiled.memory_analysis()
+    memory = {k: getattr(mem, f"{k}_size_in_bytes", 0) for k in ("argument", "output", "alias", "temp")}
     row.update(status="compiled", lower_s=round(t1 - t0, 3), compile_s=round(t2 - t1, 3),
-               cost=cost.as_dict(), violations=violations,
+               cost=cost.as_dict(), violations=violations, memory=memory,
                pallas=sorted(found),
                max_registers=max((k.registers or 0 for k in kernels), default=0),
                max_shared_memory=max((k.shared_memory for k in kernels), default=0),
@@ -124,8 +127,10 @@ def compile_one(target: CompileTarget, recorder: PtxasRecorder, prog, work: path
     return row
 
 
-def _is_pallas(name: str, hlo_text: str) -> bool:
-    return f"/{name}/pallas_call" in hlo_text
+def _pallas_names(hlo_text: str) -> set[str]:
+    """The Pallas kernels of a compiled module, named as the thunk sequence names kernels ('=' / '.' -> '_')."""
+    names = re.findall(r'op_name="[^"]*?/([^/"]+)/pallas_call"', hlo_text)
+    return {re.sub(r"[^A-Za-z0-9_]", "_", n) for n in names}
 
 
 def verdict(row: dict) -> str | None:

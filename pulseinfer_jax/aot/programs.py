@@ -17,11 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 HOST = "pinned_host"
+PLACED = "in_shardings"  # an argument passed as numpy that the program's in_shardings place (no sharding of its own)
 
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """An abstract array argument: shape, dtype and memory kind (None = the device's HBM)."""
+    """An abstract array argument: shape, dtype and memory kind (None = the device's HBM; PLACED: given as numpy,
+    where the jitted function's own in_shardings put it)."""
 
     shape: tuple[int, ...]
     dtype: Any
@@ -29,8 +31,9 @@ class Spec:
 
     @property
     def aval(self) -> str:
-        """The argument as jax prints it in a compile log: `float32[2,3]`."""
-        return f"{jnp.dtype(self.dtype).name}[{','.join(str(d) for d in self.shape)}]"
+        """The argument as jax prints it in a compile log: `float32[2,3]`, `int32<host>[8]` in pinned host memory."""
+        space = "<host>" if self.memory == HOST else ""
+        return f"{jnp.dtype(self.dtype).name}{space}[{','.join(str(d) for d in self.shape)}]"
 
     @property
     def nbytes(self) -> int:
@@ -80,7 +83,8 @@ class Program:
 
     @property
     def signature(self) -> tuple[str, tuple[str, ...]]:
-        """(function name, argument avals in order), the way jax logs the compile of this call."""
+        """(function name, argument avals in order), the way jax logs the compile of this call (jax leaves out the
+        arguments the program does not use: a logged signature is a subsequence of this one)."""
         return self.function, tuple(s.aval for s in _specs(self.args))
 
     @property
@@ -98,7 +102,7 @@ def program(function: str, group: str, fn: Any, args: tuple, statics: dict | Non
             **kw) -> Program:
     """A Program whose key is its function, statics, tag and argument shapes (equal keys = one compile)."""
     statics = statics or {}
-    shapes = " ".join(s.aval + (f"@{s.memory}" if s.memory else "") for s in _specs(args))
+    shapes = " ".join(s.aval for s in _specs(args))
     models = [_short(a) for a in jax.tree.leaves(args, is_leaf=_is_spec) if hasattr(a, "cfg")]
     st = ",".join(models + [f"{k}={_short(v)}" for k, v in sorted(statics.items())])
     key = f"{function}{'[' + tag + ']' if tag else ''}({st}) {shapes}"

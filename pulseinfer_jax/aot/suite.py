@@ -22,13 +22,14 @@ from models.config import ModelConfig
 from models.presets import PRESETS
 from pallas_kernels import block_scoring, gather_scatter, grouped_matmul, sparse_decode_attention
 from pulseinfer_jax.aot import catalogue as cat
-from pulseinfer_jax.aot.programs import Call, Program, program, spec
+from pulseinfer_jax.aot.programs import PLACED, Call, Program, program, spec
 from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.kv_cache import blocks_for, bucket
 
 I32 = jnp.int32
 BF16 = jnp.bfloat16
 HBM_FOR_KV = 0.85  # the engine's default cap: 85% of the free device memory (after the weights)
+CLIENT_MEMORY = 0.75  # of the GPU's memory, what jax's client allocates by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
 NEW_TOKENS = 256  # tokens each request may still generate (reserved by the scheduler)
 MODELS = {"llama-3.1-8b": "llama-3.1-8b", "qwen3-14b": "qwen3-14b-128k", "qwen3-30b-a3b": "qwen3-30b-a3b-128k"}
 BATCHES = (1, 8, 64)
@@ -85,16 +86,34 @@ def prompt_for(cfg: ModelConfig, context: int, new: int = NEW_TOKENS) -> int:
     return min(context, cfg.max_position_embeddings - new)
 
 
+def kv_cap(cfg: ModelConfig, hbm: int) -> int:
+    """The GPU bytes an engine gives its KV (pool + offload metadata + prefill scratch) on a GPU of `hbm` bytes
+    holding the bf16 weights: 85% of what jax's client has left (Engine._kv_byte_cap)."""
+    return int(HBM_FOR_KV * (CLIENT_MEMORY * hbm - 2 * cfg.num_parameters()))
+
+
 def dense_fits(cfg: ModelConfig, batch: int, tokens: int, hbm: int) -> bool:
-    """Whether `batch` dense requests of `tokens` tokens fit the GPU next to the bf16 weights (else the engine
-    would queue them: not a dense point)."""
-    return batch * tokens * cfg.kv_bytes_per_token(2) <= HBM_FOR_KV * (hbm - 2 * cfg.num_parameters())
+    """Whether `batch` dense requests of `tokens` tokens fit the GPU next to the weights (else the engine would
+    queue some of them: not a dense point)."""
+    return batch * tokens * cfg.kv_bytes_per_token(2) <= kv_cap(cfg, hbm)
 
 
-def offload_step(es: cat.EngineShapes, prompts: list[int], recall: int, *, shardings, micro_batches: int = 2,
-                 new: int = NEW_TOKENS) -> list[Call]:
-    """One decode step of `prompts` all offloaded (pools sized for them), at `recall` misses per layer."""
-    layout = cat.SparseLayout.of(es, prompts, new)
+def offload_layout(es: cat.EngineShapes, prompts: list[int], hbm: int, new: int = NEW_TOKENS) -> cat.SparseLayout:
+    """`prompts` submitted together and offloaded, pools sized under an H200's KV cap (`kv_cap`); as many as fit
+    there (the admission would let the rest wait)."""
+    cap = kv_cap(es.model.cfg, hbm)
+    for n in range(len(prompts), 0, -1):
+        try:
+            return cat.SparseLayout.of(es, prompts, new, offloaded=list(range(n)), cap_bytes=cap)
+        except ValueError:
+            continue
+    raise ValueError(f"not one {prompts[0]}-token request of {es.name} fits offloaded in {cap} bytes")
+
+
+def offload_step(es: cat.EngineShapes, prompts: list[int], recall: int, *, shardings, hbm: int,
+                 micro_batches: int = 2) -> list[Call]:
+    """One decode step of `prompts` offloaded (as many as fit an H200), at `recall` misses per layer."""
+    layout = offload_layout(es, prompts, hbm)
     return cat.sparse_decode(es, layout, recall, shardings=shardings, micro_batches=micro_batches)
 
 
@@ -129,12 +148,17 @@ def engine_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -> 
                     sparse = engine(name, ctx, EngineConfig(mode="offload", max_batch=max(BATCHES),
                                                             budget_tokens=budget))
                     typical, largest = typical_recall(sparse, b, 2)
+                    layout = offload_layout(sparse, [prompt] * b, hbm)
                     for recall in ((typical, largest) if b == 8 else (typical,)):
                         suite.add(f"{name}/offload/{ctx}x{b}/budget{budget}/recall{recall}",
-                                  offload_step(sparse, [prompt] * b, recall, shardings=shardings))
+                                  cat.sparse_decode(sparse, layout, recall, shardings=shardings))
+                    suite.add(f"{name}/offload/{ctx}x{b}/budget{budget}/alloc",
+                              cat.allocations(sparse, shardings, layout))
+                    suite.add(f"{name}/offload/{ctx}x{b}/budget{budget}/spill",
+                              cat.sparse_prompt(sparse, layout, prompt, shardings=shardings))
 
 
-def ablation_points(suite: Suite, *, shardings, quick: bool = False) -> None:
+def ablation_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -> None:
     """Every ABLATIONS switch at ABLATION_POINT (offloaded decode, its prompt spill), plus the dense step's other
     layer loop and attention, and the mixture-of-experts model's grouped expert kernels."""
     ctx, b, budget = ABLATION_POINT
@@ -145,7 +169,7 @@ def ablation_points(suite: Suite, *, shardings, quick: bool = False) -> None:
         es = ablation("llama-3.1-8b", ctx, cfg, **backends)
         mbs = cfg.micro_batches or 2
         typical, _ = typical_recall(es, b, mbs)
-        layout = cat.SparseLayout.of(es, [ctx] * b, NEW_TOKENS)
+        layout = offload_layout(es, [ctx] * b, hbm)
         suite.add(f"ablation/{name}/offload/{ctx}x{b}",
                   cat.sparse_decode(es, layout, typical, shardings=shardings, micro_batches=mbs))
         suite.add(f"ablation/{name}/spill/{ctx}", cat.sparse_prompt(es, layout, ctx, shardings=shardings))
@@ -274,8 +298,10 @@ def _host_io_probe(hkv: int, hd: int, shardings) -> list[Call]:
     kv = spec((2, 4, 2, 16, hkv, hd), BF16)
     v2, h = spec((2,), I32), "pinned_host"
     return [Call(program("write_back", "probe", write, (pool, kv, v2, spec((2,), I32, h), spec((), I32)))),
-            Call(program("stage_blocks_outer", "probe", stage_blocks, (pool, spec((), I32, h), spec((2,), I32, h)))),
-            Call(program("stage_units_outer", "probe", stage_units, (pool, spec((), I32, h), spec((2, 2), I32, h)))),
+            Call(program("stage_blocks_outer", "probe", stage_blocks,
+                         (pool, spec((), I32, h), spec((2,), I32, PLACED)))),
+            Call(program("stage_units_outer", "probe", stage_units,
+                         (pool, spec((), I32, h), spec((2, 2), I32, PLACED)))),
             Call(program("fragment", "probe", fragment, (pool, spec((), I32), spec((1,), I32), spec((1,), I32),
                                                          spec((), I32))))]
 
@@ -290,7 +316,7 @@ def build(*, shardings, hbm: int, quick: bool = False) -> Suite:
     if not quick:
         calibration_points(suite)
     engine_points(suite, shardings=shardings, hbm=hbm, quick=quick)
-    ablation_points(suite, shardings=shardings, quick=quick)
+    ablation_points(suite, shardings=shardings, hbm=hbm, quick=quick)
     return suite
 
 

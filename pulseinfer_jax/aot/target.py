@@ -116,8 +116,10 @@ class CompileTarget:
         return NamedSharding(self.mesh, P(), memory_kind=memory_kind)
 
     def struct(self, shape: tuple[int, ...], dtype: Any, memory_kind: str | None = None) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.dtype(dtype),
-                                    sharding=self.sharding(memory_kind))
+        """An abstract argument on this target; memory_kind "in_shardings": none of its own (the program's
+        in_shardings place it, as they do a numpy argument)."""
+        sharding = None if memory_kind == "in_shardings" else self.sharding(memory_kind)
+        return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.dtype(dtype), sharding=sharding)
 
     def abstract(self, tree: Any, memory_kind: str | None = None) -> Any:
         """Every array-like leaf of `tree` (arrays, ShapeDtypeStructs) as a struct on this target."""
@@ -134,3 +136,18 @@ class CompileTarget:
         """XLA:GPU's whole pipeline for this target; `options` are XLA debug options (e.g. xla_dump_to)."""
         with jax.set_mesh(self.mesh):
             return lowered.compile(compiler_options=options or None)
+
+
+def device_target_config(device: jax.Device | None = None) -> str:
+    """The GpuTargetConfigProto (text) XLA compiles for on a real GPU `device` (default: the first device), read
+    from the dump of a trivial compile: the file to replace targets/h200.txtpb with once a GPU run saved it."""
+    import tempfile
+
+    device = device or jax.devices()[0]
+    with tempfile.TemporaryDirectory() as d:
+        x = jax.device_put(jnp.zeros((8,), jnp.float32), device)
+        jax.jit(lambda v: v + 1).lower(x).compile(compiler_options={"xla_dump_to": d})
+        found = sorted(pathlib.Path(d).glob("*gpu_target_config.pbtxt"))
+        if not found:
+            raise RuntimeError(f"XLA wrote no GPU target config for {device.platform} device {device}: not a GPU?")
+        return found[0].read_text()
