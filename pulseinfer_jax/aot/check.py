@@ -145,44 +145,65 @@ def verdict(row: dict) -> str | None:
     return None
 
 
-def _worker(args: tuple) -> list[dict]:
-    """One worker process: its own target, ptxas recorder and suite; compiles programs `keys`."""
-    target_path, keys, quick, work = args
-    use_cpu_backend()
-    from pulseinfer_jax.aot import suite as suite_mod
+def _build(builder: str, target: CompileTarget, options: dict) -> dict:
+    """The programs of `builder` ("module:function", called with the target and `options`; it returns a Suite or
+    a {key: Program} dict)."""
+    import importlib
 
+    module, _, fn = builder.partition(":")
+    out = getattr(importlib.import_module(module), fn)(target, **options)
+    return out.programs if hasattr(out, "programs") else out
+
+
+def _worker(args: tuple) -> list[dict]:
+    """One worker process: its own target, ptxas recorder and programs; compiles programs `keys`."""
+    target_path, builder, options, keys, work = args
+    use_cpu_backend()
     target = CompileTarget.load(target_path)
     work = pathlib.Path(work)
     recorder = PtxasRecorder(pathlib.Path(tempfile.mkdtemp(dir=work)))
-    suite = suite_mod.build(shardings=target.sharding, hbm=target.limits.device_memory, quick=quick)
+    programs = _build(builder, target, options)
     rows = []
     for key in keys:
-        rows.append(compile_one(target, recorder, suite.programs[key], work))
+        rows.append(compile_one(target, recorder, programs[key], work))
         print(f"{rows[-1]['status']:9s} {rows[-1].get('compile_s', rows[-1].get('seconds', 0)):6.2f}s "
               f"{key[:150]}", flush=True)
     return rows
 
 
-def run(target_path: str | None, quick: bool, pattern: str | None, workers: int) -> dict:
-    from pulseinfer_jax.aot import suite as suite_mod
-
-    target = CompileTarget.load(target_path)
-    suite = suite_mod.build(shardings=target.sharding, hbm=target.limits.device_memory, quick=quick)
-    keys = [k for k in suite.programs if pattern is None or re.search(pattern, k)]
+def compile_programs(target_path: str | None, builder: str, options: dict, keys: list[str],
+                     workers: int) -> list[dict]:
+    """Compile programs `keys` of `builder` (see _build) in `workers` processes (each builds the programs
+    itself: they hold jitted functions, which do not travel between processes); rows in the order of `keys`."""
     work = pathlib.Path(tempfile.mkdtemp(prefix="pulseinfer-aot-"))
-    t0 = time.perf_counter()
     try:
         if workers <= 1:
-            rows = _worker((target_path, keys, quick, str(work)))
+            rows = _worker((target_path, builder, options, keys, str(work)))
         else:
             shares = [keys[i::workers] for i in range(workers)]
             with concurrent.futures.ProcessPoolExecutor(workers) as pool:
-                rows = [r for part in pool.map(_worker, [(target_path, s, quick, str(work)) for s in shares])
-                        for r in part]
+                rows = [r for part in pool.map(_worker, [(target_path, builder, options, sh, str(work))
+                                                         for sh in shares]) for r in part]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     order = {k: i for i, k in enumerate(keys)}
-    rows.sort(key=lambda r: order[r["key"]])
+    return sorted(rows, key=lambda r: order[r["key"]])
+
+
+def suite_programs(target: CompileTarget, quick: bool = False):
+    """The compile check's programs (suite.build) for `target`."""
+    from pulseinfer_jax.aot import suite as suite_mod
+
+    return suite_mod.build(shardings=target.sharding, hbm=target.limits.device_memory, quick=quick)
+
+
+def run(target_path: str | None, quick: bool, pattern: str | None, workers: int) -> dict:
+    target = CompileTarget.load(target_path)
+    suite = suite_programs(target, quick)
+    keys = [k for k in suite.programs if pattern is None or re.search(pattern, k)]
+    t0 = time.perf_counter()
+    rows = compile_programs(target_path, "pulseinfer_jax.aot.check:suite_programs", {"quick": quick}, keys, workers)
+    order = set(keys)
     steps = {name: [{"key": c.program.key, "count": c.count} for c in calls] for name, calls in suite.steps.items()
              if all(c.program.key in order for c in calls)}
     return {"target": {"source": str(target.source), "limits": dataclasses.asdict(target.limits)},

@@ -1,0 +1,349 @@
+"""Predicted H200 decode throughput of bench/decode_throughput.py's systems, read from their compiled programs.
+
+    ./run.sh gpu-python bench/predict.py [--points A,B] [--h2d 50e9] [--out DIR]
+
+No GPU runs. Each system's decode step at the GPU suite's points (bench/gpu_suite.sh: A = 8 requests of 32K tokens
+under a 16 GiB GPU KV budget, B = 4 of 128K under 33 GiB; random Llama-3.1-8B, bf16, budget 2,048) is built as the
+engine builds it (pulseinfer_jax/aot/catalogue.py: pool sizes, the IOAA admission of every request at once as
+Scheduler.admit makes it, the dense requests' step and the offloaded ones' micro-batches), compiled for the
+compile-only H200 and costed (pulseinfer_jax/aot/cost.py: HBM bytes, kernel launches, host syncs). Recall per
+sparse layer is the replayed SmolLM2 trace's (bench/results/traces, as the bench replays it: each engine
+layer the trace layer at its relative depth) through the system's slot caches (LRU, host_offload/slot_cache.py).
+
+Time model (stated, not measured; each term printed):
+  GPU time of a program        bytes / bandwidth + launches x t_launch   (t_launch, t_sync calibrated below)
+  host sync                    t_sync per read of a layer's plan (one per sparse layer and micro-batch)
+  recall of a layer            host gather (bytes / gather rate) + bytes / h2d + t_copy per copy
+  a sparse layer, 1 micro-batch   pre + sync + recall + land              (recall="sync")
+                                  pre + sync + max(recall, early) + land  (interruptible: early attention hides it)
+                                  pre + max(sync + recall, early) + land  (eager: queued before the plan is read)
+  a sparse layer, 2 micro-batches max(GPU time of both, the slower one's chain pre + sync + recall + land)
+Calibration (`calibrate`): bench/dense_decode.py's measured configuration (scan + jnp attention, its KV pool and
+tables, 8 steps each ending in a host sync) compiled at the six rows of bench/results/gpu_h200_run1; t_launch and
+t_sync fitted by least squares of measured - bytes / bandwidth on (launches, 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from bench.common import RESULTS, write_result  # noqa: E402
+
+POINTS = {"A": dict(prompt=32768, batch=8, gpu_kv_budget=16 << 30, warm=6, steps=12),
+          "B": dict(prompt=130816, batch=4, gpu_kv_budget=33 << 30, warm=4, steps=8)}
+TRACE = "smollm2"
+MEASURED = RESULTS / "gpu_h200_run1" / "dense_decode_gpu.json"
+DEFAULT_H2D = 50e9  # pinned host -> H200 over PCIe Gen5 (DESIGN.md: ~50-55 GB/s for large copies)
+T_COPY = 5e-6  # fixed cost of one host-to-device copy (DESIGN.md: ~5-7 us per call)
+GATHER_RATE_FILE = RESULTS / "host_gather_cpu.json"
+
+
+# ---- the programs ------------------------------------------------------------------------------
+def _engine_config(system: str, point: dict):
+    from bench.decode_throughput import SYSTEMS
+    from pulseinfer_jax import EngineConfig
+
+    new = point["warm"] + point["steps"] + 2 * point["batch"] + 6  # bench/decode_throughput.run_point's max_new
+    base = dict(block_size=16, budget_tokens=2048, dense_layers=2, max_batch=8, gpu_kv_budget=point["gpu_kv_budget"],
+                progress=False, prefill_chunk=512)
+    cfg = EngineConfig(**{**base, **SYSTEMS[system]})
+    if system == "pulseinfer-min-reuse":
+        cfg = dataclasses.replace(cfg, slot_cache_blocks=cfg.budget_blocks - cfg.sink_blocks - cfg.window_blocks)
+    backends = {"attention": "pallas", "layer_loop": cfg.layer_loop if cfg.layer_loop != "auto" else "layerwise",
+                "host_io": cfg.host_io if cfg.host_io != "auto" else "xla"}
+    return cfg, backends, new
+
+
+def admission(cfg, model_cfg, prompts: list[int], new: int, h2d: float) -> tuple[list[str], object]:
+    """How the engine places requests submitted together (Scheduler.admit at the first step, everything waiting):
+    the placement per request ("dense" / "offload" / "wait") and the pool sizes."""
+    from pulseinfer_jax.aot.catalogue import _Request
+    from pulseinfer_jax.ioaa import Candidate, IOAAConfig, admit_batch
+    from pulseinfer_jax.kv_cache import blocks_for
+    from pulseinfer_jax.offload import pool_sizes
+    from pulseinfer_jax.scheduler import FixedStepTime
+
+    reqs = [_Request(n, new) for n in prompts]
+    meta_item = cfg.scoring.metadata_dtype("bfloat16").itemsize
+    sizes = pool_sizes(cfg, model_cfg, 2, meta_item, reqs, cfg.gpu_kv_budget)
+    capacity = sizes.num_blocks - 1
+    cands = []
+    for i, r in enumerate(reqs):
+        dense = blocks_for(r.need_tokens, cfg.block_size)
+        if sizes.plan is None:
+            cands.append(Candidate(i, dense, capacity + 1, 0.0))
+        else:
+            p = sizes.plan
+            block_bytes = 2 * cfg.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * 2
+            cands.append(Candidate(i, dense, p.gpu_blocks(r.need_tokens), float(p.middle_blocks * block_bytes
+                                                                                * p.sparse_layers)))
+    decisions = dict(admit_batch(cands, mode=cfg.mode, free_blocks=capacity, running=0, offloaded_recall_bytes=0.0,
+                                 observed_step_time_s=None, cost=FixedStepTime(cfg.ioaa_step_time_s),
+                                 config=IOAAConfig(h2d_bytes_per_s=h2d, slack=cfg.ioaa_slack), max_batch=cfg.max_batch,
+                                 queued_dense_blocks=sum(c.dense_blocks for c in cands)))
+    return [decisions.get(i, "wait") for i in range(len(reqs))], sizes
+
+
+def lru_misses(cfg, plan, trace, point: dict) -> np.ndarray:
+    """Mean misses per engine sparse layer and request over the bench's timed steps, replaying `trace` through
+    LRU slot caches of the engine's capacity (per lane; headwise lanes replay trace lane h % S)."""
+    from host_offload.slot_cache import SlotCache
+
+    r_count, t_count, ls_t, s_t, _ = trace.sel.shape
+    tl = np.round(np.arange(plan.sparse_layers) * (ls_t - 1) / max(1, plan.sparse_layers - 1)).astype(int)
+    lanes = [h % s_t for h in range(plan.lanes)]
+    steps = range(point["warm"] + point["steps"])
+    per_lane = np.zeros((r_count, ls_t, s_t))
+    for r in range(r_count):
+        for layer in sorted(set(tl)):
+            for lane in sorted(set(lanes)):
+                cache = SlotCache(plan.slot_blocks)
+                counted = 0
+                for t in steps:
+                    want = [int(j) for j in trace.sel[r, t % t_count, layer, lane] if j >= 0]
+                    _, missed = cache.plan(want)
+                    if t >= point["warm"]:
+                        per_lane[r, layer, lane] += len(missed)
+                        counted += 1
+                per_lane[r, layer, lane] /= max(1, counted)
+    per_request = per_lane[:, :, lanes].sum(axis=2)  # [R, Ls_t]: every engine lane's misses
+    return per_request.mean(axis=0)[tl]  # [SL]: a request's mean misses per engine sparse layer
+
+
+@dataclasses.dataclass
+class SystemStep:
+    """One system's decode step at one point: which programs run how often, and the recall of each layer."""
+
+    system: str
+    point: str
+    placements: list[str]
+    dense: list  # Calls of the dense requests' step
+    sparse: dict  # recall bucket -> Calls of the offloaded step at that recall (per layer and micro-batch)
+    misses: list[float]  # per sparse layer: misses per micro-batch (mean over the timed steps)
+    micro_batches: int
+    config: object
+    backends: dict
+    unit_bytes: int  # bytes of one recalled entry (a block of every head, or one head's)
+    copies_per_miss: int  # host-to-device copies per recalled entry (fragmented: 1, coalesced: per layer)
+
+
+def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemStep:
+    from bench.traces import load_trace
+    from models.config import ModelConfig
+    from models.presets import PRESETS
+    from pulseinfer_jax.aot import catalogue as cat
+
+    point = POINTS[point_name]
+    model_cfg = ModelConfig.from_hf_dict(PRESETS["llama-3.1-8b"], name="llama-3.1-8b")
+    cfg, backends, new = _engine_config(system, point)
+    prompts = [point["prompt"]] * point["batch"]
+    placements, sizes = admission(cfg, model_cfg, prompts, new, h2d)
+    dense_idx = [i for i, p in enumerate(placements) if p == "dense"]
+    off_idx = [i for i, p in enumerate(placements) if p == "offload"]
+    nb = sizes.num_blocks + sizes.scratch
+    dense_calls, sparse_calls, misses, mbs = [], {}, [], 1
+    if dense_idx:
+        es = cat.EngineShapes.of(model_cfg, "bfloat16", dataclasses.replace(cfg, mode="dense"), **backends)
+        dense_calls = cat.dense_decode(es, [prompts[i] for i in dense_idx], new, num_blocks=nb)
+    unit, copies = 0, 1
+    if off_idx:
+        es = cat.EngineShapes.of(model_cfg, "bfloat16", cfg, **backends)
+        layout = cat.SparseLayout.of(es, prompts, new, offloaded=off_idx, cap_bytes=cfg.gpu_kv_budget)
+        mbs = max(1, min(cfg.micro_batches or 2, len(off_idx)))
+        trace = load_trace(RESULTS / "traces" / f"{TRACE}_{cfg.selection}_b{cfg.budget_tokens}.npz")
+        per_request = lru_misses(cfg, layout.plan, trace, point)
+        misses = [float(m) * len(off_idx) / mbs for m in per_request]
+        from pulseinfer_jax.kv_cache import bucket
+
+        for r in sorted({bucket(max(1, round(m))) for m in misses}):
+            sparse_calls[r] = cat.sparse_decode(es, layout, r, shardings=shardings, micro_batches=mbs)
+        c = model_cfg
+        block = 2 * cfg.block_size * c.num_kv_heads * c.head_dim * 2
+        unit = block if cfg.selection == "solohead" else block // c.num_kv_heads
+        if cfg.io == "fragmented":
+            unit, copies = block // c.num_kv_heads, 0  # one copy per (block, head)
+            if cfg.selection == "solohead":
+                misses = [m * c.num_kv_heads for m in misses]
+    return SystemStep(system, point_name, placements, dense_calls, sparse_calls, misses, mbs, cfg, backends, unit,
+                      copies)
+
+
+def steps_for(target, points: list[str], h2d: float, systems: list[str]) -> list[SystemStep]:
+    return [system_step(s, p, h2d, target.sharding) for p in points for s in systems]
+
+
+def predict_programs(target, points: str = "A,B", h2d: float = DEFAULT_H2D, systems: str = "") -> dict:
+    """Every program of the prediction (and the calibration), for check.compile_programs' workers."""
+    from bench.decode_throughput import SYSTEMS
+
+    out = {c.program.key: c.program for calls in calibration_steps().values() for c in calls}
+    for st in steps_for(target, points.split(","), h2d, systems.split(",") if systems else list(SYSTEMS)):
+        for c in st.dense + [c for calls in st.sparse.values() for c in calls]:
+            out.setdefault(c.program.key, c.program)
+    return out
+
+
+# ---- the time model ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Model:
+    bandwidth: float
+    t_launch: float
+    t_sync: float
+    h2d: float
+    t_copy: float
+    gather_rate: float  # host gather bytes/s (XLA host computation)
+
+    def gpu(self, cost: dict, count: float = 1.0) -> float:
+        return count * (cost["bytes"] / self.bandwidth + cost["launches"] * self.t_launch)
+
+
+def calibrate(rows: dict, bandwidth: float) -> dict:
+    """t_launch, t_sync from the measured dense rows (see the module docstring); with the fit's errors."""
+    measured = json.loads(MEASURED.read_text())["grid"]
+    xs, ys, names = [], [], []
+    for m in measured:
+        name = f"calibration/{m['context']}x{m['batch']}"
+        calls = calibration_steps()[name]
+        b = sum(rows[c.program.key]["cost"]["bytes"] * c.count for c in calls)
+        n = sum(rows[c.program.key]["cost"]["launches"] * c.count for c in calls)
+        xs.append((n, 1.0))
+        ys.append(m["step_s_median"] - b / bandwidth)
+        names.append((name, m["step_s_median"], b, n))
+    (t_launch, t_sync), *_ = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)
+    fit = []
+    for (name, meas, b, n) in names:
+        pred = b / bandwidth + n * t_launch + t_sync
+        fit.append({"point": name, "measured_s": meas, "predicted_s": pred, "ratio": pred / meas, "bytes": b,
+                    "launches": n})
+    return {"t_launch": float(t_launch), "t_sync": float(t_sync), "rows": fit,
+            "max_error": max(abs(f["ratio"] - 1) for f in fit)}
+
+
+def calibration_steps() -> dict:
+    from pulseinfer_jax.aot import suite
+
+    s = suite.Suite({}, {})
+    suite.calibration_points(s)
+    return s.steps
+
+
+def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
+    """Predicted seconds of one decode step (module docstring), with its terms."""
+    from pulseinfer_jax.kv_cache import bucket
+
+    cost = {k: r["cost"] for k, r in rows.items()}
+    dense_s = sum(m.gpu(cost[c.program.key], c.count) for c in st.dense)
+    dense_bytes = sum(cost[c.program.key]["bytes"] * c.count for c in st.dense)
+    out = {"system": st.system, "point": st.point, "placements": {p: st.placements.count(p) for p in
+                                                                  ("dense", "offload", "wait")},
+           "dense_s": dense_s, "dense_bytes": dense_bytes}
+    if not st.sparse:
+        out.update(step_s=dense_s, sparse_s=0.0, recall_bytes=0.0)
+        return out
+    cfg = st.config
+    per_layer_fn = {"sparse_pre", "attend", "land_attend_finish", "stage_blocks_outer", "stage_units_outer",
+                    "fragment"}
+    sl = len(st.misses)
+    layers_s, recall_bytes, host_s, syncs = 0.0, 0.0, 0.0, 0
+    fixed_s = None
+    for miss in st.misses:
+        calls = st.sparse[bucket(max(1, round(miss)))]
+        by = {}
+        for c in calls:
+            if c.program.function in per_layer_fn:
+                by[c.program.function] = by.get(c.program.function, 0.0) + m.gpu(cost[c.program.key], c.count / sl)
+        if fixed_s is None:  # embed, dense layers, logits, write-back, key bounds, sampling: once per step
+            fixed_s = sum(m.gpu(cost[c.program.key], c.count) for c in calls if c.program.function not in per_layer_fn)
+        k = st.micro_batches
+        pre, early, land = by.get("sparse_pre", 0.0) / k, by.get("attend", 0.0) / k, by.get("land_attend_finish",
+                                                                                              0.0) / k
+        host = (by.get("stage_blocks_outer", 0.0) + by.get("stage_units_outer", 0.0)) / k  # host programs, if any
+        nbytes = miss * st.unit_bytes
+        copies = 1 if st.copies_per_miss else miss
+        recall = nbytes / m.gather_rate + nbytes / m.h2d + copies * m.t_copy if miss else 0.0
+        recall_bytes += nbytes * k
+        host_s += host * k
+        syncs += k
+        chain = {"sync": pre + m.t_sync + recall + early + land,
+                 "interruptible": pre + m.t_sync + max(recall, early) + land,
+                 "eager": pre + max(m.t_sync + recall, early) + land}[cfg.recall]
+        if k == 1:
+            layers_s += chain
+        else:
+            layers_s += max(k * (pre + early + land), chain)
+    sparse_s = layers_s + (fixed_s or 0.0)
+    out.update(sparse_s=sparse_s, step_s=dense_s + sparse_s, recall_bytes=recall_bytes,
+               recall_s_per_layer=recall_bytes / sl / m.h2d, plan_syncs=syncs, micro_batches=st.micro_batches,
+               misses_per_layer_mean=float(np.mean(st.misses)))
+    return out
+
+
+def main() -> int:
+    from bench.decode_throughput import SYSTEMS
+    from pulseinfer_jax.aot import check
+    from pulseinfer_jax.aot.cost import H200_STREAM_BW
+    from pulseinfer_jax.aot.target import CompileTarget, use_cpu_backend
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--points", default="A,B")
+    ap.add_argument("--systems", default="", help=f"comma list (default all: {', '.join(SYSTEMS)})")
+    ap.add_argument("--h2d", type=float, default=DEFAULT_H2D, help="host-to-device bytes/s (IOAA and the model)")
+    ap.add_argument("--gather-rate", type=float, default=None,
+                    help="host gather bytes/s (default: bench/results/host_gather_cpu.json's XLA rate)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    use_cpu_backend()
+    target = CompileTarget.load(a.target)
+    systems = a.systems.split(",") if a.systems else list(SYSTEMS)
+    opts = {"points": a.points, "h2d": a.h2d, "systems": ",".join(systems)}
+    programs = predict_programs(target, **opts)
+    rows = check.compile_programs(a.target, "bench.predict:predict_programs", opts, list(programs), a.workers)
+    bad = [r for r in rows if r["status"] != "compiled"]
+    if bad:
+        raise SystemExit(f"{len(bad)} programs did not compile: {bad[0]['key'][:200]}: {bad[0].get('error')}")
+    rows = {r["key"]: r for r in rows}
+    cal = calibrate(rows, H200_STREAM_BW)
+    gather = a.gather_rate or _gather_rate()
+    model = Model(H200_STREAM_BW, cal["t_launch"], cal["t_sync"], a.h2d, T_COPY, gather)
+    preds = []
+    for st in steps_for(target, a.points.split(","), a.h2d, systems):
+        p = predict_step(st, rows, model)
+        batch = p["placements"]["dense"] + p["placements"]["offload"]
+        p["tokens_per_s"] = batch / p["step_s"]
+        preds.append(p)
+        print(f"{p['point']} {p['system']:26s} {p['placements']} step {p['step_s'] * 1e3:8.2f} ms "
+              f"({p['tokens_per_s']:7.1f} tok/s)", flush=True)
+    ratios = {}
+    for point in a.points.split(","):
+        tps = {p["system"]: p["tokens_per_s"] for p in preds if p["point"] == point}
+        if "pulseinfer" in tps:
+            ratios[point] = {f"pulseinfer/{s}": tps["pulseinfer"] / tps[s] for s in ("dense", "offload-headwise")
+                             if s in tps}
+    print("calibration", {k: v for k, v in cal.items() if k != "rows"}, "ratios", ratios)
+    path = write_result("h200_predict", {"model": dataclasses.asdict(model), "calibration": cal, "points": POINTS,
+                                         "trace": TRACE, "predictions": preds, "ratios": ratios,
+                                         "programs": {k: {"cost": r["cost"], "compile_s": r.get("compile_s")}
+                                                      for k, r in rows.items()}}, a.out)
+    print(f"wrote {path}")
+    return 0
+
+
+def _gather_rate() -> float:
+    if GATHER_RATE_FILE.is_file():
+        d = json.loads(GATHER_RATE_FILE.read_text())
+        return float(d["predict_rate_bytes_per_s"])
+    return 10e9
+
+
+if __name__ == "__main__":
+    sys.exit(main())
