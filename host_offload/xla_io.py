@@ -1,19 +1,25 @@
-"""Host I/O backend "xla": the pool is a jax array on `pinned_host`, host gathers are XLA host computations.
+"""Host I/O backend "xla": the pool is a jax array on `pinned_host`, its transfers are XLA programs.
 
-This is PulseInfer's intended path on a GPU: the pool is page-locked DRAM the GPU's copy engines read
-directly; a coalesced recall gathers the selected blocks on the host (`compute_on("device_host")`) into one
-pinned staging buffer and moves it with one asynchronous `device_put`. Every call is asynchronous.
+This is PulseInfer's intended path on a GPU: the pool is page-locked DRAM the GPU's copy engines read and write
+directly. What each program compiles to for an H200 (read from its optimised HLO and thunks by the ahead-of-time
+check, pulseinfer_jax/aot; bench/RESULTS.md "Host offload on the GPU"):
 
-  - write_back: one gather of the blocks on the device, one device-to-host copy, then a dynamic-update-slice
-    loop computed on the host (XLA's host scatter has crashed on pinned_host, openxla/xla#34565; DUS is the
-    supported path). The pool is donated.
-  - stage_blocks / stage_units: the host gather into a pinned staging buffer (indices clipped: `fill` breaks
-    with a memory-space mismatch); `to_device`: the one host-to-device copy.
-  - fragment_units: one host-to-device copy per (block, head) unit, issued by XLA from a loop of dynamic
-    slices of the host pool (XLA turns host->device dynamic slices into copies).
+  - write_back: one device gather of the blocks, then per block one dynamic-update-slice of the host pool, which
+    XLA issues as an asynchronous device-to-host copy into the block's row (`dynamic-update-slice-start/done`), in
+    a loop of known trip count (padding entries write zeros into the null row). The pool is donated and updated in
+    place. (A host computation doing the update,
+    `compute_on("device_host")`, compiled to a copy of the whole pool after it: the pool's size per write-back.)
+  - stage_blocks / stage_units: a host computation (`compute_on("device_host")`: one `HostExecute`, XLA:CPU code)
+    gathers the blocks into a pinned staging buffer (indices clipped: `fill` breaks with a memory-space mismatch);
+    `to_device` is then ONE host-to-device copy of it: a coalesced recall is a host gather plus one DMA.
+  - fragment_units: per (block, head) unit one dynamic slice of the host pool moved to the device, which XLA issues
+    as an asynchronous host-to-device copy (`dynamic-slice-start/done`), in a loop of known trip count: one small
+    copy per unit, the per-head offloading baseline. Padding entries copy the null row's unit.
+Inside the programs, placements use memory spaces (`jax.memory.Space`), not shardings, so the same code compiles
+the same way for a compile-only GPU (whose shardings carry no memory kind). Every call is asynchronous.
 
-On the CPU backend the same code runs on the emulated memory kinds (the tests); whether a GPU's XLA accepts
-all of it is checked at start-up by `host_pool.probe_host_io` (the engine falls back to "numpy" if not).
+On the CPU backend the same code runs on the emulated memory kinds (the tests); whether a GPU's XLA accepts all
+of it is checked at start-up by `host_pool.probe_host_io` (the engine falls back to "numpy" if not).
 """
 
 from __future__ import annotations
@@ -59,8 +65,8 @@ class XlaHostIO:
     # ---- transfers -----------------------------------------------------------------------------
     def write_back(self, pool: Float[Array, "Ls R 2 bs Hkv hd"], kv: Float[Array, "L NB 2 bs Hkv hd"],
                    blocks: np.ndarray, rows: np.ndarray, count: int) -> Array:
-        """blocks / rows: [n] int32 padded (past `count`: block 0 into the null row)."""
-        return self._write(pool, kv, jnp.asarray(blocks), jax.device_put(rows, self.host), jnp.int32(count))
+        """blocks / rows: [n] int32 padded past `count` (padding writes zeros into the null row 0)."""
+        return self._write(pool, kv, jnp.asarray(blocks), jnp.asarray(rows), jnp.int32(count))
 
     def stage_blocks(self, pool: Array, layer: int, rows: np.ndarray) -> Float[Array, "n 2 bs Hkv hd"]:
         return self._stage_blocks(pool, self._layer(layer)[0], rows)  # rows: numpy, put on the host by the call
@@ -73,32 +79,28 @@ class XlaHostIO:
 
     def fragment_units(self, pool: Array, layer: int, rows: np.ndarray, heads: np.ndarray,
                        count: int) -> Float[Array, "n 2 bs hd"]:
-        return self._fragment(pool, self._layer(layer)[1], jnp.asarray(rows), jnp.asarray(heads), jnp.int32(count))
+        """rows / heads: [n] padded past `count` with the null row's unit (copied too: a known trip count)."""
+        return self._fragment(pool, self._layer(layer)[1], jnp.asarray(rows), jnp.asarray(heads))
 
 
 @functools.cache
 def transfers(host: jax.sharding.Sharding, dev: jax.sharding.Sharding, first_layer: int) -> tuple:
     """The jitted transfers (write_back, stage_blocks, stage_units, fragment) between a device's HBM (`dev`) and its
     pinned host memory (`host`) for pools whose layer 0 is GPU layer `first_layer`; shared by every pool there, so
-    engines reuse the compiles. (Shardings, not a device: the ahead-of-time check builds them for compile-only
-    devices, pulseinfer_jax/aot.)"""
-
-    @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-    @jax.jit
-    def scatter_rows(pool, staged, rows, count):
-        def body(i, p):
-            blk = jax.lax.dynamic_slice_in_dim(staged, i, 1, axis=1)
-            return jax.lax.dynamic_update_slice(p, blk, (0, rows[i], 0, 0, 0, 0))
-
-        return jax.lax.fori_loop(0, count, body, pool)
+    engines reuse the compiles. The shardings place the calls' inputs and outputs; inside, memory spaces place
+    values (see the module docstring)."""
+    on_host, on_device = jax.memory.Space.Host, jax.memory.Space.Device
 
     def write_back(pool: Array, kv: Array, blocks: Int[Array, " n"], rows: Int[Array, " n"],
                    count: Int[Array, ""]) -> Array:
-        staged = jax.device_put(kv[first_layer:, blocks], host)  # [Ls, n, 2, bs, Hkv, hd]: one D2H copy
-        # the pool already lives on pinned_host; the explicit put gives its traced value the host memory space,
-        # which compute_on's dynamic_update_slice requires of all operands (it fails without)
-        return scatter_rows(jax.device_put(pool, host), staged, jax.device_put(rows, host),
-                            jax.device_put(count, host))
+        staged = kv[first_layer:, blocks]  # [Ls, n, 2, bs, Hkv, hd]: one gather on the device
+        pool = jax.device_put(pool, on_host)  # (the traced value's memory space; a no-op for the data)
+
+        def body(i, p):  # one device-to-host copy per block, into its row (padding: zeros into the null row)
+            blk = jnp.where(i < count, jax.lax.dynamic_slice_in_dim(staged, i, 1, axis=1), 0)
+            return jax.lax.dynamic_update_slice(p, jax.device_put(blk, on_host), (0, rows[i], 0, 0, 0, 0))
+
+        return jax.lax.fori_loop(0, blocks.shape[0], body, pool)
 
     @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
     @jax.jit
@@ -106,10 +108,9 @@ def transfers(host: jax.sharding.Sharding, dev: jax.sharding.Sharding, first_lay
         return jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False).at[rows].get(mode="clip")
 
     def stage_blocks_outer(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"]) -> Array:
-        # the traced values get the host memory space explicitly (a pool no write-back has touched yet comes in
-        # without it, and so do the arguments in_shardings placed on the host: the host gather then fails on mixed
-        # memory spaces); a no-op for the data
-        return stage_blocks(*(jax.device_put(a, host) for a in (pool, layer, rows)))
+        # every operand of the host computation in the host memory space (an argument in_shardings placed on the
+        # host comes in typed as device memory: the host gather then fails on mixed memory spaces); no data moves
+        return stage_blocks(*(jax.device_put(a, on_host) for a in (pool, layer, rows)))
 
     @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
     @jax.jit
@@ -118,23 +119,23 @@ def transfers(host: jax.sharding.Sharding, dev: jax.sharding.Sharding, first_lay
         return p.at[rows_heads[0], :, :, rows_heads[1]].get(mode="clip")  # [n, 2, bs, hd]
 
     def stage_units_outer(pool: Array, layer: Int[Array, ""], rows_heads: Int[Array, "2 n"]) -> Array:
-        return stage_units(*(jax.device_put(a, host) for a in (pool, layer, rows_heads)))  # (as stage_blocks_outer)
+        return stage_units(*(jax.device_put(a, on_host) for a in (pool, layer, rows_heads)))  # (as stage_blocks_outer)
 
-    def fragment(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"], heads: Int[Array, " n"],
-                 count: Int[Array, ""]) -> Array:
+    def fragment(pool: Array, layer: Int[Array, ""], rows: Int[Array, " n"], heads: Int[Array, " n"]) -> Array:
         _, _, _, bs, _, hd = pool.shape
         n = rows.shape[0]
+        pool = jax.device_put(pool, on_host)
 
-        def body(i, out):
+        def body(i, out):  # one host-to-device copy per (block, head) unit
             unit = jax.lax.dynamic_slice(pool, (layer, rows[i], 0, 0, heads[i], 0), (1, 1, 2, bs, 1, hd))
-            return out.at[i].set(jax.device_put(unit, dev).reshape(2, bs, hd))  # one H2D copy per unit
+            unit = jax.device_put(unit, on_device).reshape(1, 2, bs, hd)
+            return jax.lax.dynamic_update_slice(out, unit, (i, 0, 0, 0))
 
-        out = jnp.zeros((n, 2, bs, hd), pool.dtype, device=dev)
-        return jax.lax.fori_loop(0, count, body, out)
+        return jax.lax.fori_loop(0, n, body, jnp.zeros((n, 2, bs, hd), pool.dtype))
 
     # the stage calls take their index arrays as numpy and place them in pinned host memory themselves
     # (in_shardings): one call per recall instead of a device_put and a call (~70 us less per recall on CPU)
-    on_host = (host, host, host)
+    placed = (host, host, host)
     return (jax.jit(write_back, donate_argnums=0, out_shardings=host),
-            jax.jit(stage_blocks_outer, in_shardings=on_host, out_shardings=host),
-            jax.jit(stage_units_outer, in_shardings=on_host, out_shardings=host), jax.jit(fragment, out_shardings=dev))
+            jax.jit(stage_blocks_outer, in_shardings=placed, out_shardings=host),
+            jax.jit(stage_units_outer, in_shardings=placed, out_shardings=host), jax.jit(fragment, out_shardings=dev))

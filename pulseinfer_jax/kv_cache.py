@@ -68,11 +68,22 @@ def zeros_on(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> 
     return zeros_program(shape, dtype, sharding)()
 
 
-def zeros_program(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
-    """The jitted allocation `zeros_on` runs (the ahead-of-time check compiles it for the GPU's memory kinds). The
-    put inside gives the result's type the memory space of `sharding` (out_shardings alone leaves a pinned-host
-    array typed as device memory, and the first call of each program it meets compiles once more for it)."""
-    return jax.jit(lambda: jax.device_put(jnp.zeros(shape, dtype), sharding), out_shardings=sharding)
+def zeros_program(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding, memory_kind: str | None = None):
+    """The jitted allocation `zeros_on` runs, in `memory_kind` (default: the sharding's; the ahead-of-time check
+    passes it for compile-only devices, whose shardings carry none). The put inside gives the result's type that
+    memory space (out_shardings alone leaves a pinned-host array typed as device memory, and the first call of
+    each program it meets compiles once more for it)."""
+    if (memory_kind or sharding.memory_kind) != "pinned_host":
+        return jax.jit(lambda: jax.device_put(jnp.zeros(shape, dtype), jax.memory.Space.Device), out_shardings=sharding)
+    from jax.experimental.compute_on import compute_on
+
+    # written by the host, in place: zeros made on the device and copied over would need the pool's size in HBM
+    @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    @jax.jit
+    def host_zeros():
+        return jnp.zeros(shape, dtype)
+
+    return jax.jit(host_zeros, out_shardings=sharding)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

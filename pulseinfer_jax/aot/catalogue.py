@@ -377,7 +377,7 @@ def _recall_calls(es: EngineShapes, layout: SparseLayout, recall: int, add, host
     n = bucket(units)
     if es.host_io == "xla":
         fragment = _io(es, plan.dense_layers, host_s, dev_s)[3]
-        add(es.program("fragment", "host_io", fragment, (pool, _scalar(), _vec(n), _vec(n), _scalar())), sl_n)
+        add(es.program("fragment", "host_io", fragment, (pool, _scalar(), _vec(n), _vec(n))), sl_n)
     return spec((n, 2, bs, c.head_dim), dt)
 
 
@@ -389,7 +389,7 @@ def write_back_programs(es: EngineShapes, layout: SparseLayout, blocks: int, hos
     first = layout.plan.dense_layers
     if es.host_io == "xla":
         write = _io(es, first, host_s, dev_s)[0]
-        return [es.program("write_back", "host_io", write, (layout.pool, kv, _vec(n), _vec(n, HOST), _scalar()))]
+        return [es.program("write_back", "host_io", write, (layout.pool, kv, _vec(n), _vec(n), _scalar()))]
     return [es.program("<lambda>", "host_io", numpy_io._device_gather(first), (kv, _vec(n)), tag="device_gather")]
 
 
@@ -423,7 +423,8 @@ def allocations(es: EngineShapes, shardings, layout: SparseLayout | None = None,
         arrays += [(layout.meta, "device"), (layout.coarse_meta, "device")]
         if es.host_io == "xla":
             arrays.append((layout.pool, HOST))
-    return [Call(es.program("<lambda>", "alloc", zeros_program(a.shape, a.dtype, shardings(kind)), (),
+    return [Call(es.program("host_zeros" if kind == HOST else "<lambda>", "alloc",
+                            zeros_program(a.shape, a.dtype, shardings(kind), kind), (),
                             tag=f"zeros {a.aval}@{kind}"), 0.0) for a, kind in arrays]
 
 

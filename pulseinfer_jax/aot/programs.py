@@ -95,7 +95,8 @@ class Program:
         """Lowered for `target` (pulseinfer_jax.aot.target.CompileTarget): Specs become sharded structs there."""
         args = jax.tree.map(lambda s: target.struct(s.shape, s.dtype, s.memory) if isinstance(s, Spec) else s,
                             self.args, is_leaf=_is_spec)
-        return target.lower(self.fn, *args, **self.statics)
+        host = frozenset(i for i, s in enumerate(_specs(self.args)) if s.memory in (HOST, PLACED))
+        return target.lower(self.fn, *args, host_args=host, **self.statics)
 
 
 def program(function: str, group: str, fn: Any, args: tuple, statics: dict | None = None, *, tag: str = "",

@@ -297,13 +297,12 @@ def _host_io_probe(hkv: int, hd: int, shardings) -> list[Call]:
     pool = spec((1, 4, 2, 16, hkv, hd), BF16, "pinned_host")
     kv = spec((2, 4, 2, 16, hkv, hd), BF16)
     v2, h = spec((2,), I32), "pinned_host"
-    return [Call(program("write_back", "probe", write, (pool, kv, v2, spec((2,), I32, h), spec((), I32)))),
+    return [Call(program("write_back", "probe", write, (pool, kv, v2, v2, spec((), I32)))),
             Call(program("stage_blocks_outer", "probe", stage_blocks,
                          (pool, spec((), I32, h), spec((2,), I32, PLACED)))),
             Call(program("stage_units_outer", "probe", stage_units,
                          (pool, spec((), I32, h), spec((2, 2), I32, PLACED)))),
-            Call(program("fragment", "probe", fragment, (pool, spec((), I32), spec((1,), I32), spec((1,), I32),
-                                                         spec((), I32))))]
+            Call(program("fragment", "probe", fragment, (pool, spec((), I32), spec((1,), I32), spec((1,), I32))))]
 
 
 def build(*, shardings, hbm: int, quick: bool = False) -> Suite:

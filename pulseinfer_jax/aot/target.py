@@ -126,16 +126,49 @@ class CompileTarget:
         return jax.tree.map(lambda a: self.struct(a.shape, a.dtype, memory_kind), tree)
 
     # ---- lowering / compiling ------------------------------------------------------------------
-    def lower(self, fn: Any, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-        """`fn` (a jitted function, or a plain one, jitted here) lowered for this target with abstract `args`."""
+    def lower(self, fn: Any, *args: Any, host_args: frozenset[int] = frozenset(), **kwargs: Any) -> jax.stages.Lowered:
+        """`fn` (a jitted function, or a plain one, jitted here) lowered for this target with abstract `args`;
+        the flat array arguments numbered in `host_args` live in pinned host memory (see `_pin_arguments`)."""
         jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
         with jax.set_mesh(self.mesh):
-            return jitted.lower(*args, **kwargs)
+            lowered = jitted.lower(*args, **kwargs)
+        if host_args:
+            _pin_arguments(lowered, host_args)
+        return lowered
 
     def compile(self, lowered: jax.stages.Lowered, options: dict | None = None) -> jax.stages.Compiled:
         """XLA:GPU's whole pipeline for this target; `options` are XLA debug options (e.g. xla_dump_to)."""
         with jax.set_mesh(self.mesh):
             return lowered.compile(compiler_options=options or None)
+
+
+def _pin_arguments(lowered: jax.stages.Lowered, host_args: frozenset[int]) -> None:
+    """Mark flat arguments `host_args` of a lowered program as pinned host memory (`mhlo.memory_kind`), in place.
+
+    A sharding's memory kind is dropped on compile-only devices (they list no memories, so jax canonicalises
+    `NamedSharding(..., memory_kind="pinned_host")` to None), and without it XLA would compile a host-memory argument
+    as device memory: a different program (measured: DUS into a host pool compiled as device kernels instead of
+    async copies). The attribute is what jax writes for such an argument when the device has memories. Uses jax
+    internals (the lowering's StableHLO module and its kept arguments); a clear error if they moved."""
+    from jax._src.lib.mlir import ir
+
+    try:
+        low = lowered._lowering
+        module = low.stablehlo()
+        kept = sorted(low.compile_args["kept_var_idx"])
+    except (AttributeError, KeyError) as e:
+        raise RuntimeError(f"cannot mark host-memory arguments on this jax version ({e}): pulseinfer_jax.aot.target "
+                           "needs updating") from None
+    with module.context:
+        main = next(op for op in module.body.operations
+                    if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main")
+        attrs = []
+        for j, a in enumerate(main.arg_attrs):
+            d = {n.name: n.attr for n in ir.DictAttr(a)}
+            if kept[j] in host_args:
+                d["mhlo.memory_kind"] = ir.StringAttr.get("pinned_host")
+            attrs.append(ir.DictAttr.get(d))
+        main.arg_attrs = ir.ArrayAttr.get(attrs)
 
 
 def device_target_config(device: jax.Device | None = None) -> str:

@@ -6,7 +6,8 @@ counted here, per kernel-producing instruction, with these rules:
   - a fusion reads, of each operand, what its fused computation reads: a sliced, dynamically sliced or gathered
     parameter only the slice or the gathered rows; the buffer a scatter / dynamic-update-slice updates in place
     nothing (the update is what is written); anything else whole (followed through bitcasts and nested
-    fusions). It writes its root's bytes, or only the updates of an in-place root;
+    fusions). It writes its root's bytes, or only the updates of an in-place root. What it reads of a host-memory
+    operand, or writes into a host-memory result, crosses PCIe (a DMA) and is counted as a transfer, not HBM;
   - a copy reads and writes its bytes; an unfused dynamic-update-slice its update;
   - a Pallas kernel (a Triton custom call) moves what it is built to read (`PALLAS_TRAFFIC`: e.g. the sparse
     decode attention the listed blocks' K/V of each (sequence, KV head), never the whole pool it is handed);
@@ -150,16 +151,26 @@ def _written(comp: Computation, inst: Instruction, comps: dict[str, Computation]
     return inst.bytes
 
 
-def fusion_traffic(inst: Instruction, module: dict[str, Computation], caller: Computation) -> tuple[int, int]:
+def fusion_traffic(inst: Instruction, module: dict[str, Computation], caller: Computation
+                   ) -> tuple[int, int, int, int]:
+    """(HBM read, HBM write, host-to-device, device-to-host) bytes of one fusion: what it reads of a parameter in
+    host memory (S(5)) crosses PCIe to the device, what it writes into a host-memory result crosses back (XLA's
+    asynchronous dynamic slices of host buffers: DMAs)."""
     called = inst.called("calls")
     if not called or called[0] not in module:
-        return sum(_operand_bytes(caller, o, module) for o in inst.operands), inst.bytes
+        return sum(_operand_bytes(caller, o, module) for o in inst.operands), inst.bytes, 0, 0
     comp = module[called[0]]
-    params = comp.params()
-    read = 0
-    for p in params.values():
-        read += _param_read(comp, p.name, module, p.bytes)
-    return read, _written(comp, comp.root, module)
+    read = h2d = 0
+    for p in comp.params().values():
+        got = _param_read(comp, p.name, module, p.bytes)
+        if any(a.host for a in p.shape):
+            h2d += got
+        else:
+            read += got
+    written = _written(comp, comp.root, module)
+    if any(a.host for a in comp.root.shape):
+        return read, 0, h2d, written
+    return read, written, h2d, 0
 
 
 def _operand_bytes(caller: Computation, name: str, module: dict[str, Computation]) -> int:
@@ -175,9 +186,10 @@ def instruction_traffic(inst: Instruction, caller: Computation, module: dict[str
         return None
     ops = [caller.instructions[o].shape if o in caller.instructions else () for o in inst.operands]
     if op in ("fusion", "fusion-start"):
-        read, write = fusion_traffic(inst, module, caller)
+        read, write, h2d, d2h = fusion_traffic(inst, module, caller)
         host = _host_compute(inst, module)
-        return KernelTraffic(inst.name, op, read, write, inst.fusion_kind or "", host_compute=host)
+        return KernelTraffic(inst.name, op, read, write, inst.fusion_kind or "", host_to_device=h2d, device_to_host=d2h,
+                             host_compute=host)
     if op == "copy-start":
         src = ops[0]
         dst = inst.shape[1:2] if len(inst.shape) > 1 else inst.shape
