@@ -52,18 +52,22 @@ def paged_decode_attention(
     g = hq // hkv
     mb = block_tables.shape[1]
     blocks = kv[layer, block_tables]  # [B, MB, 2, bs, Hkv, hd]
-    k = blocks[:, :, 0].reshape(b, mb * bs, hkv * hd).astype(jnp.float32)
-    v = blocks[:, :, 1].reshape(b, mb * bs, hkv * hd).astype(jnp.float32)
+    # K / V stay in the cache dtype, the products accumulate in f32: converting the gathered K / V to f32 first made
+    # XLA write (and re-read) them at twice their bytes (ahead-of-time cost on an H200, bench/RESULTS.md)
+    k = blocks[:, :, 0].reshape(b, mb * bs, hkv * hd)
+    v = blocks[:, :, 1].reshape(b, mb * bs, hkv * hd)
     eye = jnp.eye(hkv, dtype=jnp.float32)
     qbd = q.astype(jnp.float32).reshape(b, hkv, g, 1, hd) * eye[None, :, None, :, None]
-    qbd = qbd.reshape(b, hq, hkv * hd) * (hd ** -0.5)
+    qbd = (qbd.reshape(b, hq, hkv * hd) * (hd ** -0.5)).astype(kv.dtype)
     prec = matmul_precision(kv.dtype)  # true f32 for f32 caches (no TF32 on GPU)
-    s = jnp.einsum("bqc,btc->bqt", qbd, k, precision=prec)  # [B, Hq, T]
+    f32 = jnp.float32
+    s = jnp.einsum("bqc,btc->bqt", qbd, k, precision=prec, preferred_element_type=f32)  # [B, Hq, T]
     valid = (jnp.arange(mb * bs)[None] < lengths[:, None])[:, None]  # [B, 1, T]
     s = jnp.where(valid, s, NEG_INF)
     p = jnp.where(valid, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
-    v = jnp.where(valid[:, 0, :, None], v, 0.0)  # a NaN in an unused slot must not leak through 0 * NaN
-    o = jnp.einsum("bqt,btc->bqc", p, v, precision=prec).reshape(b, hkv, g, hkv, hd)
+    v = jnp.where(valid[:, 0, :, None], v, jnp.zeros((), v.dtype))  # a NaN in an unused slot must not leak (0 * NaN)
+    o = jnp.einsum("bqt,btc->bqc", p.astype(v.dtype), v, precision=prec, preferred_element_type=f32)
+    o = o.reshape(b, hkv, g, hkv, hd)
     o = jnp.einsum("bhghd->bhgd", o)  # each head's own KV head (the block diagonal)
     o = o / jnp.sum(p, axis=-1).reshape(b, hkv, g)[..., None]
     return o.reshape(b, hq, hd).astype(q.dtype)

@@ -22,7 +22,7 @@ from models.loading import LoadedModel
 from models.moe import MoEOptions, probe_grouped_kernel
 from pulseinfer_jax.config import EngineConfig, moe_options, resolve_decode_attention, resolve_layer_loop
 from pulseinfer_jax.ioaa import IOAAConfig
-from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for, bucket
+from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for, bucket, bucket_blocks
 from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
 from pulseinfer_jax.sampling import SamplingParams, greedy_sample, sample
 from pulseinfer_jax.scheduler import FixedStepTime, Request, Scheduler, Status
@@ -314,7 +314,7 @@ class Engine:
         n = min(size, remaining)
         chunk = np.zeros(size, np.int32)
         chunk[:n] = req.prompt[start:start + n]
-        table = self._table(blocks, bucket(len(blocks)))
+        table = self._table(blocks, bucket_blocks(len(blocks)))
         args = (self.kv, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n), jnp.asarray(table))
         key_chunk = min(cfg.key_chunk, size)
         if self.layer_loop == "layerwise":
@@ -356,7 +356,7 @@ class Engine:
 
     def _decode_dense(self, reqs: list[Request]) -> list[int]:
         b = bucket(len(reqs))
-        mb = bucket(max(len(r.blocks) for r in reqs))
+        mb = bucket_blocks(max(len(r.blocks) for r in reqs))
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
         tables = np.zeros((b, mb), np.int32)

@@ -96,6 +96,21 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << max(0, (max(n, minimum) - 1).bit_length())
 
 
+TABLE_STEPS = 4  # block-table widths per doubling past 64 blocks
+
+
+def bucket_blocks(n: int) -> int:
+    """Padded width of a block table of n blocks: a power of two up to 64, then the next multiple of a quarter of
+    the power of two at or below n (at most 25% padding; 4 widths, so 4 compiles, per doubling of the context).
+    Power-of-two tables padded a 4,097-token context to 8,192: the jnp attention read, and the selection scored,
+    twice what the sequence holds (ahead-of-time cost on an H200, bench/RESULTS.md)."""
+    n = max(n, 1)
+    if n <= 64:
+        return bucket(n)
+    step = (1 << (n.bit_length() - 1)) // TABLE_STEPS
+    return -(-n // step) * step
+
+
 class BlockAllocator:
     """Free-list allocator over blocks 1..num_blocks-1 (block 0 is the null block).
 

@@ -3,7 +3,7 @@
 `micro_batch_inputs` is the one place these shapes and values are made: the pipeline puts them on the device
 (pipeline.py), the ahead-of-time compile check builds the same arrays at real sizes and compiles the layer calls
 for them (pulseinfer_jax/aot/programs.py), so the two cannot drift apart. bp = bucket(requests) rows, kc =
-bucket(most logical blocks) columns; padding rows want nothing and write into the null block.
+bucket_blocks(most logical blocks) columns; padding rows want nothing and write into the null block.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from jaxtyping import Int
 
 from host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.kept_scores import kept_logical
-from pulseinfer_jax.kv_cache import blocks_for, bucket
+from pulseinfer_jax.kv_cache import blocks_for, bucket, bucket_blocks
 from pulseinfer_jax.sparse import BlockScoring
 
 
@@ -32,10 +32,10 @@ class StepTables:
 
     @staticmethod
     def of(sparse: list[SparseKV], lengths: np.ndarray, block_size: int, num_gpu_blocks: int) -> StepTables:
-        """The tables of requests `sparse` holding `lengths` tokens: bp = bucket(len(sparse)) rows, kc = bucket(most
-        logical blocks) columns."""
+        """The tables of requests `sparse` holding `lengths` tokens: bp = bucket(len(sparse)) rows, kc =
+        bucket_blocks(most logical blocks) columns."""
         n_blocks = -(-np.asarray(lengths, np.int64) // block_size)
-        bp, kc = bucket(len(sparse)), bucket(int(n_blocks.max()))
+        bp, kc = bucket(len(sparse)), bucket_blocks(int(n_blocks.max()))
         host = np.full((bp, kc), -1, np.int32)
         gpu = np.full((bp, kc), -1, np.int32)
         slots = np.full((bp, max(len(s.slot_block_arr) for s in sparse) or 1), -1, np.int32)
@@ -80,7 +80,7 @@ def micro_batch_inputs(plan: SparsePlan, scoring: BlockScoring, solohead: str, n
     bp = bucket(b_real)
     lengths_np = np.asarray(lengths, np.int64)
     n_blocks = [blocks_for(length, bs) for length in lengths]
-    kc = bucket(max(n_blocks))
+    kc = bucket_blocks(max(n_blocks))
     positions = np.zeros(bp, np.int32)
     positions[:b_real] = lengths_np - 1
     tok = np.zeros(bp, np.int32)

@@ -31,7 +31,7 @@ from models.transformer import Transformer
 from pulseinfer_jax import layer_ops, runner, sampling, slot_plan
 from pulseinfer_jax.aot.programs import HOST, PLACED, Call, Program, Spec, _is_spec, program, spec, specs_of
 from pulseinfer_jax.config import EngineConfig
-from pulseinfer_jax.kv_cache import blocks_for, bucket
+from pulseinfer_jax.kv_cache import blocks_for, bucket, bucket_blocks
 from pulseinfer_jax.offload import pool_sizes
 from pulseinfer_jax.step_inputs import micro_batch_inputs, slot_step_inputs
 
@@ -138,12 +138,13 @@ def sample_calls(es: EngineShapes, batch: int, greedy: bool = True) -> list[Call
 
 
 def dense_decode(es: EngineShapes, lengths: list[int], max_new_tokens: int, *, num_blocks: int | None = None,
-                 greedy: bool = True, group: str = "dense") -> list[Call]:
+                 table_width: int | None = None, greedy: bool = True, group: str = "dense") -> list[Call]:
     """One decode step of dense requests holding `lengths` tokens whose blocks were reserved for `max_new_tokens`
-    more (the scheduler reserves prompt + max new): batch bucket(n), tables bucket(most blocks) wide."""
+    more (the scheduler reserves prompt + max new): batch bucket(n), tables bucket_blocks(most blocks) wide (or
+    `table_width`: a bench's own tables)."""
     bs = es.config.block_size
     blocks = [blocks_for(n + max_new_tokens, bs) for n in lengths]
-    b, mb = bucket(len(lengths)), bucket(max(blocks))
+    b, mb = bucket(len(lengths)), table_width or bucket_blocks(max(blocks))
     nb = num_blocks or sum(blocks) + 1
     model, kv = es.model, es.kv(nb)
     tok, pos, tables = _vec(b), _vec(b), spec((b, mb), I32)
@@ -170,7 +171,7 @@ def prefill(es: EngineShapes, prompt_tokens: int, table_blocks: int, *, num_bloc
     Counts are per prompt."""
     cfg, model = es.config, es.model
     bs = cfg.block_size
-    mb = bucket(table_blocks)
+    mb = bucket_blocks(table_blocks)
     kv = es.kv(num_blocks or table_blocks + 1)
     calls: dict[str, Call] = {}
 

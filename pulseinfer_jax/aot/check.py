@@ -19,6 +19,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
+import multiprocessing
 import os
 import pathlib
 import re
@@ -181,7 +182,8 @@ def compile_programs(target_path: str | None, builder: str, options: dict, keys:
             rows = _worker((target_path, builder, options, keys, str(work)))
         else:
             shares = [keys[i::workers] for i in range(workers)]
-            with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+            spawn = multiprocessing.get_context("spawn")  # (fork would copy jax's threads' state)
+            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn) as pool:
                 rows = [r for part in pool.map(_worker, [(target_path, builder, options, sh, str(work))
                                                          for sh in shares]) for r in part]
     finally:

@@ -192,7 +192,8 @@ def calibration_points(suite: Suite) -> None:
     for ctx, b in ((4096, 1), (4096, 8), (4096, 32), (4096, 64), (32768, 1), (32768, 8)):
         es = ablation("llama-3.1-8b", ctx, EngineConfig(), attention="jnp", layer_loop="scan")
         per_seq = blocks_for(ctx + 9, 16)
-        calls = cat.dense_decode(es, [ctx] * b, per_seq * 16 - ctx, num_blocks=b * per_seq + 1, group="calibration")
+        calls = cat.dense_decode(es, [ctx] * b, per_seq * 16 - ctx, num_blocks=b * per_seq + 1,
+                                 table_width=bucket(per_seq), group="calibration")
         suite.add(f"calibration/{ctx}x{b}", calls)
 
 
