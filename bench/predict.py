@@ -13,7 +13,9 @@ layer the trace layer at its relative depth) through the system's slot caches (L
 Time model (stated, not measured; each term printed):
   GPU time of a program        bytes / bandwidth + launches x t_launch   (t_launch, t_sync calibrated below)
   host sync                    t_sync per read of a layer's plan (one per sparse layer and micro-batch)
-  recall of a layer            host gather (bytes / gather rate) + bytes / h2d + t_copy per copy
+  recall of a layer            host gather (bytes / gather rate) + bytes / h2d + t_copy per copy; the per-head
+                               baseline (io="fragmented"): one copy per (block, head) at t_copy each, no gather (what
+                               a per-head engine issues; this engine's XLA loop costs more: 6 launches per unit)
   a sparse layer, 1 micro-batch   pre + sync + recall + land              (recall="sync")
                                   pre + sync + max(recall, early) + land  (interruptible: early attention hides it)
                                   pre + max(sync + recall, early) + land  (eager: queued before the plan is read)

@@ -13,6 +13,9 @@ Known kinds (the JSON's "kind", else its file name's prefix):
     Pallas issue's targets: >= 60% of copy bandwidth at batch >= 16, faster than paged_attention).
   - io_sweep: GB/s per mode for each volume moved (copies x copy size; best of the repeats).
   - dense_decode: per (context, batch), each attention x layer loop's median step, tokens/s and KV GB/s.
+  - h200_compile (pulseinfer_jax/aot/check.py): per Pallas kernel case, grid, threads, shared memory, registers and
+    spills as compiled for the H200; compile time and launches per program group; violations.
+  - h200_predict (bench/predict.py): per point and system, placements, predicted step and tokens/s, its terms.
 Anything else is listed as not tabulated.
 """
 
@@ -131,6 +134,46 @@ def dense_decode(data: dict) -> list[str]:
             *_table(["context", "batch", "attention", "layer loop", "step ms", "tok/s", "KV GB/s"], body), ""]
 
 
+def h200_compile(data: dict) -> list[str]:
+    rows, groups = [], {}
+    for r in data["programs"]:
+        g = groups.setdefault(r["group"], [0, 0.0, 0, 0])
+        g[0] += 1
+        g[1] += r.get("compile_s", 0) + r.get("lower_s", 0)
+        g[2] += r["status"] != "compiled"
+        g[3] += bool(r.get("violations"))
+        if r["group"] != "kernel" or r["status"] != "compiled":
+            continue
+        for k in r.get("kernels", []):
+            if k["name"] not in r.get("pallas", []):
+                continue
+            rows.append([r["note"] or r["function"], k["name"], "x".join(map(str, k["grid"] or ())), str(k["threads"]),
+                         str(k["shared_memory"]), _f(k["registers"], "d") if k["registers"] is not None else "-",
+                         _f(k["spill_stores"], "d") if k["spill_stores"] is not None else "-",
+                         "yes" if r["default"] else ""])
+    out = _table(["kernel case", "kernel", "grid", "threads", "shared B", "registers", "spill B", "default"], rows)
+    out += ["", *_table(["group", "programs", "compile s", "rejected", "with violations"],
+                        [[g, str(n), f"{t:.0f}", str(rej), str(v)] for g, (n, t, rej, v) in sorted(groups.items())])]
+    for f in data.get("failures", []):
+        out.append(f"- FAIL `{f['key'][:120]}`: {f['why']}")
+    return out + [""]
+
+
+def h200_predict(data: dict) -> list[str]:
+    rows = []
+    for p in data["predictions"]:
+        pl = p["placements"]
+        rows.append([p["point"], p["system"], f"{pl['dense']}/{pl['offload']}/{pl['wait']}",
+                     _f(p["step_s"], ".2f", 1e3), _f(p["tokens_per_s"], ".0f"), _f(p.get("dense_s"), ".2f", 1e3),
+                     _f(p.get("sparse_s"), ".2f", 1e3),
+                     _f(p.get("recall_bytes"), ".0f", 1 / MB), _f(p.get("misses_per_layer_mean"), ".0f")])
+    out = _table(["point", "system", "dense/offload/wait", "step ms", "tok/s", "dense part ms", "offloaded part ms",
+                  "recall MB/step", "misses/layer/mb"], rows)
+    for point, r in sorted(data.get("ratios", {}).items()):
+        out.append(f"- point {point}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
+    return out + [""]
+
+
 def _size(n: float) -> str:
     for unit, div in (("MB", 2**20), ("KB", 2**10)):
         if n >= div:
@@ -139,7 +182,8 @@ def _size(n: float) -> str:
 
 
 TABLERS: dict[str, Callable[[dict], list[str]]] = {
-    "decode_throughput": decode_throughput, "kernels": kernels, "io_sweep": io_sweep, "dense_decode": dense_decode}
+    "decode_throughput": decode_throughput, "kernels": kernels, "io_sweep": io_sweep, "dense_decode": dense_decode,
+    "h200_compile": h200_compile, "h200_predict": h200_predict}
 
 
 def kind_of(data: dict, path: pathlib.Path) -> str | None:

@@ -149,16 +149,18 @@ def dense_decode(es: EngineShapes, lengths: list[int], max_new_tokens: int, *, n
     model, kv = es.model, es.kv(nb)
     tok, pos, tables = _vec(b), _vec(b), spec((b, mb), I32)
     att = {"attention": es.attention}
+    # the listed blocks that hold tokens (the attention reads its sequence's, not the table's padding)
+    valid = ((ATTENTION[0], sum(blocks_for(n + 1, bs) for n in lengths) / (b * mb)),)
     if es.layer_loop == "scan":
         step = runner._compiled(runner._decode_step, es.platform)
         calls = [Call(es.program("_decode_step", group, step, (model, es.stacked_params, kv, tok, pos, tables), att,
-                                 pallas=ATTENTION))]
+                                 pallas=ATTENTION, valid=valid))]
     else:
         layer = runner._compiled(runner._decode_layer, es.platform)
         x = es.x(b)
         calls = [Call(es.program("embed", group, layer_ops.embed, (model, es.head_params, tok))),
                  Call(es.program("_decode_layer", group, layer, (model, es.layer_params, kv, x, pos, tables,
-                                                                 _scalar()), att, pallas=ATTENTION),
+                                                                 _scalar()), att, pallas=ATTENTION, valid=valid),
                       model.cfg.num_layers),
                  Call(es.program("logits", group, layer_ops.logits, (model, es.head_params, x)))]
     return calls + sample_calls(es, b, greedy)
@@ -308,12 +310,17 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         bp = mb.tokens.shape[0]
         step = specs_of(slot_step_inputs(members, mb.tables, bp, slots[0].shape[1], slots[0].shape[3]))
         x = es.x(bp)
+        kc = mb.cand.shape[1]
+        n_blk = mb.num_blocks.astype(np.int64)
+        dense_valid = ((ATTENTION[0], float(n_blk.sum()) / (bp * kc)),)  # the listed blocks holding tokens
+        middle = np.clip(n_blk - plan.sink_blocks - plan.window_blocks, 0, None)
+        scored = ((SCORING[0], float(middle.sum()) / (bp * kc)),)  # candidates that are blocks, not padding
         add(es.program("embed", group, layer_ops.embed, (model, es.head_params, specs_of(mb.tokens))), 1)
         for d in range(plan.dense_layers):
             add(es.program("dense_layer", group, layer_ops.dense_layer,
                            (model, es.layer_params, kv, x, specs_of(mb.positions), specs_of(mb.dense_write[d]),
                             specs_of(mb.dense_ids[d]), specs_of(mb.dense_lens)), {"attention": es.attention},
-                           pallas=ATTENTION), 1)
+                           pallas=ATTENTION, valid=dense_valid), 1)
         statics = dict(budget=plan.budget_blocks, sink=plan.sink_blocks, window=plan.window_blocks,
                        mode=plan.selection, solohead=cfg.solohead, attention=es.attention, scoring=sc,
                        coarse=mb.coarse, plan_mode="recall" if plan.placement == "host" else
@@ -322,12 +329,16 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
             model, es.layer_params, kv, meta, meta, _scalar(), _scalar(), x, specs_of(mb.positions),
             specs_of(mb.newest), specs_of(mb.cand), specs_of(mb.num_blocks), _scalar(), specs_of(mb.kept_logical),
             specs_of(mb.kept_gpu), slots, step, _scalar(), cmeta, cmeta, _scalar(), specs_of(mb.groups)), statics,
-            pallas=SCORING)
+            pallas=SCORING, valid=scored)
         add(pre, sl_n)
         _, q, _, plan_out, _ = out_shapes(pre)
         q, plan_spec = specs_of(q), specs_of(plan_out)
+        n_sel = plan_spec["early"].shape[-1] * plan.lanes  # entries a row lists: its whole selection
+        rows = len(members)
+        per_row = min(float(recall) / rows, n_sel) if recall else 0.0  # misses per real row
+        early_valid = ((ATTENTION[0], rows * (n_sel - per_row) / (bp * n_sel)),)
         attend = es.program("attend", group, layer_ops.attend, (q, kv, plan_spec["early"]), {"attention": es.attention},
-                            pallas=ATTENTION)
+                            pallas=ATTENTION, valid=early_valid)
         early = specs_of(out_shapes(attend))
         staging = None
         if recall:
@@ -338,10 +349,13 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
             add(attend, sl_n)
         width = min(bucket(recall), plan.budget_blocks) if recall else 0
         fan = c.num_kv_heads if (cfg.io == "fragmented" and plan.selection == "solohead") else 1
+        # the landing attends the late entries (width per lane), and the early ones too when none came in
+        late = rows * per_row / (bp * width * plan.lanes) if width else 0.0
+        land_valid = ((ATTENTION[0], late if (eager or interrupt) else early_valid[0][1]),)
         add(es.program("land_attend_finish", group, layer_ops.land_attend_finish, (
             model, es.layer_params, x, q, kv, _scalar(), plan_spec, staging,
             early if (eager or interrupt) else None), {"attention": es.attention, "width": width, "fan": fan},
-            pallas=ATTENTION), sl_n)
+            pallas=ATTENTION, valid=land_valid), sl_n)
         add(es.program("logits", group, layer_ops.logits, (model, es.head_params, x)), 1)
     # every block_size steps each request's oldest window block leaves: written back, its key bounds computed
     n_exit = len(reqs)

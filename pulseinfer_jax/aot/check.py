@@ -103,7 +103,7 @@ def compile_one(target: CompileTarget, recorder: PtxasRecorder, prog, work: path
     tree = load(dump)
     hlo_text = compiled.as_text()
     kernels = kernel_reports(tree, reports)
-    cost = program_cost(hlo_text, tree)
+    cost = program_cost(hlo_text, tree, dict(prog.valid))
     violations = []
     pallas = _pallas_names(hlo_text)
     found = {k.name for k in kernels if k.name in pallas}

@@ -54,7 +54,7 @@ class ProgramCost:
 
 
 def _walk_hlo(comp: hlo.Computation, module: dict[str, hlo.Computation], times: int, out: ProgramCost,
-              found: dict[str, dict]) -> int:
+              found: dict[str, dict], valid: dict[str, float] | None = None) -> int:
     """Adds `comp`'s instructions (each run `times` times) to `out`; returns the bytes added."""
     added = 0
     for inst in comp.instructions.values():
@@ -65,7 +65,7 @@ def _walk_hlo(comp: hlo.Computation, module: dict[str, hlo.Computation], times: 
                 trips = 1
                 out.host_syncs += times  # the predicate goes back to the host every iteration (counted once)
             for body in inst.called("body"):
-                added += _walk_hlo(module[body], module, times * trips, out, found)
+                added += _walk_hlo(module[body], module, times * trips, out, found, valid)
             continue
         if inst.opcode == "conditional":
             branches = inst.called("branch_computations") or inst.called("true_computation") + inst.called(
@@ -73,16 +73,16 @@ def _walk_hlo(comp: hlo.Computation, module: dict[str, hlo.Computation], times: 
             best = None
             for br in branches:
                 trial = ProgramCost()
-                b = _walk_hlo(module[br], module, times, trial, {})
+                b = _walk_hlo(module[br], module, times, trial, {}, valid)
                 if best is None or b > best[0]:
                     best = (b, br)
             if best is not None:
-                added += _walk_hlo(module[best[1]], module, times, out, found)
+                added += _walk_hlo(module[best[1]], module, times, out, found, valid)
             continue
         if inst.opcode == "call" and inst.called("to_apply"):
-            added += _walk_hlo(module[inst.called("to_apply")[0]], module, times, out, found)
+            added += _walk_hlo(module[inst.called("to_apply")[0]], module, times, out, found, valid)
             continue
-        t = instruction_traffic(inst, comp, module)
+        t = instruction_traffic(inst, comp, module, valid)
         if t is None:
             continue
         _add(out, t, times, found)
@@ -119,13 +119,15 @@ def _walk_thunks(ts: list[thunks.Thunk], trips: dict[str, int], times: int, out:
         _walk_thunks(t.children, trips, times, out)
 
 
-def program_cost(hlo_text: str, thunk_tree: list[thunks.Thunk] | None) -> ProgramCost:
+def program_cost(hlo_text: str, thunk_tree: list[thunks.Thunk] | None, valid: dict[str, float] | None = None
+                 ) -> ProgramCost:
     """The static cost of one compiled program (its optimised HLO text and, if dumped, its thunk tree; without
-    the thunks, launches are counted from the HLO's kernel-producing instructions)."""
+    the thunks, launches are counted from the HLO's kernel-producing instructions). `valid`: per Pallas kernel
+    name prefix, the fraction of its listed entries that hold data (traffic.instruction_traffic)."""
     module = hlo.parse_module(hlo_text)
     out = ProgramCost()
     found: dict[str, dict] = {}
-    _walk_hlo(hlo.entry(module), module, 1, out, found)
+    _walk_hlo(hlo.entry(module), module, 1, out, found, valid)
     out.kernels = list(found.values())
     if thunk_tree is not None:
         trips = {i.name: i.trip_count for c in module.values() for i in c.instructions.values()

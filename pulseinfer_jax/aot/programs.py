@@ -80,6 +80,9 @@ class Program:
     must_reject: bool = False
     note: str = ""
     pallas: tuple[str, ...] = ()  # Pallas kernels (name prefixes) the compiled program must contain: not interpreted
+    # per Pallas kernel name prefix, the fraction of its listed entries that hold data (padded tables: the kernels
+    # mask the rest, the cost model does not count them; traffic.py)
+    valid: tuple[tuple[str, float], ...] = ()
 
     @property
     def signature(self) -> tuple[str, tuple[str, ...]]:
@@ -106,7 +109,8 @@ def program(function: str, group: str, fn: Any, args: tuple, statics: dict | Non
     shapes = " ".join(s.aval for s in _specs(args))
     models = [_short(a) for a in jax.tree.leaves(args, is_leaf=_is_spec) if hasattr(a, "cfg")]
     st = ",".join(models + [f"{k}={_short(v)}" for k, v in sorted(statics.items())])
-    key = f"{function}{'[' + tag + ']' if tag else ''}({st}) {shapes}"
+    valid = "".join(f" {k}@{v:.3f}" for k, v in kw.get("valid", ()))  # (part of the cost, so of the key)
+    key = f"{function}{'[' + tag + ']' if tag else ''}({st}) {shapes}{valid}"
     return Program(key, function, group, fn, args, statics, **kw)
 
 

@@ -51,39 +51,41 @@ class KernelTraffic:
 
 
 # ---- Pallas kernels: name prefix -> (operand arrays, result arrays) -> (read, write) --------------
-def _sparse_decode_attention(ops: list[tuple[Array, ...]], outs: tuple[Array, ...]) -> tuple[int, int]:
+def _sparse_decode_attention(ops: list[tuple[Array, ...]], outs: tuple[Array, ...], valid: float = 1.0
+                             ) -> tuple[int, int]:
     """q [B, Hkv, Gp, hd], pool (as K) [N, 2, bs, Hkv, hd], pool (as V), ids [B, S, Kp], lens: each (b, h)
-    program reads its head's [bs, hd] K and V tile of every listed entry (padding entries are not fetched: an
-    upper bound counting every entry)."""
+    program reads its head's [bs, hd] K and V tile of every listed entry that holds tokens (padding entries are
+    masked, not fetched): `valid` of the listed entries, as the caller knows them (1 = every entry)."""
     q, pool, _, ids, lens = (o[0] for o in ops)
     b, hkv, _, hd = q.dims
     bs = pool.dims[2]
-    entries = b * hkv * ids.dims[2]
+    entries = b * hkv * ids.dims[2] * valid
     item = pool.bytes // max(1, _numel(pool))
-    return q.bytes + ids.bytes + lens.bytes + entries * 2 * bs * hd * item, sum(o.bytes for o in outs)
+    return int(q.bytes + ids.bytes + lens.bytes + entries * 2 * bs * hd * item), sum(o.bytes for o in outs)
 
 
-def _block_scores(ops, outs) -> tuple[int, int]:
+def _block_scores(ops, outs, valid: float = 1.0) -> tuple[int, int]:
     """q4 [B, Hkv, G, hd], cand_ids [B, Kp], meta_min [R, Hkv, hd], meta_max: each (b, h, tile) program reads its
-    head's row of both bounds for every candidate (m rows each with sub-blocks: name `sub=m`)."""
+    head's row of both bounds for every candidate (m rows each with sub-blocks: name `sub=m`); a padding candidate
+    reads row 0 again (a cache hit, not HBM traffic): `valid` of the candidates are real."""
     q, ids, lo, _ = (o[0] for o in ops)
     b, hkv, _, hd = q.dims
     item = lo.bytes // max(1, _numel(lo))
-    return q.bytes + ids.bytes + 2 * b * ids.dims[1] * hkv * hd * item, sum(o.bytes for o in outs)
+    return int(q.bytes + ids.bytes + 2 * b * ids.dims[1] * valid * hkv * hd * item), sum(o.bytes for o in outs)
 
 
-def _gather_rows(ops, outs) -> tuple[int, int]:
+def _gather_rows(ops, outs, valid: float = 1.0) -> tuple[int, int]:
     """gather_blocks / gather_block_heads: the ids, then exactly the staging's bytes from the pool."""
     return sum(o[0].bytes for o in ops[:-1]) + sum(o.bytes for o in outs), sum(o.bytes for o in outs)
 
 
-def _scatter_rows(ops, outs) -> tuple[int, int]:
+def _scatter_rows(ops, outs, valid: float = 1.0) -> tuple[int, int]:
     """scatter_blocks / scatter_block_heads: indices and staging read, the staging's bytes written in place."""
     staged = ops[-2][0].bytes
     return sum(o[0].bytes for o in ops[:-1]), staged
 
 
-def _grouped_matmul(ops, outs) -> tuple[int, int]:
+def _grouped_matmul(ops, outs, valid: float = 1.0) -> tuple[int, int]:
     """tile_group [T], x [T * tm, K], W (whole, indexed by each tile's group): each tile reads x's rows and its
     group's [K, N] matrix (an upper bound: tiles of no group read none)."""
     groups, x, w = (o[0] for o in ops)
@@ -178,9 +180,11 @@ def _operand_bytes(caller: Computation, name: str, module: dict[str, Computation
     return inst.bytes if inst is not None else 0
 
 
-def instruction_traffic(inst: Instruction, caller: Computation, module: dict[str, Computation]) -> KernelTraffic | None:
+def instruction_traffic(inst: Instruction, caller: Computation, module: dict[str, Computation],
+                        valid: dict[str, float] | None = None) -> KernelTraffic | None:
     """What `inst` (an instruction of a non-fused computation) moves when it runs once, or None if it launches
-    nothing (views, tuples, parameters, the `-done` half of an async pair)."""
+    nothing (views, tuples, parameters, the `-done` half of an async pair). `valid`: Pallas kernel name prefix ->
+    the fraction of its listed entries that hold data (what the caller knows of its padding; default 1)."""
     op = inst.opcode
     if op in NO_KERNEL or op in ASYNC_DONE or op in ("while", "conditional", "call"):
         return None
@@ -210,8 +214,9 @@ def instruction_traffic(inst: Instruction, caller: Computation, module: dict[str
         kernel = inst.pallas_kernel
         if kernel is not None:
             fn = next((f for p, f in PALLAS_TRAFFIC.items() if kernel.startswith(p)), None)
+            frac = next((v for p, v in (valid or {}).items() if kernel.startswith(p)), 1.0)
             if fn is not None:
-                read, write = fn(ops, inst.shape)
+                read, write = fn(ops, inst.shape, frac)
                 return KernelTraffic(inst.name, op, read, write, kernel)
             return KernelTraffic(inst.name, op, sum(a.bytes for o in ops for a in o), inst.bytes, kernel)
         host = "host" in target.lower()
