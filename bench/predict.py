@@ -168,10 +168,12 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
         mbs = max(1, min(cfg.micro_batches or 2, len(off_idx)))
         trace = load_trace(RESULTS / "traces" / f"{TRACE}_{cfg.selection}_b{cfg.budget_tokens}.npz")
         per_request = lru_misses(cfg, layout.plan, trace, point)
+        if cfg.offload_placement == "device":  # every block stays on the GPU: nothing is recalled
+            per_request = np.zeros_like(per_request)
         misses = [float(m) * len(off_idx) / mbs for m in per_request]
         from pulseinfer_jax.kv_cache import bucket
 
-        for r in sorted({bucket(max(1, round(m))) for m in misses}):
+        for r in sorted({bucket(max(1, round(m))) if m else 0 for m in misses}):
             sparse_calls[r] = cat.sparse_decode(es, layout, r, shardings=shardings, micro_batches=mbs)
         c = model_cfg
         block = 2 * cfg.block_size * c.num_kv_heads * c.head_dim * 2
@@ -212,6 +214,7 @@ class Model:
     h2d: float
     t_copy: float
     gather_rate: float  # host gather bytes/s (XLA host computation)
+    numpy_gather_rate: float  # the same by numpy fancy indexing (host_io="numpy"; its copy assumed at h2d too)
 
     def gpu(self, cost: dict, count: float = 1.0) -> float:
         return count * (cost["bytes"] / self.bandwidth + cost["launches"] * self.t_launch)
@@ -276,7 +279,7 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
     layers_s, recall_bytes, host_s, syncs = 0.0, 0.0, 0.0, 0
     fixed_s = None
     for miss in st.misses:
-        calls = st.sparse[bucket(max(1, round(miss)))]
+        calls = st.sparse[bucket(max(1, round(miss))) if miss else 0]
         by = {}
         for c in calls:
             if c.program.function in per_layer_fn:
@@ -291,7 +294,8 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
         if st.copies_per_miss:  # one copy per unit straight from the pool: no host gather
             recall = nbytes / m.h2d + miss * st.copies_per_miss * m.t_copy if miss else 0.0
         else:  # a host gather into one staging buffer, then one copy
-            recall = nbytes / m.gather_rate + nbytes / m.h2d + m.t_copy if miss else 0.0
+            rate = m.numpy_gather_rate if st.backends["host_io"] == "numpy" else m.gather_rate
+            recall = nbytes / rate + nbytes / m.h2d + m.t_copy if miss else 0.0
         recall_bytes += nbytes * k
         host_s += host * k
         syncs += k
@@ -348,12 +352,12 @@ def main() -> int:
         cal = calibrate({r["key"]: r for r in cal_rows}, H200_STREAM_BW)
         write_result(CALIBRATION.stem, cal, CALIBRATION.parent)
     cal = json.loads(CALIBRATION.read_text())
-    gather = a.gather_rate or _gather_rate()
+    gather, numpy_gather = (a.gather_rate, a.gather_rate) if a.gather_rate else _gather_rates()
     free = cal["free_fit"]
     print(f"calibration ({CALIBRATION.name}, git {cal.get('git')}): t_launch {free['t_launch'] * 1e6:.2f} us at "
           f"{free['bandwidth'] / 1e12:.2f} TB/s, max error {free['max_error']:.3f}; at {cal['bandwidth'] / 1e12:.1f} "
           f"TB/s fixed: t_launch {cal['t_launch'] * 1e6:.2f} us, max error {cal['max_error']:.3f}")
-    model = Model(free["bandwidth"], free["t_launch"], a.t_sync, a.h2d, T_COPY, gather)
+    model = Model(free["bandwidth"], free["t_launch"], a.t_sync, a.h2d, T_COPY, gather, numpy_gather)
     preds = []
     for st in steps_for(target, a.points.split(","), a.h2d, systems):
         p = predict_step(st, rows, model)
@@ -382,11 +386,13 @@ def main() -> int:
     return 0
 
 
-def _gather_rate() -> float:
-    if GATHER_RATE_FILE.is_file():
-        d = json.loads(GATHER_RATE_FILE.read_text())
-        return float(d["predict_rate_bytes_per_s"])
-    return 10e9
+def _gather_rates() -> tuple[float, float]:
+    """(XLA host gather, numpy gather) bytes/s: the medians over sizes of bench/host_gather.py's measurement."""
+    if not GATHER_RATE_FILE.is_file():
+        raise SystemExit(f"no {GATHER_RATE_FILE}: run bench/host_gather.py first, or pass --gather-rate")
+    grid = json.loads(GATHER_RATE_FILE.read_text())["grid"]
+    med = lambda name: float(np.median([r["gb_per_s"][name] for r in grid])) * 1e9  # noqa: E731
+    return med("xla host gather (engine)"), med("numpy fancy index (numpy io)")
 
 
 if __name__ == "__main__":

@@ -148,8 +148,8 @@ def h200_compile(data: dict) -> list[str]:
             if k["name"] not in r.get("pallas", []):
                 continue
             rows.append([r["note"] or r["function"], k["name"], "x".join(map(str, k["grid"] or ())), str(k["threads"]),
-                         str(k["shared_memory"]), _f(k["registers"], "d") if k["registers"] is not None else "-",
-                         _f(k["spill_stores"], "d") if k["spill_stores"] is not None else "-",
+                         str(k["shared_memory"]), "-" if k["registers"] is None else str(k["registers"]),
+                         "-" if k["spill_stores"] is None else str(k["spill_stores"]),
                          "yes" if r["default"] else ""])
     out = _table(["kernel case", "kernel", "grid", "threads", "shared B", "registers", "spill B", "default"], rows)
     out += ["", *_table(["group", "programs", "compile s", "rejected", "with violations"],

@@ -266,9 +266,15 @@ def _meta(report: dict, argv: list[str] | None) -> dict:
     except OSError:
         git = ""
     cmd = "python -m pulseinfer_jax.aot.check " + " ".join(argv if argv is not None else sys.argv[1:])
+    import jax
+
+    cpu = next((line.split(":", 1)[1].strip() for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "") if pathlib.Path("/proc/cpuinfo").is_file() else ""
     return {"date": datetime.date.today().isoformat(), "command": cmd.strip(), "git": git,
-            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                        "python": platform.python_version(), "note": "compile-only target, nothing executed"},
+            "machine": {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+                        "jax_backend": "compile-only", "device": report["target"]["limits"]["name"],
+                        "jax_version": jax.__version__, "python": platform.python_version(),
+                        "note": "compiled for the target without one; nothing executed"},
             **report}
 
 
