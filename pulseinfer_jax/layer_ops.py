@@ -194,22 +194,19 @@ def sparse_pre(
         kept = kept_block_scores(q, _flat(kv), kept_units, lens, per_head=per_head, beta=scoring.beta,
                                  sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, KK]
         scores = with_kept_scores(scores, kept, kept_logical)
-    stamp_all, key_all = slot_state
-    stamp = jax.lax.dynamic_index_in_dim(stamp_all, sparse_layer, axis=0, keepdims=False)  # [R, S, C]
-    key = jax.lax.dynamic_index_in_dim(key_all, sparse_layer, axis=0, keepdims=False)
+    stamp, key = slot_state
     resident = None
     if scoring.favours_resident(mode, solohead):
-        resident = resident_mask(key[step["rows"], 0], scores.shape[2])  # [B, C] -> [B, K]
+        resident = resident_mask(key[sparse_layer, step["rows"], 0], scores.shape[2])  # [B, C] -> [B, K]
     sel = select_blocks(scores, num_blocks, budget_blocks=budget, sink_blocks=sink, window_blocks=window, mode=mode,
                         solohead=solohead, retrieval_head=retrieval_head, score_scale=scale, resident=resident,
                         resident_bonus=scoring.resident_bonus)
     if override:
         sel = _with_middle(sel, jax.lax.dynamic_index_in_dim(step["override"], sparse_layer, 0, keepdims=False),
                            num_blocks, sink, window)
-    stamp, key, plan = slot_plan.layer_plan(stamp, key, sel, step, unit_offset, block_size=kv.shape[3], sink=sink,
-                                            window=window, mode=plan_mode)
-    slot_state = (jax.lax.dynamic_update_index_in_dim(stamp_all, stamp, sparse_layer, 0),
-                  jax.lax.dynamic_update_index_in_dim(key_all, key, sparse_layer, 0))
+    stamp, key, plan = slot_plan.layer_plan(stamp, key, sparse_layer, sel, step, unit_offset, block_size=kv.shape[3],
+                                            sink=sink, window=window, mode=plan_mode)
+    slot_state = (stamp, key)
     return kv, q, slot_state, plan, sel
 
 
@@ -265,12 +262,12 @@ def land_attend_finish(
         n = staging.shape[0]
         entry = jnp.arange(n) // fan
         real = entry < plan["count"]
-        entry = jnp.minimum(entry, plan["dst"].shape[0] - 1)
-        blocks = jnp.where(real, plan["dst"][entry], 0)
+        entry = jnp.minimum(entry, plan["recall"].shape[1] - 1)
+        blocks = jnp.where(real, plan["recall"][0, entry], 0)
         if staging.ndim == 5:
             kv = kv.at[layer, blocks].set(staging.astype(kv.dtype))
         else:
-            heads = jnp.arange(n) % fan if fan > 1 else plan["lanes"][entry]
+            heads = jnp.arange(n) % fan if fan > 1 else plan["recall"][1, entry]
             kv = kv.at[layer, blocks, :, :, jnp.where(real, heads, 0)].set(staging.astype(kv.dtype))
     if early is None:
         early = _attend(attention, q, kv, plan["early"][0], plan["early"][1])

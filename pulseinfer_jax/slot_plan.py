@@ -20,8 +20,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-_BIG = jnp.iinfo(jnp.int32).max
-
 
 def init_state(sparse_layers: int, table_rows: int, lanes: int, capacity: int) -> tuple[Array, Array]:
     """Every slot of every row free: (stamp, key)."""
@@ -38,41 +36,65 @@ def reset_rows(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"],
     return stamp, key.at[:, rows].set(-1, mode="drop")
 
 
-def plan(stamp: Int[Array, "R S C"], key: Int[Array, "R S C"], rows: Int[Array, " B"], capacity: Int[Array, " B"],
-         wanted: Int[Array, "B S N"]) -> tuple[Array, Array, Int[Array, "B S N"], Bool[Array, "B S N"]]:
-    """One sparse layer's plan for the requests in table rows `rows` (each row at most once; a padding row must
+def _rank(values: Int[Array, "... C"], among: Bool[Array, "... C"] | None = None) -> Int[Array, "... C"]:
+    """Per entry, how many entries of its row (those in `among`, default all) hold a smaller value: its position in
+    the row sorted ascending where the values are distinct. Compare-and-count: one fused reduction on a GPU where a
+    sort is several kernels (C is a slot cache or a selection, a few hundred at most)."""
+    less = values[..., None, :] < values[..., :, None]  # [..., i, j]: value j < value i
+    if among is not None:
+        less = less & among[..., None, :]
+    return less.sum(axis=-1, dtype=jnp.int32)
+
+
+def _place(dest: Int[Array, "... N"], values: Int[Array, "... N"], size: int, fill: int) -> Int[Array, "... P"]:
+    """out[..., p] = values[..., i] for the entry i with dest[..., i] == p (dests distinct; others ignored), `fill`
+    where no entry lands: a scatter written as one fused select-and-reduce (`values` >= fill)."""
+    at = dest[..., None, :] == jnp.arange(size)[:, None]  # [..., p, i]
+    return jnp.max(jnp.where(at, values[..., None, :], fill), axis=-1, initial=fill)
+
+
+def plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer: Int[Array, ""], rows: Int[Array, " B"],
+         capacity: Int[Array, " B"], wanted: Int[Array, "B S N"]
+         ) -> tuple[Array, Array, Int[Array, "B S N"], Bool[Array, "B S N"]]:
+    """Sparse layer `layer`'s plan for the requests in table rows `rows` (each row at most once; padding rows must
     name a row no real request uses and want nothing): `wanted` are the middle blocks each lane needs (distinct,
     -1 = none; at most `capacity` per lane, which the caller guarantees: the selection's middle part never exceeds
-    it). Returns (stamp, key, slot of each wanted block (-1 for none), hit). Misses are the wanted blocks that are
-    not hits; each took the slot returned for it."""
-    b, s, n = wanted.shape
+    it). Returns (stamp, key, slot of each wanted block (-1 for none), hit), the state updated in place (one gather
+    and one scatter of the rows). Misses are the wanted blocks that are not hits; each took the slot returned for
+    it. Written with compare-and-count reductions instead of sorts and scatters (a dozen small kernels fewer per
+    sparse layer on a GPU); the slot stamps of a lane are a permutation of 0..C-1, which makes every rank exact."""
     c = stamp.shape[-1]
-    st, ky = stamp[rows], key[rows]  # [B, S, C]
+    st, ky = stamp[layer, rows], key[layer, rows]  # [B, S, C]
     valid = wanted >= 0
     eq = (wanted[..., :, None] == ky[..., None, :]) & valid[..., None]  # [B, S, N, C]
     hit = eq.any(axis=-1)
     pos = jnp.argmax(eq, axis=-1).astype(jnp.int32)
     miss = valid & ~hit
-    # victims: the lowest-ranked slots that are neither hit now nor past the capacity
-    taken = eq.any(axis=-2) | (jnp.arange(c) >= capacity[:, None, None])  # [B, S, C]
-    order = jnp.argsort(jnp.where(taken, _BIG, st), axis=-1).astype(jnp.int32)
+    held = eq.any(axis=-2)  # [B, S, C] slots hit now
+    # victims: the free slots (neither hit now nor past the capacity) by rank, the i-th miss takes the i-th
+    free = ~held & (jnp.arange(c) < capacity[:, None, None])
+    free_rank = _rank(st, free)
     rank = jnp.cumsum(miss, axis=-1, dtype=jnp.int32) - 1
-    victim = jnp.take_along_axis(order, jnp.clip(rank, 0, c - 1), axis=-1)
+    takes = miss[..., :, None] & free[..., None, :] & (free_rank[..., None, :] == rank[..., :, None])  # [B, S, N, C]
+    victim = jnp.argmax(takes, axis=-1).astype(jnp.int32)
     slot = jnp.where(hit, pos, jnp.where(miss, victim, -1))
-    bi = jnp.arange(b)[:, None, None]
-    li = jnp.arange(s)[None, :, None]
-    drop = jnp.where(miss, victim, c)  # index c: out of range, dropped
-    ky = ky.at[bi, li, drop].set(wanted, mode="drop")
-    # new ranks: untouched slots keep their order below this step's hits, then its misses
-    comp = st.at[bi, li, jnp.where(hit, pos, c)].set(c + jnp.cumsum(hit, axis=-1, dtype=jnp.int32) - 1, mode="drop")
-    comp = comp.at[bi, li, drop].set(2 * c + rank, mode="drop")
-    new_st = jnp.argsort(jnp.argsort(comp, axis=-1), axis=-1).astype(jnp.int32)
-    return stamp.at[rows].set(new_st), key.at[rows].set(ky), slot.astype(jnp.int32), hit
+    # per slot, what lands in it (each slot is hit or filled by at most one wanted block): its new key and a value
+    # whose rank is its new stamp. Untouched slots keep their order below this step's hits, then its misses (hits
+    # and misses in selection order; all values distinct)
+    hit_rank = jnp.cumsum(hit, axis=-1, dtype=jnp.int32) - 1
+    new_key = jnp.max(jnp.where(takes, wanted[..., :, None], -1), axis=-2)  # [B, S, C], -1 = not filled
+    order = jnp.max(jnp.where(takes, 2 * c + rank[..., :, None], jnp.where(eq, c + hit_rank[..., :, None], -1)),
+                    axis=-2)
+    new_ky = jnp.where(new_key >= 0, new_key, ky)
+    comp = jnp.where(order >= 0, order, st)
+    new_st = _rank(comp)
+    return stamp.at[layer, rows].set(new_st), key.at[layer, rows].set(new_ky), slot, hit
 
 
-def layer_plan(stamp: Int[Array, "R S C"], key: Int[Array, "R S C"], sel: Int[Array, "B S N"], step: dict,
-               unit_offset: Int[Array, ""], *, block_size: int, sink: int, window: int, mode: str) -> tuple:
-    """A sparse layer's selection -> its slot-cache plan, attention entries and recall list, on the device.
+def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer: Int[Array, ""],
+               sel: Int[Array, "B S N"], step: dict, unit_offset: Int[Array, ""], *, block_size: int, sink: int,
+               window: int, mode: str) -> tuple:
+    """Sparse layer `layer`'s selection -> its slot-cache plan, attention entries and recall list, on the device.
 
     `sel`: the selected logical blocks per row and lane (-1 = none). `step` (the same for every layer of a step):
     rows [B] table row of each batch row, capacity [B] its slot-cache size, gpu [B, K] GPU block of each resident
@@ -84,7 +106,7 @@ def layer_plan(stamp: Int[Array, "R S C"], key: Int[Array, "R S C"], sel: Int[Ar
 
     Returns (stamp, key, plan): plan["early"] [2, B, S, N] (unit, valid tokens) of the resident blocks and hits, in
     selection order, padded with (-1, 0); plan["late"] the same for the misses (recalled into their slots);
-    plan["dst"] / plan["lanes"] [P] (P = a power of two >= B*S*N) the slot block and lane of each miss in row /
+    plan["recall"] [3, P] (P = a power of two >= B*S*N) the slot block, lane and host row of each miss in row /
     lane / selection order, zero past the count; plan["count"] [] the misses; plan["info"] int32 for the host, one
     copy: [count, hits per row [B], misses per row [B], host rows [P], lanes [P]].
     """
@@ -104,36 +126,32 @@ def layer_plan(stamp: Int[Array, "R S C"], key: Int[Array, "R S C"], sel: Int[Ar
         else:  # bookkeep: the blocks "recall" would look up (neither sink nor window)
             nblk = -(-lengths // block_size)
             wanted = valid & (sel >= sink) & (sel < nblk - window)
-        stamp, key, slot, hit = plan(stamp, key, step["rows"], step["capacity"], jnp.where(wanted, sel, -1))
+        stamp, key, slot, hit = plan(stamp, key, layer, step["rows"], step["capacity"], jnp.where(wanted, sel, -1))
         if mode == "bookkeep":
             hit = jnp.zeros_like(valid)
         miss = wanted & ~hit if mode == "recall" else jnp.zeros_like(valid)
     slot_block = step["slots"][ri, jnp.clip(slot, 0, step["slots"].shape[1] - 1)]
     units = jnp.where(resident, unit_offset + gpu, unit_offset + slot_block)
     lens = jnp.where(resident, jnp.clip(lengths - sel * block_size, 0, block_size), block_size)
-    # early = resident + hits (resident first, then hits), late = misses; both in selection order
-    kind = jnp.where(resident, 0, jnp.where(hit, 1, jnp.where(miss, 2, 3)))
+    # early = resident + hits (resident first, then hits), late = misses; both in selection order, compacted to the
+    # front: each entry's place is its rank among the entries taken (one [2, B, S, N] pass for both lists)
     pos = jnp.arange(n)
-
-    def compact(take, key_):
-        order = jnp.argsort(key_, axis=-1)
-        keep = jnp.take_along_axis(take, order, axis=-1)
-        u = jnp.where(keep, jnp.take_along_axis(units, order, axis=-1), -1)
-        ln = jnp.where(keep, jnp.take_along_axis(lens, order, axis=-1), 0)
-        return jnp.stack([u, ln]).astype(jnp.int32)
-
-    early = compact(kind <= 1, kind * n + pos)
-    late = compact(miss, jnp.where(miss, pos, n + pos))
-    # the recall list: misses in row / lane / selection order
+    early = resident | hit
+    take = jnp.stack([early, miss])
+    order = jnp.stack([jnp.where(resident, 0, n) + pos, jnp.broadcast_to(pos, sel.shape)])
+    dest = jnp.where(take, _rank(order, take), n)
+    entries = jnp.stack([_place(dest, jnp.broadcast_to(units, take.shape), n, -1),
+                         _place(dest, jnp.broadcast_to(lens, take.shape), n, 0)], axis=1)  # [2 lists, 2, B, S, N]
+    # the recall list: misses in row / lane / selection order, one scatter of (slot block, lane, host row)
     p = 1 << max(0, (b * s * n - 1).bit_length())
     flat = miss.reshape(-1)
     at = jnp.where(flat, jnp.cumsum(flat) - 1, p)  # index p: dropped
     host = step["host"][ri, safe]
     lane_ids = jnp.broadcast_to(jnp.arange(s)[None, :, None], sel.shape)
-    put = lambda v: jnp.zeros(p, jnp.int32).at[at].set(v.reshape(-1).astype(jnp.int32), mode="drop")  # noqa: E731
-    dst, lanes, rows = put(slot_block), put(lane_ids), put(host)
+    cols = jnp.stack([slot_block, lane_ids, host]).reshape(3, -1).astype(jnp.int32)
+    recall = jnp.zeros((3, p), jnp.int32).at[:, at].set(cols, mode="drop")
     count = flat.sum().astype(jnp.int32)
     misses_row = miss.sum(axis=(1, 2)).astype(jnp.int32)
     hits_row = hit.sum(axis=(1, 2)).astype(jnp.int32)
-    info = jnp.concatenate([count[None], hits_row, misses_row, rows, lanes])
-    return stamp, key, {"early": early, "late": late, "dst": dst, "lanes": lanes, "count": count, "info": info}
+    info = jnp.concatenate([count[None], hits_row, misses_row, recall[2], recall[1]])
+    return stamp, key, {"early": entries[0], "late": entries[1], "recall": recall, "count": count, "info": info}

@@ -166,8 +166,10 @@ def candidate_ids(
 def resident_mask(slot_keys: Int[Array, "B C"], num_candidates: int) -> Bool[Array, "B K"]:
     """Logical blocks held by each sequence's slot cache (`slot_keys`: a logical block per slot, -1 = free; see
     host_offload/slot_cache.py) -> a [B, K] membership mask over candidates 0..K-1 (the `resident` input of
-    `select_blocks`)."""
-    return membership_mask(slot_keys, num_candidates)
+    `select_blocks`). A compare-and-reduce over the slots (one fused kernel on a GPU, where `membership_mask`'s
+    scatter is two: a slot cache holds a few hundred blocks)."""
+    k = jnp.arange(int(num_candidates), dtype=slot_keys.dtype)
+    return (slot_keys[:, None, :] == k[None, :, None]).any(axis=-1)
 
 
 def membership_mask(ids: Int[Array, "B C"], n: int) -> Bool[Array, "B N"]:
@@ -203,14 +205,16 @@ def _top_blocks(
     valid = idx < n
     forced = valid & ((idx < sink) | (idx >= n - window))
     # Sort by (category, -score, index): forced first, then middle blocks by descending score, then the
-    # invalid tail. The explicit index key makes the order (ties included) deterministic on every backend.
-    cat = jnp.where(forced, 0, jnp.where(valid, 1, 2)).astype(jnp.int32)
+    # invalid tail, as two keys: the category folded into the score key (forced -inf, invalid +inf, the middle's
+    # -score clipped to the finite floats; one sort operand fewer). The explicit index key makes the order (ties
+    # included) deterministic on every backend.
     score = jnp.nan_to_num(key.astype(jnp.float32), nan=-jnp.inf, posinf=jnp.inf, neginf=-jnp.inf)
-    neg = jnp.where(cat == 1, -score, 0.0) + 0.0  # + 0.0 turns -0.0 into +0.0 (sort uses a total order)
-    _, _, order = lax.sort((cat, neg, idx), dimension=1, num_keys=3)
+    big = jnp.finfo(jnp.float32).max
+    rank_key = jnp.where(forced, -jnp.inf, jnp.where(valid, jnp.clip(-score, -big, big), jnp.inf)) + 0.0
+    _, order = lax.sort((rank_key, idx), dimension=1, num_keys=2)  # (+ 0.0: -0.0 -> +0.0, a total order)
     m = min(budget, k)
     top = order[:, :m]
-    keep = jnp.take_along_axis(cat, top, axis=1) < 2
+    keep = top < n  # the invalid tail sorts last: an index past the blocks is padding
     top = jnp.sort(jnp.where(keep, top, k), axis=1)  # ascending, invalid (sentinel k) last
     top = jnp.where(top == k, -1, top)
     if m < budget:

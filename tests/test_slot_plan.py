@@ -39,9 +39,15 @@ def test_device_plan_matches_the_numpy_slot_table(lanes, capacity, keys):
         host = np.where(w >= 0, w + np.array([offsets[r] for r in order] + [0])[:, None, None], -1)
         want_slot, want_hit = ref.plan(sl, np.array([rrows[r] for r in order]), w[:3], host[:3])
         cap_b = np.array([caps[r] for r in order] + [capacity], np.int32)
-        new_stamp, new_key, got_slot, got_hit = fplan(stamp[sl], key[sl], jnp.asarray(batch_rows),
-                                                      jnp.asarray(cap_b), jnp.asarray(w))
-        stamp, key = stamp.at[sl].set(new_stamp), key.at[sl].set(new_key)
+        other = 1 - sl
+        before = np.asarray(stamp[other]), np.asarray(key[other])
+        stamp, key, got_slot, got_hit = fplan(stamp, key, jnp.int32(sl), jnp.asarray(batch_rows), jnp.asarray(cap_b),
+                                              jnp.asarray(w))
+        np.testing.assert_array_equal(np.asarray(stamp[other]), before[0])  # the other layer's state is untouched
+        np.testing.assert_array_equal(np.asarray(key[other]), before[1])
+        # stamps stay a permutation of the slots per lane (the ranks' invariant)
+        np.testing.assert_array_equal(np.sort(np.asarray(stamp[sl]), axis=-1),
+                                      np.broadcast_to(np.arange(capacity), stamp[sl].shape))
         np.testing.assert_array_equal(np.asarray(got_slot)[:3], want_slot)
         np.testing.assert_array_equal(np.asarray(got_hit)[:3], want_hit)
         assert (np.asarray(got_slot)[3] == -1).all()
@@ -49,3 +55,88 @@ def test_device_plan_matches_the_numpy_slot_table(lanes, capacity, keys):
             held = np.asarray(key[sl, r])[:, : caps[r]]
             np.testing.assert_array_equal(held, ref.keys(rrows[r])[sl])
             assert (np.asarray(key[sl, r])[:, caps[r]:] == -1).all()  # past the capacity: never used
+
+
+@pytest.mark.parametrize("mode,lanes", [("recall", 1), ("recall", 2), ("bookkeep", 1), ("none", 1)])
+def test_layer_plan_lists_match_its_contract(mode, lanes):
+    """layer_plan's attention entries and recall list against the contract written out in numpy from `plan`'s
+    slots and hits: early = resident blocks then hits, late = misses, each in selection order and compacted to the
+    front; the recall list in row / lane / selection order; the host's info vector."""
+    rng = np.random.default_rng(7 + lanes)
+    b, n, k, cap, bs, rows_n, layers = 3, 8, 24, 6, 4, 4, 2
+    stamp, key = slot_plan.init_state(layers, rows_n, lanes, cap)
+    fn = jax.jit(slot_plan.layer_plan, static_argnames=("block_size", "sink", "window", "mode"))
+    unit_offset = 1000
+    for it in range(12):
+        lengths = rng.integers(k * bs // 2, k * bs + 1, size=b).astype(np.int32)
+        lengths[-1] = 0 if it % 3 == 0 else lengths[-1]  # a padding row now and then
+        nblk = -(-lengths // bs)
+        sel = np.full((b, lanes, n), -1, np.int32)
+        for r in range(b):
+            for lane in range(lanes):
+                m = int(rng.integers(0, min(n, max(nblk[r], 1)) + 1)) if nblk[r] else 0
+                sel[r, lane, :m] = np.sort(rng.choice(max(nblk[r], 1), size=m, replace=False))
+        gpu = np.where(rng.random((b, k)) < 0.4, rng.permutation(b * k).reshape(b, k), -1).astype(np.int32)
+        step = {"rows": np.array([0, 1, rows_n - 1], np.int32), "capacity": np.array([cap, cap - 2, cap], np.int32),
+                "gpu": gpu, "host": (np.arange(b * k).reshape(b, k) + 500).astype(np.int32),
+                "slots": (np.arange(b * cap).reshape(b, cap) + 200).astype(np.int32), "lengths": lengths}
+        if mode == "recall":  # the caller's guarantee: at most `capacity` misses per lane
+            for r in range(b):
+                for lane in range(lanes):
+                    want = np.flatnonzero((sel[r, lane] >= 0) & (gpu[r, np.clip(sel[r, lane], 0, k - 1)] < 0))
+                    sel[r, lane, want[step["capacity"][r]:]] = -1
+        sl = it % layers
+        stamp0, key0 = stamp, key
+        stamp, key, got = fn(stamp, key, jnp.int32(sl), jnp.asarray(sel), {a: jnp.asarray(v) for a, v in step.items()},
+                             jnp.int32(unit_offset), block_size=bs, sink=1, window=1, mode=mode)
+        valid = sel >= 0
+        safe = np.clip(sel, 0, k - 1)
+        resident = valid & (gpu[np.arange(b)[:, None, None], safe] >= 0)
+        if mode == "none":
+            slot, hit = np.full(sel.shape, -1), np.zeros(sel.shape, bool)
+        else:
+            if mode == "recall":
+                wanted = valid & ~resident
+            else:
+                wanted = valid & (sel >= 1) & (sel < nblk[:, None, None] - 1)
+            want = jnp.asarray(np.where(wanted, sel, -1))
+            _, _, slot, hit = jax.jit(slot_plan.plan)(stamp0, key0, jnp.int32(sl), jnp.asarray(step["rows"]),
+                                                      jnp.asarray(step["capacity"]), want)
+            slot, hit = np.asarray(slot), np.asarray(hit)
+            if mode == "bookkeep":
+                hit = np.zeros_like(hit)
+        miss = (wanted & ~hit) if mode == "recall" else np.zeros(sel.shape, bool)
+        want_early = np.zeros((2, b, lanes, n), np.int64)
+        want_early[0] = -1
+        want_late = want_early.copy()
+        dst, lane_l, host_l = [], [], []
+        for r in range(b):
+            for lane in range(lanes):
+                e = l_ = 0
+                items = [(i, "res") for i in range(n) if resident[r, lane, i]] + \
+                        [(i, "hit") for i in range(n) if hit[r, lane, i]]
+                for i, kind in items:
+                    unit = gpu[r, sel[r, lane, i]] if kind == "res" else step["slots"][r, slot[r, lane, i]]
+                    ln = np.clip(lengths[r] - sel[r, lane, i] * bs, 0, bs) if kind == "res" else bs
+                    want_early[:, r, lane, e] = unit_offset + unit, ln
+                    e += 1
+                for i in range(n):
+                    if miss[r, lane, i]:
+                        block = step["slots"][r, slot[r, lane, i]]
+                        want_late[:, r, lane, l_] = unit_offset + block, bs
+                        l_ += 1
+                        dst.append(block)
+                        lane_l.append(lane)
+                        host_l.append(step["host"][r, sel[r, lane, i]])
+        np.testing.assert_array_equal(np.asarray(got["early"]), want_early)
+        np.testing.assert_array_equal(np.asarray(got["late"]), want_late)
+        p = np.asarray(got["recall"]).shape[1]
+        assert p >= b * lanes * n and p & (p - 1) == 0
+        recall = np.zeros((3, p), np.int64)
+        recall[:, : len(dst)] = dst, lane_l, host_l
+        np.testing.assert_array_equal(np.asarray(got["recall"]), recall)
+        assert int(got["count"]) == len(dst)
+        info = np.concatenate([[len(dst)], hit.sum(axis=(1, 2)), miss.sum(axis=(1, 2)), recall[2], recall[1]])
+        np.testing.assert_array_equal(np.asarray(got["info"]), info)
+        if mode == "none":
+            np.testing.assert_array_equal(np.asarray(key), np.asarray(key0))
