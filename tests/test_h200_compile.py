@@ -19,6 +19,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import block_scoring, gather_scatter, grouped_matmul, sparse_decode_attention  # noqa: E402
+from pulseinfer_jax import slot_plan  # noqa: E402
 from pulseinfer_jax.aot import check  # noqa: E402
 from pulseinfer_jax.aot.programs import program, spec  # noqa: E402
 from pulseinfer_jax.aot.ptxas import PtxasRecorder  # noqa: E402
@@ -178,3 +179,23 @@ def test_cost_of_sparse_attention_is_the_listed_blocks(compiler):
     row = compiler(_kernel(sparse_decode_attention.sparse_decode_attention, args, "sparse_decode_attention"))
     listed = b * k * 2 * bs * hkv * hd * 2
     assert listed <= row["cost"]["bytes"] <= listed * 1.25
+
+
+def test_slot_plan_compiles_to_a_few_kernels_without_sorts(compiler):
+    """A sparse layer's slot-cache plan and entry lists (slot_plan.layer_plan, Llama-3.1-8B at 32K x 4: budget 128
+    blocks, 246 slots) compile to compare-and-count reductions, not sorts (XLA:GPU: several kernels each) and with
+    the state updated in place (no copy of the [SL, R, S, C] table)."""
+    b, s, n, c, sl, r, k = 4, 1, 128, 246, 30, 128, 2560
+    step = {"rows": spec((b,), I32), "capacity": spec((b,), I32), "gpu": spec((b, k), I32),
+            "host": spec((b, k), I32), "slots": spec((b, c), I32), "lengths": spec((b,), I32)}
+    fn = jax.jit(functools.partial(slot_plan.layer_plan, block_size=16, sink=1, window=4, mode="recall"),
+                 donate_argnums=(0, 1))
+    row = compiler(program("layer_plan", "kernel", fn, (spec((sl, r, s, c), I32), spec((sl, r, s, c), I32),
+                                                        spec((), I32), spec((b, s, n), I32), step, spec((), I32))))
+    assert row["status"] == "compiled", row.get("error")
+    assert not row["violations"], row["violations"]
+    names = [kr["name"] for kr in row["kernels"]]
+    assert not [x for x in names if "sort" in x], names
+    assert row["cost"]["launches"] <= 24, names  # 21 (33 with sorts, scatters and a per-layer slice of the table)
+    table = 4 * sl * r * s * c
+    assert row["cost"]["bytes"] < 2 * table  # no copy of a state table (a copy alone reads and writes it: 2x)
