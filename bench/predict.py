@@ -326,6 +326,8 @@ def main() -> int:
     ap.add_argument("--gather-rate", type=float, default=None,
                     help="host gather bytes/s (default: bench/results/host_gather_cpu.json's XLA rate)")
     ap.add_argument("--t-sync", type=float, default=T_SYNC, help="seconds the GPU idles per host read of a plan")
+    ap.add_argument("--t-launch", type=float, default=None,
+                    help="seconds per kernel launch instead of the calibrated value (sensitivity)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--target", default=None)
     ap.add_argument("--reuse", default=None, help="an earlier h200_predict.json: compile only programs it lacks")
@@ -357,7 +359,8 @@ def main() -> int:
     print(f"calibration ({CALIBRATION.name}, git {cal.get('git')}): t_launch {free['t_launch'] * 1e6:.2f} us at "
           f"{free['bandwidth'] / 1e12:.2f} TB/s, max error {free['max_error']:.3f}; at {cal['bandwidth'] / 1e12:.1f} "
           f"TB/s fixed: t_launch {cal['t_launch'] * 1e6:.2f} us, max error {cal['max_error']:.3f}")
-    model = Model(free["bandwidth"], free["t_launch"], a.t_sync, a.h2d, T_COPY, gather, numpy_gather)
+    t_launch = free["t_launch"] if a.t_launch is None else a.t_launch
+    model = Model(free["bandwidth"], t_launch, a.t_sync, a.h2d, T_COPY, gather, numpy_gather)
     preds = []
     for st in steps_for(target, a.points.split(","), a.h2d, systems):
         p = predict_step(st, rows, model)
