@@ -17,6 +17,7 @@ read, so it may hold anything (even NaN).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -29,20 +30,31 @@ def merge_stacked_partials(
     l: Float[Array, " P *batch"],  # noqa: E741
     *,
     out_dtype: jnp.dtype | None = None,
+    normalized: bool = True,
 ) -> tuple[Float[Array, "*batch hd"], Float[Array, "*batch"], Float[Array, "*batch"]]:
-    """Merge P partials stacked on axis 0 (o normalised, m/l float32). Returns (o, m, l) without axis 0."""
+    """Merge P partials stacked on axis 0 (m/l float32; o normalised, or with `normalized=False` the unnormalised
+    sums exp(s - m) v, as a split-K kernel leaves them). Returns (o, m, l) without axis 0.
+
+    Written as elementwise ops over the P partials (P is static and small: split-K splits or a few partials) rather
+    than reductions over axis 0: XLA:GPU then fuses the whole merge into one or two kernels, where the reductions'
+    intermediates made four."""
     if o.shape[:-1] != m.shape or m.shape != l.shape:
         raise ValueError(f"partials disagree in shape: {o.shape=} (expected m/l shape + [hd]), {m.shape=}, {l.shape=}")
     if o.shape[0] < 1:
         raise ValueError("merge needs at least one partial")
-    m = m.astype(jnp.float32)
-    l = l.astype(jnp.float32)  # noqa: E741
-    m_all = jnp.max(m, axis=0)
+    p = o.shape[0]
+    ms = [m[i].astype(jnp.float32) for i in range(p)]
+    ls = [l[i].astype(jnp.float32) for i in range(p)]
+    m_all = functools.reduce(jnp.maximum, ms)
     m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)  # every partial empty: weights below are all 0
-    w = jnp.where(m == -jnp.inf, 0.0, l * jnp.exp(m - m_safe[None]))  # [P, *batch]
-    l_all = jnp.sum(w, axis=0)
-    contrib = jnp.where(w[..., None] > 0, o.astype(jnp.float32) * w[..., None], 0.0)
-    o_all = jnp.sum(contrib, axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+    e = [jnp.where(mi == -jnp.inf, 0.0, jnp.exp(mi - m_safe)) for mi in ms]  # [*batch] each
+    w = [li * ei for li, ei in zip(ls, e, strict=True)]
+    l_all = functools.reduce(jnp.add, w)
+    scale = w if normalized else e  # o_i * w_i (normalised o) = acc_i * e_i (unnormalised)
+    # an empty partial's o is not read (it may hold anything, NaN included)
+    o_all = functools.reduce(jnp.add, [jnp.where(w_i[..., None] > 0, o[i].astype(jnp.float32) * s_i[..., None], 0.0)
+                                       for i, (w_i, s_i) in enumerate(zip(w, scale, strict=True))])
+    o_all = o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     return o_all.astype(out_dtype or o.dtype), m_all, l_all
 
 

@@ -351,8 +351,7 @@ def sparse_decode_attention(
         num_warps=num_warps, num_stages=num_stages, interpret=interp,
     ), interpret)
     acc, m, l = acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]  # noqa: E741  drop padded query rows
-    o_split = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    o, m, l = merge_stacked_partials(o_split, m, l, out_dtype=q.dtype)  # noqa: E741
+    o, m, l = merge_stacked_partials(acc, m, l, out_dtype=q.dtype, normalized=False)  # noqa: E741
     return o.reshape(b, hq, hd), m.reshape(b, hq), l.reshape(b, hq)
 
 

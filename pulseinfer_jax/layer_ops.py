@@ -224,12 +224,12 @@ def _with_middle(sel: Int[Array, "B S N"], middle: Int[Array, "B S M"], num_bloc
 def attend(
     q: Float[Array, "B Hq hd"],
     kv: Float[Array, "L NB 2 bs Hkv hd"],
-    entries: Int[Array, "2 B S K"],
+    entries: tuple[Int[Array, "B S K"], Int[Array, "B S K"]],
     *,
     attention: str,
 ) -> Partial:
     """Partial attention (o, m, l) over the listed flat units: `entries` = (unit ids (-1 = padding), valid tokens),
-    stacked so that the pipeline moves them in one host-to-device copy."""
+    a list of a layer's plan (slot_plan.layer_plan)."""
     return _attend(attention, q, kv, entries[0], entries[1])
 
 
@@ -273,8 +273,8 @@ def land_attend_finish(
         early = _attend(attention, q, kv, plan["early"][0], plan["early"][1])
     parts = [early]
     if width:
-        late = plan["late"][..., :width]
-        parts.append(_attend(attention, q, kv, late[0], late[1]))
+        ids, lens = (a if a.shape[-1] == width else a[..., :width] for a in plan["late"])
+        parts.append(_attend(attention, q, kv, ids, lens))
     o = parts[0][0] if len(parts) == 1 else merge_attention_partials(parts)[0]
     return kv, model.layer_finish(lp, x, o[:, None])
 

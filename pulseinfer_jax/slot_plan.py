@@ -104,8 +104,8 @@ def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer
     are recalled), "bookkeep" (every block resident; the slot caches still track what "recall" would hold, for the
     resident-block bonus), "none" (every block resident, no slot caches).
 
-    Returns (stamp, key, plan): plan["early"] [2, B, S, N] (unit, valid tokens) of the resident blocks and hits, in
-    selection order, padded with (-1, 0); plan["late"] the same for the misses (recalled into their slots);
+    Returns (stamp, key, plan): plan["early"] (units, valid tokens), each [B, S, N], of the resident blocks and hits,
+    in selection order, padded with (-1, 0); plan["late"] the same for the misses (recalled into their slots);
     plan["recall"] [3, P] (P = a power of two >= B*S*N) the slot block, lane and host row of each miss in row /
     lane / selection order, zero past the count; plan["count"] [] the misses; plan["info"] int32 for the host, one
     copy: [count, hits per row [B], misses per row [B], host rows [P], lanes [P]].
@@ -154,4 +154,8 @@ def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer
     misses_row = miss.sum(axis=(1, 2)).astype(jnp.int32)
     hits_row = hit.sum(axis=(1, 2)).astype(jnp.int32)
     info = jnp.concatenate([count[None], hits_row, misses_row, recall[2], recall[1]])
-    return stamp, key, {"early": entries[0], "late": entries[1], "recall": recall, "count": count, "info": info}
+    # each list as its own (units, valid tokens) arrays: the attention kernel takes them as separate operands (a
+    # stacked [2, ...] array would be sliced into copies by every consumer)
+    early_list = (entries[0, 0], entries[0, 1])
+    late_list = (entries[1, 0], entries[1, 1])
+    return stamp, key, {"early": early_list, "late": late_list, "recall": recall, "count": count, "info": info}

@@ -61,6 +61,9 @@ def test_sparse_decode_attention_compiles(compiler, dtype, b, hkv, group, hd, bs
             spec((b, rows, 37), I32))
     row = _ok(compiler(_kernel(sparse_decode_attention.sparse_decode_attention, args, "sparse_decode_attention")))
     assert row["max_shared_memory"] <= 232448
+    # the paddings (query rows to 16; the 37 entries to whole splits), the kernel, and the split-K merge as
+    # elementwise fusions in at most two kernels (its reductions over the splits were four)
+    assert row["cost"]["launches"] <= 6, [k["name"] for k in row["kernels"]]
 
 
 @pytest.mark.parametrize("dtype,bs,hd", [("bfloat16", 16, 128), ("float32", 16, 128), ("bfloat16", 8, 64),
