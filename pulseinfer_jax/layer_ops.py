@@ -273,7 +273,7 @@ def land_attend_finish(
         early = _attend(attention, q, kv, plan["early"][0], plan["early"][1])
     parts = [early]
     if width:
-        ids, lens = (a if a.shape[-1] == width else a[..., :width] for a in plan["late"])
+        ids, lens = (a[..., :width] for a in plan["late"])
         parts.append(_attend(attention, q, kv, ids, lens))
     o = parts[0][0] if len(parts) == 1 else merge_attention_partials(parts)[0]
     return kv, model.layer_finish(lp, x, o[:, None])
