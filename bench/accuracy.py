@@ -42,13 +42,13 @@ def engine_config(variant: str, budget: int | None, heads: tuple[int, ...] | Non
     from pulseinfer_jax import EngineConfig
 
     if variant == "dense":
-        return EngineConfig(**base)
+        return EngineConfig.of(**base)
     kw = dict(base, mode="offload", budget_tokens=budget)
     if variant == "headwise":
-        return EngineConfig(**kw, selection="headwise")
+        return EngineConfig.of(**kw, selection="headwise")
     if variant == "normalized_sum":
-        return EngineConfig(**kw)
-    return EngineConfig(**kw, solohead="retrieval_head", retrieval_heads=heads)
+        return EngineConfig.of(**kw)
+    return EngineConfig.of(**kw, solohead="retrieval_head", retrieval_heads=heads)
 
 
 def passkey(model, cfg, lengths, depths) -> dict:

@@ -33,7 +33,7 @@ def our_side(ids: list[int], decode_tokens: int, repeats: int, prefill_chunk: in
     t0 = time.perf_counter()
     model = load_model(None)
     load_s = time.perf_counter() - t0
-    engine = Engine(model, EngineConfig(prefill_chunk=prefill_chunk, key_chunk=prefill_chunk, progress=False))
+    engine = Engine(model, EngineConfig.of(prefill_chunk=prefill_chunk, key_chunk=prefill_chunk, progress=False))
     prefill, steps = [], []
     for rep in range(repeats + 1):  # the first run compiles
         stamps, result = [], None

@@ -30,7 +30,6 @@ distribution (bench/workload.py), run to completion; per-request TPOT p50/p99 an
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import pathlib
 import statistics
@@ -114,12 +113,12 @@ def engine_for(model, system: str, base: dict, replay: dict | None, cache: dict,
     from bench.traces import replay_decoder
     from pulseinfer_jax import EngineConfig
 
-    cfg = EngineConfig(**{**base, **SYSTEMS[system], **(overrides or {})})  # over base: a system's own settings
+    cfg = EngineConfig.of(**{**base, **SYSTEMS[system], **(overrides or {})})  # over base: a system's own settings
     if system == "pulseinfer-min-reuse":
-        cfg = dataclasses.replace(cfg, slot_cache_blocks=cfg.budget_blocks - cfg.sink_blocks - cfg.window_blocks)
+        cfg = cfg.with_settings(slot_cache_blocks=cfg.budget_blocks - cfg.offload.sink_blocks - cfg.window_blocks)
     attrs = {}
     if replay is not None and cfg.mode != "dense":
-        attrs["decoder_class"] = replay_decoder(replay[cfg.selection])
+        attrs["decoder_class"] = replay_decoder(replay[cfg.ablation.selection])
     eng = type("BenchEngine", (SyntheticKVEngine,), attrs)(model, cfg)
     eng.host_pool = cache.pop("host_pool", None)
     return eng, cfg
@@ -154,7 +153,8 @@ def host_bytes_needed(model, cfg, total_tokens: list[int]) -> int:
     c = model.cfg
     import jax.numpy as jnp
 
-    per_token = (c.num_layers - cfg.dense_layers) * 2 * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize
+    sparse_layers = c.num_layers - cfg.offload.dense_layers
+    per_token = sparse_layers * 2 * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize
     return sum(-(-t // cfg.block_size) * cfg.block_size for t in total_tokens) * per_token
 
 

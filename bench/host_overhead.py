@@ -114,8 +114,8 @@ def step_point(system: str, *, batch: int, context: int, budget: int, steps: int
             cpu.append(time.thread_time() - c)
             wall.append(time.perf_counter() - t)
     extra = {"breakdown": split.rows(steps)} if split else {}
-    return {"system": system, "recall": eng.config.recall, "host_io": eng.host_io, "batch": batch, "context": context,
-            "budget_tokens": budget,
+    return {"system": system, "recall": eng.config.ablation.recall, "host_io": eng.host_io, "batch": batch,
+            "context": context, "budget_tokens": budget,
             "main_thread_cpu_ms_per_step_p50": statistics.median(cpu) * 1e3,
             "main_thread_cpu_ms_per_step_min": min(cpu) * 1e3,
             "wall_ms_per_step_p50": statistics.median(wall) * 1e3, "compiles_in_timed_steps": compiles.count, **extra}

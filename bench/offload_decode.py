@@ -16,7 +16,6 @@ and "device" are the same RAM: the I/O numbers count what would cross PCIe; the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import pathlib
 import statistics
 import sys
@@ -66,9 +65,9 @@ def _run_once(model, name: str, prompts: list, steps: int, base: dict) -> dict:
     from pulseinfer_jax import Engine, EngineConfig, SamplingParams
     from pulseinfer_jax.scheduler import Status
 
-    cfg = EngineConfig(**base, **SYSTEMS[name])
+    cfg = EngineConfig.of(**base, **SYSTEMS[name])
     if name == "pulseinfer-cache1x":  # the smallest slot cache: only what one step selects (LRU across steps)
-        cfg = dataclasses.replace(cfg, slot_cache_blocks=cfg.budget_blocks - cfg.sink_blocks - cfg.window_blocks)
+        cfg = cfg.with_settings(slot_cache_blocks=cfg.budget_blocks - cfg.offload.sink_blocks - cfg.window_blocks)
     eng = Engine(model, cfg)
     warm = 2
     # a request decodes while later ones prefill (one chunk per step): budget those steps too, so every

@@ -62,11 +62,12 @@ def _engine_config(system: str, point: dict):
     new = point["warm"] + point["steps"] + 2 * point["batch"] + 6  # bench/decode_throughput.run_point's max_new
     base = dict(block_size=16, budget_tokens=2048, dense_layers=2, max_batch=8, gpu_kv_budget=point["gpu_kv_budget"],
                 progress=False, prefill_chunk=512)
-    cfg = EngineConfig(**{**base, **SYSTEMS[system]})
+    cfg = EngineConfig.of(**{**base, **SYSTEMS[system]})
     if system == "pulseinfer-min-reuse":
-        cfg = dataclasses.replace(cfg, slot_cache_blocks=cfg.budget_blocks - cfg.sink_blocks - cfg.window_blocks)
-    backends = {"attention": "pallas", "layer_loop": cfg.layer_loop if cfg.layer_loop != "auto" else "layerwise",
-                "host_io": cfg.host_io if cfg.host_io != "auto" else "xla"}
+        cfg = cfg.with_settings(slot_cache_blocks=cfg.budget_blocks - cfg.offload.sink_blocks - cfg.window_blocks)
+    b = cfg.backends
+    backends = {"attention": "pallas", "layer_loop": b.layer_loop if b.layer_loop != "auto" else "layerwise",
+                "host_io": b.host_io if b.host_io != "auto" else "xla"}
     return cfg, backends, new
 
 
@@ -94,8 +95,9 @@ def admission(cfg, model_cfg, prompts: list[int], new: int, h2d: float) -> tuple
             cands.append(Candidate(i, dense, p.gpu_blocks(r.need_tokens), float(p.middle_blocks * block_bytes
                                                                                 * p.sparse_layers)))
     decisions = dict(admit_batch(cands, mode=cfg.mode, free_blocks=capacity, running=0, offloaded_recall_bytes=0.0,
-                                 observed_step_time_s=None, cost=FixedStepTime(cfg.ioaa_step_time_s),
-                                 config=IOAAConfig(h2d_bytes_per_s=h2d, slack=cfg.ioaa_slack), max_batch=cfg.max_batch,
+                                 observed_step_time_s=None, cost=FixedStepTime(cfg.offload.ioaa_step_time_s),
+                                 config=IOAAConfig(h2d_bytes_per_s=h2d, slack=cfg.offload.ioaa_slack),
+                                 max_batch=cfg.max_batch,
                                  queued_dense_blocks=sum(c.dense_blocks for c in cands)))
     return [decisions.get(i, "wait") for i in range(len(reqs))], sizes
 
@@ -159,16 +161,16 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
     nb = sizes.num_blocks + sizes.scratch
     dense_calls, sparse_calls, misses, mbs = [], {}, [], 1
     if dense_idx:
-        es = cat.EngineShapes.of(model_cfg, "bfloat16", dataclasses.replace(cfg, mode="dense"), **backends)
+        es = cat.EngineShapes.of(model_cfg, "bfloat16", cfg.with_settings(mode="dense"), **backends)
         dense_calls = cat.dense_decode(es, [prompts[i] for i in dense_idx], new, num_blocks=nb)
     unit, copies = 0, 1
     if off_idx:
         es = cat.EngineShapes.of(model_cfg, "bfloat16", cfg, **backends)
         layout = cat.SparseLayout.of(es, prompts, new, offloaded=off_idx, cap_bytes=cfg.gpu_kv_budget)
-        mbs = max(1, min(cfg.micro_batches or 2, len(off_idx)))
-        trace = load_trace(RESULTS / "traces" / f"{TRACE}_{cfg.selection}_b{cfg.budget_tokens}.npz")
+        mbs = max(1, min(cfg.offload.micro_batches or 2, len(off_idx)))
+        trace = load_trace(RESULTS / "traces" / f"{TRACE}_{cfg.ablation.selection}_b{cfg.offload.budget_tokens}.npz")
         per_request = lru_misses(cfg, layout.plan, trace, point)
-        if cfg.offload_placement == "device":  # every block stays on the GPU: nothing is recalled
+        if cfg.ablation.placement == "device":  # every block stays on the GPU: nothing is recalled
             per_request = np.zeros_like(per_request)
         misses = [float(m) * len(off_idx) / mbs for m in per_request]
         from pulseinfer_jax.kv_cache import bucket
@@ -177,10 +179,11 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
             sparse_calls[r] = cat.sparse_decode(es, layout, r, shardings=shardings, micro_batches=mbs)
         c = model_cfg
         block = 2 * cfg.block_size * c.num_kv_heads * c.head_dim * 2
-        unit = block if cfg.selection == "solohead" else block // c.num_kv_heads  # one recalled entry
+        unit = block if cfg.ablation.selection == "solohead" else block // c.num_kv_heads  # one recalled entry
         # host-to-device copies per recalled entry: coalesced one per layer and micro-batch (0 here), fragmented one
         # per (block, head)
-        copies = 0 if cfg.io == "coalesced" else (c.num_kv_heads if cfg.selection == "solohead" else 1)
+        ab = cfg.ablation
+        copies = 0 if ab.io == "coalesced" else (c.num_kv_heads if ab.selection == "solohead" else 1)
     return SystemStep(system, point_name, placements, dense_calls, sparse_calls, misses, mbs, cfg, backends, unit,
                       copies)
 
@@ -301,7 +304,7 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
         syncs += k
         chain = {"sync": pre + m.t_sync + recall + early + land,
                  "interruptible": pre + m.t_sync + max(recall, early) + land,
-                 "eager": pre + max(m.t_sync + recall, early) + land}[cfg.recall]
+                 "eager": pre + max(m.t_sync + recall, early) + land}[cfg.ablation.recall]
         if k == 1:
             layers_s += chain
         else:

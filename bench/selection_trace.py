@@ -68,7 +68,7 @@ def record(model, prompts: list[list[int]], steps: int, base: dict, selection: s
 
     cls = SyntheticKVEngine if synthetic else Engine
     eng = type("RecordingEngine", (cls,), {"decoder_class": RecordingDecoder})(
-        model, EngineConfig(**base, mode="offload", selection=selection))
+        model, EngineConfig.of(**base, mode="offload", selection=selection))
     sp = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     reqs = [eng.make_request(i, p, sp) for i, p in enumerate(prompts)]
     list(eng.run(reqs))

@@ -1,22 +1,64 @@
-"""Public API: `generate_long()` (one result per prompt, in order) and `stream_long()` (token events)."""
+"""Public API: `generate_long()` (one result per prompt, in order) and `stream_long()` (token events).
+
+Both take the same options: `GenerateOptions` fields (sampling, chat, dtype) and engine settings by their flat
+names (`mode="offload"`, `budget_tokens=1024`, any `EngineConfig.of` name), or whole objects (`options=`,
+`engine_config=`); keywords given with an object override its fields.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
 import time
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 
 from models.loading import LoadedModel, load_model
-from pulseinfer_jax.config import EngineConfig, weights_layout
+from pulseinfer_jax.backends import plan_backends
+from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.engine import Engine
+from pulseinfer_jax.options import flat_names, flatten
 from pulseinfer_jax.sampling import SamplingParams
 from pulseinfer_jax.scheduler import Request
 
-Prompt = str | Sequence[int]
+Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
+Prompt = str | Sequence[int] | Sequence[Message]  # text, token ids, or one conversation (chat template applied)
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """What to generate and how to read the prompts (the engine's settings are `EngineConfig`'s)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int = 0  # request i draws from fold_in(fold_in(key(seed), i), step), independent of its batch mates
+    stop: tuple[str, ...] = ()  # strings that end generation (the text stops before them)
+    ignore_eos: bool = False  # keep going past EOS
+    chat: bool | None = None  # wrap text prompts in the chat template as a user turn; None = when the model has one
+    dtype: str | None = None  # weights / KV dtype when the model is loaded here (default float32)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop) if not isinstance(self.stop, str) else self.stop)
+        self.sampling  # noqa: B018 - validates the sampling fields
+        s = self.seed
+        if isinstance(s, bool) or not isinstance(s, int) or not (0 <= s < 2**32):
+            raise ValueError(f"seed={s!r} must be an integer in [0, 2**32)")
+        if self.chat not in (None, True, False):
+            raise ValueError(f"chat={self.chat!r} must be True, False or None (None: when the model has a template)")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens, stop=self.stop, ignore_eos=self.ignore_eos)
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(GenerateOptions))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,43 +78,115 @@ class StreamEvent:
     result: GenerationResult | None  # set on the request's last event
 
 
-def _engine_for(model: Any, dtype: str, config: EngineConfig) -> Engine:
-    if isinstance(model, Engine):
-        if model.config != config:
-            return Engine(model.model, config, model.device)
+def resolve_options(options: GenerateOptions | None, engine_config: EngineConfig | None,
+                    settings: Mapping[str, Any], base: EngineConfig | None = None,
+                    ) -> tuple[GenerateOptions, EngineConfig | None, dict[str, Any]]:
+    """Split keyword `settings` into GenerateOptions fields and engine settings (flat names) and merge them over
+    `options` / `engine_config` (else over `base`, a given engine's config): (options, engine config or None if none
+    was named, the engine settings given)."""
+    engine_names = flat_names(EngineConfig)
+    opt_kw, eng_kw = {}, {}
+    for name, value in settings.items():
+        if name in OPTION_NAMES:
+            opt_kw[name] = value
+        elif name in engine_names:
+            eng_kw[name] = value
+        else:
+            import difflib
+
+            close = difflib.get_close_matches(name, [*OPTION_NAMES, *engine_names], n=3)
+            raise TypeError(f"unknown option {name!r}" + (f"; did you mean {' or '.join(close)}?" if close else
+                                                           "; see GenerateOptions and EngineConfig.of"))
+    if options is not None and not isinstance(options, GenerateOptions):
+        raise TypeError(f"options must be a GenerateOptions, got {type(options).__name__}")
+    if engine_config is not None and not isinstance(engine_config, EngineConfig):
+        raise TypeError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}")
+    opts = dataclasses.replace(options or GenerateOptions(), **opt_kw)
+    config = engine_config
+    if eng_kw:
+        config = (engine_config or base or EngineConfig()).with_settings(**eng_kw)
+    return opts, config, eng_kw
+
+
+def _engine_for(model: Any, opts: GenerateOptions, config: EngineConfig | None) -> Engine:
+    if isinstance(model, Engine):  # used as it is: its compiled code, pools and config
+        if config is not None and config != model.config:
+            changed = sorted(k for k, v in flatten(config).items() if flatten(model.config)[k] != v)
+            raise ValueError(f"model is an Engine built with a different config ({', '.join(changed)} differ); pass "
+                             "the engine alone to use it as it is, or build Engine(engine.model, new_config)")
+        _check_dtype(opts, model.model)
         return model
+    config = config or EngineConfig()
     if isinstance(model, LoadedModel):
+        _check_dtype(opts, model)
         return Engine(model, config)
-    layout = weights_layout(config.layer_loop, jax.devices()[0].platform)  # load as the engine will read them
-    return Engine(load_model(model, dtype=dtype, layout=layout), config)
+    layout = plan_backends(config, jax.devices()[0].platform).weights_layout  # load as the engine will read them
+    return Engine(load_model(model, dtype=opts.dtype or "float32", layout=layout), config)
 
 
-def _encode(engine: Engine, i: int, prompt: Prompt, chat: bool) -> list[int]:
-    tok = engine.model.tokenizer
-    if isinstance(prompt, str):
+def _check_dtype(opts: GenerateOptions, model: LoadedModel) -> None:
+    import jax.numpy as jnp
+
+    from models.transformer import resolve_dtype
+
+    if opts.dtype is not None and jnp.dtype(resolve_dtype(opts.dtype)) != jnp.dtype(model.dtype):
+        raise ValueError(f"dtype={opts.dtype!r} but the given model is already loaded in {jnp.dtype(model.dtype)}; "
+                         "drop dtype, or load the model in that dtype")
+
+
+def check_prompts(prompts: Any) -> None:
+    """Validate the prompts' structure before anything is loaded (text, token ids or a list of messages each)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError("prompts must be a list of strings, token-id lists or message lists (wrap a single prompt "
+                         "in [...])")
+    if not prompts:
+        raise ValueError("prompts is empty; give at least one prompt")
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if not p:
+                raise ValueError(f"prompt {i} is an empty string; give some text")
+        elif isinstance(p, (bytes, bytearray)):
+            raise ValueError(f"prompt {i} is bytes; pass str, a list of token ids or a list of messages")
+        elif isinstance(p, Sequence) and p and all(isinstance(m, Mapping) for m in p):
+            _check_messages(i, p)
+        elif isinstance(p, Sequence):
+            bad = [t for t in p if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+            if bad:
+                raise ValueError(f"prompt {i}: expected token ids (ints) or messages ({{'role', 'content'}} dicts), "
+                                 f"got {bad[0]!r} ({type(bad[0]).__name__})")
+        else:
+            raise ValueError(f"prompt {i} must be a string, a sequence of int token ids or a list of messages, got "
+                             f"{type(p).__name__}")
+
+
+def _check_messages(i: int, messages: Sequence[Mapping]) -> None:
+    for j, m in enumerate(messages):
+        if set(m) - {"role", "content"} or not {"role", "content"} <= set(m):
+            raise ValueError(f"prompt {i}, message {j}: a message has exactly the keys 'role' and 'content', got "
+                             f"{sorted(m)}")
+        if m["role"] not in ROLES or not isinstance(m["content"], str):
+            raise ValueError(f"prompt {i}, message {j}: role must be one of {', '.join(ROLES)} and content a string, "
+                             f"got role={m['role']!r}, content of type {type(m['content']).__name__}")
+    if messages[-1]["role"] == "assistant":
+        raise ValueError(f"prompt {i} ends with an assistant message; end it with a user message to get a reply")
+
+
+def _encode(engine: Engine, i: int, prompt: Prompt, chat: bool | None) -> tuple[list[int], bool]:
+    """Token ids of prompt `i`, and whether the chat template wrapped it."""
+    tok, source = engine.model.tokenizer, engine.model.source
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
         if tok is None:
-            raise ValueError(f"prompt {i} is text but model {engine.model.source} has no tokenizer; "
-                             "pass token-id lists instead")
-        if not prompt:
-            raise ValueError(f"prompt {i} is an empty string; give some text")
-        if chat:
+            raise ValueError(f"prompt {i} is text but model {source} has no tokenizer (random:<preset> models are for "
+                             "throughput and compile checks); pass token-id lists, or load a real model")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        if not isinstance(prompt, str) or chat or (chat is None and tok.has_chat_template):
             if not tok.has_chat_template:
-                raise ValueError(f"chat=True but {engine.model.source} has no chat template")
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            return tok.encode(text, add_special_tokens=False)
-        return tok.encode(prompt, add_special_tokens=True)
-    if isinstance(prompt, (bytes, bytearray)):
-        raise ValueError(f"prompt {i} is bytes; pass str or a list of token ids")
-    try:
-        items = list(prompt)
-    except TypeError:
-        raise ValueError(
-            f"prompt {i} must be a string or a sequence of int token ids, got {type(prompt).__name__}") from None
-    bad = [t for t in items if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-    if bad:
-        raise ValueError(f"prompt {i}: token ids must be ints, got {bad[0]!r} ({type(bad[0]).__name__})")
-    ids = [int(t) for t in items]
-    return ids
+                what = f"prompt {i} is a list of messages" if not isinstance(prompt, str) else "chat=True"
+                raise ValueError(f"{what} but {source} has no chat template; pass plain text with chat=False")
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False), True
+        return tok.encode(prompt, add_special_tokens=True), False
+    return [int(t) for t in prompt], False
 
 
 class _TextTracker:
@@ -110,30 +224,34 @@ class _TextTracker:
         return delta
 
 
-def _stats(r: Request, t_start: float, engine: Engine) -> dict[str, Any]:
+def _stats(r: Request, t_start: float, engine: Engine, chat: bool) -> dict[str, Any]:
     n = len(r.output)
     decode_s = max(0.0, r.t_done - r.t_first)
+    steady = r.steady_s / r.steady_tokens if r.steady_tokens else (decode_s / (n - 1) if n > 1 else 0.0)
     return {
         "prompt_tokens": len(r.prompt),
         "generated_tokens": n,
-        "prefill_s": r.prefill_s,
+        "chat_template": chat,
+        "prefill_s": r.prefill_s,  # compilation included (compile_s says how much)
         "decode_s": decode_s,
         "ttft_s": r.t_first - t_start,
-        "tpot_s": decode_s / (n - 1) if n > 1 else 0.0,
+        "tpot_s": steady,  # over the decode steps that compiled nothing
+        "steady_steps": r.steady_tokens,
+        "warmup_s": r.warmup_s,  # decode steps that compiled something
+        "compile_s": r.compile_s,
         "queue_s": max(0.0, r.t_admit - t_start),
         "admitted_at_step": r.admit_step,
         "total_s": r.t_done - t_start,
         "mode": r.placement or "dense",
-        "decode_attention": engine.decode_attention,
-        "layer_loop": engine.layer_loop,
-        **({"moe_strategy": engine.moe_strategy} if engine.moe_strategy else {}),
-        "offloaded": r.sparse is not None and engine.config.offload_placement == "host",
+        "offloaded": r.sparse is not None and engine.config.ablation.placement == "host",
+        **engine.backends.as_dict(),
         **_io_stats(r, engine),
     }
 
 
 def _io_stats(r: Request, engine: Engine) -> dict[str, Any]:
-    """Recall counters of a sparse request (zeros for a dense one), summed over its decode steps."""
+    """Recall counters of a sparse request (zeros for a dense one), summed over its decode steps, and for a sparse
+    request the offload settings it ran with."""
     c = r.sparse.counters if r.sparse is not None else None
     out = {
         "recall_bytes": c.recall_bytes if c else 0,
@@ -144,59 +262,24 @@ def _io_stats(r: Request, engine: Engine) -> dict[str, Any]:
         "written_back_blocks": c.written_back_blocks if c else 0,
     }
     if c is not None:
-        cfg = engine.config
-        out.update(selection=cfg.selection, io=cfg.io, recall=cfg.recall, budget_tokens=cfg.budget_tokens,
-                   decode_attention=engine.sparse_attention, host_io=engine.host_io, score_beta=cfg.score_beta,
-                   score_per_query_head=cfg.score_per_query_head, score_sub_blocks=cfg.score_sub_blocks,
-                   score_kept_blocks=cfg.score_kept_blocks, resident_bonus=cfg.resident_bonus,
-                   score_bounds_dtype=engine.scoring.bounds_dtype,  # (falls back to "kv" if a GPU rejects float8)
-                   score_coarse_group=cfg.score_coarse_group, score_coarse_keep=cfg.score_coarse_keep)
+        out.update(flatten(engine.config.offload))
+        out["score_bounds_dtype"] = engine.scoring.bounds_dtype  # (after any fallback on a GPU)
     return out
 
 
-def stream_long(
-    prompts: Sequence[Prompt],
-    model: Any = None,
-    *,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    mode: str = "dense",
-    budget_tokens: int = 2048,
-    selection: str = "solohead",
-    io: str = "coalesced",
-    gpu_kv_budget: int | None = None,
-    stop: Sequence[str] = (),
-    ignore_eos: bool = False,
-    chat: bool = False,
-    dtype: str = "float32",
-    block_size: int = 16,
-    max_batch: int = 32,
-    prefill_chunk: int = 512,
-    kv_cache_tokens: int | None = None,
-    progress: bool | None = None,
-    engine_config: EngineConfig | None = None,
-) -> Iterator[StreamEvent]:
+def stream_long(prompts: Sequence[Prompt], model: Any = None, *, options: GenerateOptions | None = None,
+                engine_config: EngineConfig | None = None, **settings: Any) -> Iterator[StreamEvent]:
     """Like `generate_long` but yields a StreamEvent per generated token as soon as it exists."""
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise ValueError("prompts must be a list of strings or of token-id lists (wrap a single prompt in [...])")
-    if not prompts:
-        raise ValueError("prompts is empty; give at least one prompt")
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                              stop=tuple(stop), ignore_eos=ignore_eos)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not (0 <= seed < 2**32):
-        raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
-    config = engine_config or EngineConfig(block_size=block_size, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                                           key_chunk=prefill_chunk, kv_cache_tokens=kv_cache_tokens, mode=mode,
-                                           progress=progress, budget_tokens=budget_tokens, selection=selection, io=io,
-                                           gpu_kv_budget=gpu_kv_budget)
-    engine = _engine_for(model, dtype, config)
+    check_prompts(prompts)
+    opts, config, _ = resolve_options(options, engine_config, settings,
+                                      base=model.config if isinstance(model, Engine) else None)
+    engine = _engine_for(model, opts, config)
+    sampling = opts.sampling
     t_start = time.perf_counter()
-    reqs = [engine.make_request(i, _encode(engine, i, p, chat), sampling) for i, p in enumerate(prompts)]
+    encoded = [_encode(engine, i, p, opts.chat) for i, p in enumerate(prompts)]
+    reqs = [engine.make_request(i, ids, sampling) for i, (ids, _) in enumerate(encoded)]
     trackers = [_TextTracker(engine.model.tokenizer, sampling.stop) for _ in reqs]
-    for ev in engine.run(reqs, seed=seed):
+    for ev in engine.run(reqs, seed=opts.seed):
         req, tr = reqs[ev.index], trackers[ev.index]
         if tr.stopped:
             continue  # a stop string already ended it; this token was computed in the same batch
@@ -207,64 +290,43 @@ def stream_long(
             reason = "stop"
         result = None
         if reason is not None:
-            result = GenerationResult(tr.text, list(req.output), reason, _stats(req, t_start, engine))
+            chat = encoded[ev.index][1]
+            _warn_if_template_missed(engine, ev.index, tr.text, reason, chat, opts.chat)
+            result = GenerationResult(tr.text, list(req.output), reason, _stats(req, t_start, engine, chat))
         yield StreamEvent(ev.index, ev.token_id, delta, reason, result)
 
 
-def generate_long(
-    prompts: Sequence[Prompt],
-    model: Any = None,
-    *,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    mode: str = "dense",
-    budget_tokens: int = 2048,
-    selection: str = "solohead",
-    io: str = "coalesced",
-    gpu_kv_budget: int | None = None,
-    stop: Sequence[str] = (),
-    ignore_eos: bool = False,
-    chat: bool = False,
-    dtype: str = "float32",
-    block_size: int = 16,
-    max_batch: int = 32,
-    prefill_chunk: int = 512,
-    kv_cache_tokens: int | None = None,
-    progress: bool | None = None,
-    engine_config: EngineConfig | None = None,
-    on_token: Callable[[StreamEvent], None] | None = None,
-) -> list[GenerationResult]:
+def _warn_if_template_missed(engine: Engine, i: int, text: str, reason: str, chat: bool, asked: bool | None) -> None:
+    """An instruct model given raw text often stops at once: say so instead of returning "" silently."""
+    tok = engine.model.tokenizer
+    if not text.strip() and reason == "stop" and not chat and tok is not None and tok.has_chat_template:
+        warnings.warn(f"prompt {i}: the model stopped without generating text; it has a chat template that "
+                      f"chat={asked} left unused (chat=True or the default wraps text prompts in it)", RuntimeWarning,
+                      stacklevel=3)
+
+
+def generate_long(prompts: Sequence[Prompt], model: Any = None, *, options: GenerateOptions | None = None,
+                  engine_config: EngineConfig | None = None, on_token: Callable[[StreamEvent], None] | None = None,
+                  **settings: Any) -> list[GenerationResult]:
     """Generate a continuation for every prompt; returns one GenerationResult per prompt, in order.
 
-    prompts: list of strings (tokenized with the model's tokenizer; `chat=True` wraps each in the chat
-        template as a user turn) or of token-id lists.
-    model: None (embedded SmolLM2-135M-Instruct), a Hugging Face directory, a .gguf file,
-        "random:<preset>", a `LoadedModel`, or an `Engine` to reuse (compiled code and KV pool).
-    max_new_tokens / temperature (0 = greedy) / top_p / top_k / seed: sampling; request i draws from
-        fold_in(fold_in(key(seed), i), step), independent of its batch mates.
-    stop: strings that end generation (the text stops before them); ignore_eos: keep going past EOS.
-    dtype: weights/KV dtype when `model` is loaded here.
-    mode: "dense" (all KV on the GPU), "offload" (KV in pinned host memory, sparse decode recalling the
-        selected blocks each step) or "auto" (IOAA picks dense or offload per request from GPU memory and
-        PCIe bandwidth). budget_tokens: tokens attended per sparse layer and step; selection: "solohead"
-        (one block set per layer for all heads) or "headwise"; io: "coalesced" (one gathered copy per layer
-        and step) or "fragmented" (one copy per (block, head), the per-head offloading baseline);
-        gpu_kv_budget: cap on GPU KV bytes (emulates a smaller GPU).
-    block_size / max_batch / prefill_chunk / kv_cache_tokens / progress: engine knobs, or pass a whole
-        `engine_config` (every knob, e.g. recall="sync", micro_batches, dense_layers, window_tokens).
-        `on_token` is called with each StreamEvent as it is produced (streaming).
-    Each result's `.stats` has timings, the placement ("mode", "offloaded") and, for sparse requests, the
-    recall counters summed over decode steps: recall_bytes, recall_transfers (host-to-device copies that
-    carried its blocks), recalled_blocks, reused_blocks (slot-cache hits), recall_wait_s.
+    prompts: a list; each is a string (with a chat template, wrapped in it as a user turn unless chat=False), a
+        list of token ids, or a conversation: a list of {"role", "content"} messages (the template is applied).
+    model: None (embedded SmolLM2-135M-Instruct), a Hugging Face directory, a .gguf file, "random:<preset>"
+        (random weights, no tokenizer: token-id prompts only), a `LoadedModel`, or an `Engine` to reuse as it is.
+    options / keywords: `GenerateOptions` fields: max_new_tokens, temperature (0 = greedy), top_p, top_k, seed,
+        stop, ignore_eos, chat, dtype.
+    engine_config / keywords: engine settings by flat name (see `EngineConfig.of`): mode ("dense" | "offload" |
+        "auto": IOAA decides per request), budget_tokens, selection, io, recall, gpu_kv_budget, block_size, ...
+        Keywords override the given objects' fields; with an `Engine` they must match its config.
+    on_token: called with each StreamEvent as it is produced (streaming).
+    Each result's `.stats` has timings (tpot_s over the decode steps that compiled nothing; warmup_s, compile_s),
+    the placement ("mode", "offloaded"), the backends that ran, and for sparse requests the recall counters summed
+    over its decode steps (recall_bytes, recall_transfers, recalled_blocks, reused_blocks, recall_wait_s) and the
+    offload settings.
     """
-    options = dict(locals())
-    for name in ("prompts", "model", "on_token"):
-        options.pop(name)
     results: dict[int, GenerationResult] = {}
-    for ev in stream_long(prompts, model, **options):
+    for ev in stream_long(prompts, model, options=options, engine_config=engine_config, **settings):
         if on_token is not None:
             on_token(ev)
         if ev.result is not None:

@@ -1,7 +1,7 @@
 """Calibration pass for SoloHead `retrieval_head`: which KV head's own selection best serves every head.
 
     heads = calibrate_retrieval_heads(model, prompt_ids, config)   # one KV head per sparse layer
-    EngineConfig(..., solohead="retrieval_head", retrieval_heads=heads)
+    EngineConfig.of(..., solohead="retrieval_head", retrieval_heads=heads)
 
 One dense forward over the calibration prompt captures, per layer, the queries of its last `queries`
 positions and every key; `sparse.block_attention_mass` turns them into the true attention mass per block and
@@ -65,18 +65,18 @@ def calibrate_retrieval_heads(model: LoadedModel, tokens: Sequence[int], config:
         raise ValueError(f"calibration prompt has {t} tokens; the pass is O(T^2), keep it <= "
                          f"{MAX_CALIBRATION_TOKENS}")
     if -(-t // config.block_size) <= config.budget_blocks:
-        raise ValueError(f"a {t}-token calibration prompt fits in the {config.budget_tokens}-token budget, so every "
-                         "head's selection covers all of it and no head can be told apart; calibrate on a prompt "
+        raise ValueError(f"a {t}-token calibration prompt fits in the {config.offload.budget_tokens}-token budget, so "
+                         "every head's selection covers all of it and no head can be told apart; calibrate on a prompt "
                          "several times longer than the budget")
     c = model.cfg
-    if not 0 <= config.dense_layers < c.num_layers:
-        raise ValueError(f"dense_layers={config.dense_layers} leaves no sparse layer in {c.num_layers} layers")
+    if not 0 <= config.offload.dense_layers < c.num_layers:
+        raise ValueError(f"dense_layers={config.offload.dense_layers} leaves no sparse layer in {c.num_layers} layers")
     qs, ks = capture_queries_and_keys(model, tokens, queries)
     p = qs.shape[1]
     positions = jnp.arange(t - p, t)
     heads = []
-    for layer in range(config.dense_layers, c.num_layers):
+    for layer in range(config.offload.dense_layers, c.num_layers):
         mass = block_attention_mass(qs[layer], ks[layer], config.block_size, q_positions=positions)
-        heads.append(calibrate_retrieval_head(mass, config.budget_blocks, config.sink_blocks, config.window_blocks,
-                                              c.group_size))
+        heads.append(calibrate_retrieval_head(mass, config.budget_blocks, config.offload.sink_blocks,
+                                              config.window_blocks, c.group_size))
     return tuple(heads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 from collections.abc import Sequence
 
 from models.config import UnsupportedModelError
@@ -13,77 +14,85 @@ from models.weights import CheckpointError
 USER_ERRORS = (ValueError, FileNotFoundError, UnsupportedModelError, CheckpointError, OSError)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad options are user errors like any other: one line, exit status 2 (`main`)."""
+
+    def error(self, message: str):
+        raise ValueError(f"{self.prog}: {message} (see --help)")
+
+
+SECTIONS = {(): "engine", ("offload",): "KV offloading", ("offload", "scoring"): "KV offloading: block scoring",
+            ("offload", "ablation"): "KV offloading: ablations (baselines)", ("backends",): "backends"}
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="HF directory, .gguf file or random:<preset>; default: embedded SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+                   help="HF directory, .gguf file or random:<preset> (random weights, no tokenizer: token ids only); "
+                        "default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="weights and KV dtype (default: %(default)s; use bfloat16 on a GPU)")
+    p.add_argument("--stats", action="store_true",
+                   help="print per-request stats as JSON to stderr (timings, placement, backends, recall counters)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
-    p.add_argument("--stats", action="store_true",
-                   help="print per-request stats as JSON to stderr (timings, placement, recall counters)")
-    o = p.add_argument_group("KV offloading")
-    o.add_argument("--mode", default="dense", help="dense | offload | auto (IOAA decides per request); default dense")
-    o.add_argument("--budget-tokens", type=int, default=2048, help="tokens attended per sparse layer (default 2048)")
-    o.add_argument("--selection", default="solohead", help="solohead | headwise (default solohead)")
-    o.add_argument("--io", default="coalesced", help="coalesced | fragmented (default coalesced)")
-    o.add_argument("--recall", default="interruptible", help="interruptible | eager | sync (default interruptible)")
-    o.add_argument("--gpu-kv-budget", type=int, default=None, help="cap on GPU KV bytes (emulates a smaller GPU)")
-    o.add_argument("--host-kv-tokens", type=int, default=None, help="pinned host pool size in tokens")
-    o.add_argument("--dense-layers", type=int, default=2, help="first layers that attend densely (default 2)")
-    o.add_argument("--score-beta", type=float, default=None,
-                   help="block scores' key-range weight: 1 = Quest's bound, 0 = block midpoint (default: the engine's)")
-    o.add_argument("--score-per-kv-head", action="store_true",
-                   help="SoloHead scores per KV head (group-summed bounds) instead of per query head")
-    o.add_argument("--score-sub-blocks", type=int, default=1,
-                   help="key bounds per 1/m of a block (m x the metadata bytes; finer selection); default 1")
-    o.add_argument("--score-kept-blocks", action=argparse.BooleanOptionalAction, default=True,
-                   help="SoloHead also scores the sink and window blocks so their attention share is counted "
-                        "(default on; --no-score-kept-blocks scores the middle blocks only)")
-    o.add_argument("--resident-bonus", type=float, default=None,
-                   help="SoloHead favours blocks already on the GPU: a block must hold (1 + bonus) x a resident "
-                        "one's estimated attention to be recalled in its place (fewer recalls; default: the engine's)")
-    o.add_argument("--score-bounds-dtype", default=None,
-                   help="how the key bounds are stored on the GPU: float8_e4m3fn (rounded outward, half of bf16's "
-                        "bytes) | kv (the KV dtype, exact); default: the engine's")
-    o.add_argument("--score-coarse-group", type=int, default=1,
-                   help="two-level scoring: score groups of this many blocks first, then only the best groups' blocks "
-                        "(less metadata read per step at long contexts); default 1 = off")
-    o.add_argument("--score-coarse-keep", type=float, default=None,
-                   help="groups two-level scoring keeps, in middle budgets' worth of blocks (default: the engine's)")
-    o.add_argument("--host-io", default="auto",
-                   help="auto | xla (pinned host pool) | numpy (pageable, the fallback); default auto")
-    o.add_argument("--moe-strategy", default="auto",
-                   help="mixture-of-experts layers: auto | dense | gather | grouped | grouped-pallas (GPU kernel); "
-                        "default auto (grouped on CPU, dense/gather by token count on a GPU)")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0, help="default: %(default)s")
+    s.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    s.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _value_type(tp):
+    """argparse type of a config field's annotation (int, float or str; Optional unwrapped)."""
+    for t in (int, float):
+        if tp is t or t in typing.get_args(tp):
+            return t
+    return str
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One option per CLI-visible EngineConfig setting, from the field's flat name, help and default."""
+    from pulseinfer_jax.config import EngineConfig
+    from pulseinfer_jax.options import leaves
+
+    groups: dict[tuple, argparse._ArgumentGroup] = {}
+    for leaf in leaves(EngineConfig):
+        if not leaf.field.metadata.get("cli", True):
+            continue
+        section = leaf.path[:-1]
+        g = groups.get(section) or groups.setdefault(section, p.add_argument_group(SECTIONS[section]))
+        flag, default = "--" + leaf.flat.replace("_", "-"), leaf.field.default
+        text = leaf.help.replace("%", "%%")  # (argparse formats help with %)
+        suffix = "" if default is None else f" (default: {default})"  # (a None default's help says what it means)
+        if leaf.type is bool or leaf.type == "bool":
+            g.add_argument(flag, dest=leaf.flat, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"{text} (default: {'on' if default else 'off'})")
+        elif leaf.choices is not None:
+            g.add_argument(flag, dest=leaf.flat, choices=leaf.choices, default=None,
+                           help=text + suffix)
+        else:
+            g.add_argument(flag, dest=leaf.flat, type=_value_type(leaf.type), default=None,
+                           help=text + suffix)
 
 
 def engine_config(args: argparse.Namespace, **extra):
-    """EngineConfig from the shared CLI options (ValueError on bad values, reported as one line)."""
+    """EngineConfig from the engine options given on the command line (ValueError on bad values, one line)."""
     from pulseinfer_jax.config import EngineConfig
+    from pulseinfer_jax.options import leaves
 
-    return EngineConfig(block_size=args.block_size, mode=args.mode, budget_tokens=args.budget_tokens,
-                        selection=args.selection, io=args.io, recall=args.recall, gpu_kv_budget=args.gpu_kv_budget,
-                        host_kv_tokens=args.host_kv_tokens, dense_layers=args.dense_layers, host_io=args.host_io,
-                        moe_strategy=args.moe_strategy,
-                        score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks,
-                        score_kept_blocks=args.score_kept_blocks, score_coarse_group=args.score_coarse_group,
-                        **({} if args.score_coarse_keep is None else {"score_coarse_keep": args.score_coarse_keep}),
-                        **({} if args.score_beta is None else {"score_beta": args.score_beta}),
-                        **({} if args.resident_bonus is None else {"resident_bonus": args.resident_bonus}),
-                        **({} if args.score_bounds_dtype is None else {"score_bounds_dtype": args.score_bounds_dtype}),
-                        **extra)
+    given = {leaf.flat: getattr(args, leaf.flat) for leaf in leaves(EngineConfig)
+             if getattr(args, leaf.flat, None) is not None}
+    return EngineConfig.of(**given, **extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pulseinfer", description="PulseInfer-JAX long-context decoding engine")
+    from pulseinfer_jax import __version__
+
+    ap = _Parser(prog="pulseinfer", description="PulseInfer-JAX long-context decoding engine")
+    ap.add_argument("--version", action="version", version=f"pulseinfer-jax {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate a continuation of a prompt")
@@ -94,12 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-stream", action="store_true", help="print the text only when done")
     _add_model_args(g)
     _add_sampling_args(g)
+    _add_engine_args(g)
 
     d = sub.add_parser("demo", help="long-context demo: find a passkey hidden in a ~2K-token document")
     d.add_argument("--tokens", type=int, default=2000, help="approximate document length in tokens")
     d.add_argument("--depth", type=float, default=0.5, help="where the passkey sits, 0..1")
+    d.add_argument("--seed", type=int, default=0, help="picks the passkey (decoding is greedy); default 0")
     _add_model_args(d)
-    _add_sampling_args(d)
+    _add_engine_args(d)
 
     i = sub.add_parser("info", help="model config, parameter count and KV bytes per token")
     i.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file, random:<preset>; default SmolLM2")
@@ -123,32 +134,47 @@ def _print_stats(results) -> None:
         print(json.dumps({"prompt": k, "finish_reason": r.finish_reason, **r.stats}), file=sys.stderr)
 
 
-def _generate(args: argparse.Namespace) -> int:
+def say(message: str) -> None:
+    """One status line on stderr (what the command is doing while it does it)."""
+    print(f"pulseinfer: {message}", file=sys.stderr, flush=True)
+
+
+def load_for(config, model: str | None, dtype: str):
+    """Load `model` laid out as an engine with `config` reads it on this machine's device, saying so."""
+    import time
+
     import jax
 
     from models.loading import load_model
+    from pulseinfer_jax.backends import plan_backends
+
+    say(f"loading {model or 'the embedded SmolLM2-135M-Instruct'} ({dtype}) ...")
+    t0 = time.perf_counter()
+    m = load_model(model, dtype=dtype, layout=plan_backends(config, jax.devices()[0].platform).weights_layout)
+    say(f"loaded {m.source}: {m.cfg.num_layers} layers, {m.cfg.num_parameters() / 1e6:.0f}M parameters, in "
+        f"{time.perf_counter() - t0:.1f} s")
+    return m
+
+
+def _generate(args: argparse.Namespace) -> int:
     from pulseinfer_jax.api import generate_long
-    from pulseinfer_jax.config import weights_layout
     from pulseinfer_jax.engine import Engine
 
     config = engine_config(args, progress=True)
     prompt = _read_prompt(args)
     if not prompt.strip():
         raise ValueError("the prompt is empty; give some text")
-    model = load_model(args.model, dtype=args.dtype,
-                       layout=weights_layout(config.layer_loop, jax.devices()[0].platform))
-    chat = args.chat
-    if chat is None:
-        chat = bool(model.tokenizer and model.tokenizer.has_chat_template)
-    engine = Engine(model, config)
+    engine = Engine(load_for(config, args.model, args.dtype), config)
+    if engine.model.tokenizer is None:
+        raise ValueError(f"{engine.model.source} has no tokenizer (random:<preset> models carry random weights for "
+                         "throughput and compile checks: bench/, `pulseinfer info`); generate needs a real model")
 
     def on_token(ev) -> None:
         if not args.no_stream:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
 
-    results = generate_long([prompt], engine, on_token=on_token, **_sampling_kwargs(args), chat=chat,
-                            engine_config=engine.config)
+    results = generate_long([prompt], engine, on_token=on_token, chat=args.chat, **_sampling_kwargs(args))
     if args.no_stream:
         sys.stdout.write(results[0].text)
     sys.stdout.write("\n")
@@ -197,7 +223,20 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    import logging
+
+    try:
+        args = build_parser().parse_args(argv)
+    except ValueError as e:
+        print(f"pulseinfer: error: {e}", file=sys.stderr)
+        return 2
+    log = logging.getLogger("pulseinfer_jax")  # the engine's one line on the backends it chose
+    if not any(getattr(h, "pulseinfer_cli", False) for h in log.handlers):
+        handler = logging.StreamHandler()  # (writes to the current sys.stderr)
+        handler.setFormatter(logging.Formatter("pulseinfer: %(message)s"))
+        handler.pulseinfer_cli = True
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
     try:
         return {"generate": _generate, "demo": _demo, "info": _info}[args.cmd](args)
     except USER_ERRORS as e:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -19,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.loading import LoadedModel
-from models.moe import MoEOptions, probe_grouped_kernel
-from pulseinfer_jax.config import EngineConfig, moe_options, resolve_decode_attention, resolve_layer_loop
+from pulseinfer_jax.backends import ResolvedBackends, resolve_backends
+from pulseinfer_jax.compile_clock import compile_seconds
+from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.ioaa import IOAAConfig
 from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for, bucket, bucket_blocks
 from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
@@ -55,44 +55,41 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.seed = 0
         self.steps = 0  # engine steps taken in the current run
-        self.decode_attention = resolve_decode_attention(config.decode_attention, self.device.platform)
-        self.layer_loop = resolve_layer_loop(config.layer_loop, "gpu" if self.on_gpu else self.device.platform)
+        # every "auto" backend resolved here, once (checked on the device first on a GPU), logged and reported
+        self.backends: ResolvedBackends = resolve_backends(config, self.device, model)
+        compile_seconds()  # start counting compile time (step stats leave compiling steps out of TPOT)
+        self.decode_attention = self.backends.decode_attention
+        self.layer_loop = self.backends.layer_loop
         # the jitted model: the loaded one with this engine's MoE options (how expert layers compute on its device)
-        self.transformer = dataclasses.replace(model.transformer, moe=self._moe_options())
+        moe = self.backends.moe
+        self.transformer = model.transformer if moe is None else dataclasses.replace(model.transformer, moe=moe)
         if self.layer_loop == "layerwise":
             model.unstack()  # every step reads per-layer weights: keep only those (no stacked second copy)
         self._layer_ids: list[jax.Array] | None = None
-        self._attention_proven = self.decode_attention == "jnp"  # pallas: not yet compiled in this engine
         self._bars: dict = {}
         self.host_pool = None  # host_offload.HostKVPool (modes offload / auto)
-        self.host_io: str | None = None  # its I/O backend, resolved on first use (config.host_io)
         self.scratch: list[int] = []  # GPU blocks outside the allocator that offloaded prompts prefill into
         self.sparse = None  # pipeline.SparseDecoder
-        self.sparse_attention: str | None = None  # attention of the sparse pipeline, resolved on first use
-        self.scoring: BlockScoring = config.scoring  # its block scoring (the bounds dtype may fall back on a GPU)
-        self.h2d_bytes_per_s: float | None = config.h2d_bytes_per_s
+        self.h2d_bytes_per_s: float | None = config.offload.h2d_bytes_per_s
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids if model.tokenizer else model.cfg.eos_token_ids)
-
-    def _moe_options(self) -> MoEOptions:
-        """config.moe_strategy for this device; "grouped-pallas" on a GPU first compiles the kernel once and falls
-        back to the jnp tile loop with a warning if that fails (off a GPU the kernel runs in interpret mode)."""
-        opts = moe_options(self.config.moe_strategy, "gpu" if self.on_gpu else self.device.platform)
-        if opts.grouped_kernel == "pallas" and self.model.cfg.is_moe and self.on_gpu:
-            err = probe_grouped_kernel(self.device, self.model.dtype)
-            if err is not None:
-                warnings.warn(f"the grouped-GEMM Pallas kernel failed on {self.device.device_kind} ({err}); the MoE "
-                              "layers run moe_strategy='grouped' with the jnp tile loop instead", RuntimeWarning,
-                              stacklevel=3)
-                opts = dataclasses.replace(opts, grouped_kernel="jnp")
-        return opts
 
     @property
     def moe_strategy(self) -> str | None:
-        """What the MoE layers run (EngineConfig.moe_strategy after any fallback); None for a model without experts."""
-        if not self.model.cfg.is_moe:
-            return None
-        moe = self.transformer.moe
-        return "grouped-pallas" if moe.strategy == "grouped" and moe.grouped_kernel == "pallas" else moe.strategy
+        """What the MoE layers run (after any fallback); None for a model without experts."""
+        return self.backends.moe_strategy
+
+    @property
+    def sparse_attention(self) -> str | None:
+        return self.backends.sparse_attention
+
+    @property
+    def scoring(self) -> BlockScoring | None:
+        """The sparse pipeline's block scoring (the key-bounds dtype after any fallback); None in mode "dense"."""
+        return self.backends.scoring
+
+    @property
+    def host_io(self) -> str | None:
+        return self.backends.host_io
 
     @property
     def on_gpu(self) -> bool:
@@ -136,8 +133,7 @@ class Engine:
 
         cfg = self.config
         bs = cfg.block_size
-        meta_item = self._resolve_sparse_kernels()[1].metadata_dtype(self.model.dtype).itemsize \
-            if cfg.mode != "dense" else 1  # (the metadata dtype may fall back on a GPU)
+        meta_item = self.scoring.metadata_dtype(self.model.dtype).itemsize if cfg.mode != "dense" else 1
         sizes = offload.pool_sizes(cfg, self.model.cfg, jnp.dtype(self.model.dtype).itemsize, meta_item, requests,
                                    self._kv_byte_cap())
         plan, rows, num_blocks, scratch = sizes.plan, sizes.host_rows, sizes.num_blocks, sizes.scratch
@@ -153,18 +149,18 @@ class Engine:
             return
         self._ensure_offload(plan, rows, num_blocks + scratch)
         placer = offload.OffloadPlacer(plan, self.allocator, self.host_pool, bs)
-        ioaa = IOAAConfig(h2d_bytes_per_s=self._h2d_bandwidth(), slack=cfg.ioaa_slack)
+        ioaa = IOAAConfig(h2d_bytes_per_s=self._h2d_bandwidth(), slack=cfg.offload.ioaa_slack)
         self.scheduler = Scheduler(self.allocator, bs, cfg.max_batch, mode=cfg.mode, placer=placer, ioaa=ioaa,
-                                   cost=FixedStepTime(cfg.ioaa_step_time_s))
+                                   cost=FixedStepTime(cfg.offload.ioaa_step_time_s))
 
     def _ensure_offload(self, plan, rows: int, num_blocks: int) -> None:
         from host_offload.host_pool import HostKVPool
-        from pulseinfer_jax.pipeline import PipelineConfig, SparseDecoder
+        from pulseinfer_jax.pipeline import SparseDecoder
 
         cfg, c = self.config, self.model.cfg
-        io = self._resolve_host_io()
+        io = self.host_io
         pool = self.host_pool
-        align = cfg.score_coarse_group
+        align = cfg.scoring.coarse_group
         if pool is None or (pool.num_rows, pool.first_layer, pool.io_name, pool.row_align) != (
                 rows, plan.dense_layers, io, align):
             self.sparse = None
@@ -174,56 +170,11 @@ class Engine:
                                         dtype=self.model.dtype, device=self.device, io=io, row_align=align)
         else:
             self.host_pool.reset_allocator()
-        attention, scoring = self._resolve_sparse_kernels()
-        mbs = cfg.micro_batches or (2 if self.on_gpu else 1)
-        pcfg = PipelineConfig(io=cfg.io, recall=cfg.recall, micro_batches=mbs, attention=attention,
-                              solohead=cfg.solohead, scoring=scoring, retrieval_heads=cfg.retrieval_heads)
         if self.sparse is None or self.sparse.plan != plan or self.sparse.nb != num_blocks:
             cls = self.decoder_class or SparseDecoder
-            self.sparse = cls(self.transformer, self.model.params, plan, pcfg, self.host_pool, num_blocks,
-                              self.device, split_weights=lambda: self.layer_params, max_requests=cfg.max_batch)
-
-    def _resolve_sparse_kernels(self) -> tuple[str, BlockScoring]:
-        """The sparse pipeline's attention and block scoring, resolved once per engine: as configured, except under
-        decode_attention="auto" on a GPU, where the Pallas kernels are probed first. If only the float8 key bounds
-        fail there, the bounds fall back to the KV dtype (Pallas kept); if the kernels fail either way, the
-        pipeline falls back to the jnp attention (float8 bounds kept: jnp reads them). Each with a warning."""
-        if self.sparse_attention is None:
-            from pulseinfer_jax.offload import probe_pallas
-
-            cfg = self.config
-            attention, scoring = self.decode_attention, cfg.scoring
-            if attention == "pallas" and cfg.decode_attention == "auto":
-                err = probe_pallas(self.device, self.model.dtype, scoring)
-                if err is not None and scoring.bounds_dtype != "kv":
-                    exact = dataclasses.replace(scoring, bounds_dtype="kv")
-                    if probe_pallas(self.device, self.model.dtype, exact) is None:
-                        warnings.warn(f"the Pallas block scoring failed on {scoring.bounds_dtype} key bounds on "
-                                      f"{self.device.platform} ({err}); the key bounds are kept in the KV dtype "
-                                      "(2-4x the metadata bytes)", RuntimeWarning, stacklevel=4)
-                        err, scoring = None, exact
-                if err is not None:
-                    warnings.warn(f"Pallas sparse kernels failed on {self.device.platform} ({err}); the sparse "
-                                  "pipeline uses the jnp attention", RuntimeWarning, stacklevel=4)
-                    attention = "jnp"
-            self.sparse_attention, self.scoring = attention, scoring
-        return self.sparse_attention, self.scoring
-
-    def _resolve_host_io(self) -> str:
-        """The host pool's I/O backend: host_io as configured; under "auto" on a GPU, "xla" if its start-up probe
-        passes, else "numpy" with a warning (probed once per engine)."""
-        if self.host_io is None:
-            from host_offload import host_pool
-
-            c = self.model.cfg
-            self.host_io, err = host_pool.resolve_host_io(
-                self.config.host_io, self.device, on_gpu=self.on_gpu, block_size=self.config.block_size,
-                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.model.dtype)
-            if err is not None:
-                warnings.warn(f"pinned-host KV transfers failed on {self.device.platform} ({err}); the host KV pool "
-                              "falls back to host_io='numpy' (pageable RAM, slower copies)", RuntimeWarning,
-                              stacklevel=4)
-        return self.host_io
+            self.sparse = cls(self.transformer, self.model.params, plan, cfg.offload, self.backends, self.host_pool,
+                              num_blocks, self.device, split_weights=lambda: self.layer_params,
+                              max_requests=cfg.max_batch)
 
     def _h2d_bandwidth(self) -> float:
         if self.h2d_bytes_per_s is None:
@@ -280,7 +231,7 @@ class Engine:
             yield from self._decode(list(sched.running))
 
     def _prefill_chunk(self, req: Request) -> Iterator[TokenEvent]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), compile_seconds()
         blocks = req.sparse.prefill_table(self.scratch, len(req.prompt)) if req.sparse is not None else req.blocks
         n, logits = self._prefill_compute(req, blocks)
         req.prefilled += n
@@ -288,6 +239,7 @@ class Engine:
         if req.prefilled < len(req.prompt):
             jax.block_until_ready(self.kv)  # honest per-chunk timing / progress
             req.prefill_s += time.perf_counter() - t0
+            req.compile_s += compile_seconds() - c0
             if bar is not None:
                 bar.update(n)
             return
@@ -299,6 +251,7 @@ class Engine:
         if req.sparse is not None:  # spill the prompt: host rows, metadata, dense-layer packs, resident blocks
             self.kv = self.sparse.spill_prompt(self.kv, req.sparse, len(req.prompt))
         req.prefill_s += time.perf_counter() - t0
+        req.compile_s += compile_seconds() - c0
         req.t_first = time.perf_counter()
         self.scheduler.prefill_done(req)
         yield from self._accept([req], [token])
@@ -337,7 +290,7 @@ class Engine:
         return bar
 
     def _decode(self, reqs: list[Request]) -> Iterator[TokenEvent]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), compile_seconds()
         dense = [r for r in reqs if r.sparse is None]
         sparse = [r for r in reqs if r.sparse is not None]
         out: list[tuple[list[Request], list[int]]] = []
@@ -351,6 +304,14 @@ class Engine:
             est.observe_step_time(time.perf_counter() - t0)
             for r in sparse:
                 est.observe(r.index, float(r.sparse.counters.last_step_recall_bytes))
+        step_s, compiled = time.perf_counter() - t0, compile_seconds() - c0
+        for r in reqs:  # a step that compiled is warm-up: TPOT is reported over the steady steps only
+            r.compile_s += compiled
+            if compiled > 0:
+                r.warmup_s += step_s
+            else:
+                r.steady_s += step_s
+                r.steady_tokens += 1
         for group, tokens in out:
             yield from self._accept(group, tokens)
 
@@ -369,27 +330,11 @@ class Engine:
         return self._sample(logits, reqs)
 
     def _decode_step(self, *args: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """decode_step with the configured attention; under "auto", a Pallas kernel that fails to compile on
-        this device falls back to the jnp attention once, with a warning (the cache is untouched: compile
-        errors are raised before the donated cache is consumed; if it was, the error is re-raised)."""
-        try:
-            out = self._run_decode(self.decode_attention, *args)
-        except Exception as e:  # noqa: BLE001 - any lowering/compile error of the kernel
-            if self._attention_proven or self.config.decode_attention != "auto" or self.kv.is_deleted():
-                raise
-            warnings.warn(f"Pallas decode attention failed on {self.device.platform} ({type(e).__name__}: "
-                          f"{str(e)[:300]}); falling back to the jnp attention", RuntimeWarning, stacklevel=2)
-            self.decode_attention = "jnp"
-            out = self._run_decode("jnp", *args)
-        self._attention_proven = True
-        return out
-
-    def _run_decode(self, attention: str, *args: jax.Array) -> tuple[jax.Array, jax.Array]:
         model = self.model
         if self.layer_loop == "scan":
-            return decode_step(self.transformer, model.stacked_params, self.kv, *args, attention=attention)
+            return decode_step(self.transformer, model.stacked_params, self.kv, *args, attention=self.decode_attention)
         return decode_step_layerwise(self.transformer, model.params, self.layer_params, self.layer_ids, self.kv,
-                                     *args, attention=attention)
+                                     *args, attention=self.decode_attention)
 
     # ---- postprocess ---------------------------------------------------------------------------
     def _sample(self, logits: jax.Array, reqs: list[Request]) -> list[int]:

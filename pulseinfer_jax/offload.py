@@ -12,33 +12,32 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import jax
-
 from host_offload.host_pool import HostKVPool
 from host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.ioaa import Candidate
 from pulseinfer_jax.kv_cache import BlockAllocator, blocks_for
 from pulseinfer_jax.scheduler import Request
-from pulseinfer_jax.sparse import BlockScoring
 
 
 def sparse_plan(config: EngineConfig, num_layers: int, num_kv_heads: int) -> SparsePlan:
-    if config.dense_layers >= num_layers:
-        raise ValueError(f"dense_layers={config.dense_layers} leaves no sparse layer in a {num_layers}-layer model; "
+    o = config.offload
+    if o.dense_layers >= num_layers:
+        raise ValueError(f"dense_layers={o.dense_layers} leaves no sparse layer in a {num_layers}-layer model; "
                          f"use mode='dense' or dense_layers < {num_layers}")
-    return SparsePlan(num_layers=num_layers, dense_layers=config.dense_layers, block_size=config.block_size,
-                      num_kv_heads=num_kv_heads, sink_blocks=config.sink_blocks, window_blocks=config.window_blocks,
+    return SparsePlan(num_layers=num_layers, dense_layers=o.dense_layers, block_size=config.block_size,
+                      num_kv_heads=num_kv_heads, sink_blocks=o.sink_blocks, window_blocks=config.window_blocks,
                       budget_blocks=config.budget_blocks, slot_blocks=config.slot_blocks,
-                      selection=config.selection, placement=config.offload_placement)
+                      selection=o.ablation.selection, placement=o.ablation.placement)
 
 
 def host_rows_for(config: EngineConfig, requests: Sequence[Request]) -> int:
     """Host pool rows (incl. the null row): host_kv_tokens, or what every request would need offloaded. With
     two-level scoring rows go out in aligned extents of `score_coarse_group` rows (the first holds the null row), so
     the count is a multiple of it and each request's rows are rounded up to whole extents."""
-    bs, a = config.block_size, config.score_coarse_group  # (a = 1: one row per block plus the null row)
-    tokens = [config.host_kv_tokens] if config.host_kv_tokens is not None else [r.need_tokens for r in requests]
+    bs, a = config.block_size, config.scoring.coarse_group  # (a = 1: one row per block plus the null row)
+    host = config.offload.host_kv_tokens
+    tokens = [host] if host is not None else [r.need_tokens for r in requests]
     return a * (1 + sum(-(-blocks_for(t, bs) // a) for t in tokens))
 
 
@@ -89,8 +88,8 @@ def pool_sizes(config: EngineConfig, model_cfg, kv_itemsize: int, meta_itemsize:
     if config.mode != "dense":
         plan = sparse_plan(config, c.num_layers, c.num_kv_heads)
         rows = host_rows_for(config, requests)
-        cap_bytes -= metadata_bytes(plan, rows, c.head_dim, meta_itemsize, config.score_sub_blocks,
-                                    config.score_coarse_group)
+        cap_bytes -= metadata_bytes(plan, rows, c.head_dim, meta_itemsize, config.scoring.sub_blocks,
+                                    config.scoring.coarse_group)
         if cap_bytes < 2 * per_block:
             raise ValueError(f"gpu_kv_budget={config.gpu_kv_budget} does not even hold the key metadata of a "
                              f"{rows}-block host pool; raise gpu_kv_budget or lower host_kv_tokens")
@@ -161,28 +160,3 @@ class OffloadPlacer:
     def release(self, req: Request) -> None:
         self._slot_rows_free.append(req.sparse.slot_row)
         self.pool.free(req.sparse.host_rows, owner=req.index)
-
-
-def probe_pallas(device: jax.Device, dtype=None, scoring: BlockScoring = BlockScoring()) -> str | None:
-    """Compile and run the sparse decode kernels once on tiny shapes in the KV dtype (default bfloat16) and with the
-    engine's block scoring (key bounds in its metadata dtype; per query head and per KV head, its beta and
-    sub-blocks); None if fine, else the error text."""
-    import jax.numpy as jnp
-
-    from pallas_kernels.block_scoring import block_scores
-    from pallas_kernels.sparse_decode_attention import sparse_decode_attention
-
-    dtype = jnp.dtype(dtype or jnp.bfloat16)
-    try:
-        with jax.default_device(device):
-            q = jnp.ones((1, 4, 64), dtype)
-            pool = jnp.ones((4, 2, 16, 2, 64), dtype)
-            ids = jnp.array([[[1, 2]]], jnp.int32)
-            jax.block_until_ready(sparse_decode_attention(q, pool, ids, jnp.full_like(ids, 16)))
-            meta = jnp.ones((4 * scoring.sub_blocks, 2, 64), scoring.metadata_dtype(dtype))
-            for per_head in {False, scoring.per_query_head}:
-                jax.block_until_ready(block_scores(q, meta, meta, ids[:, 0], per_head=per_head, beta=scoring.beta,
-                                                   sub_blocks=scoring.sub_blocks))
-    except Exception as e:  # noqa: BLE001 - any lowering/compile error
-        return f"{type(e).__name__}: {str(e)[:300]}"
-    return None

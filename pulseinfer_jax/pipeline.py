@@ -57,6 +57,8 @@ from host_offload.host_pool import HostKVPool
 from host_offload.placement import SparseKV, SparsePlan
 from models.transformer import Transformer, head_params, split_layers
 from pulseinfer_jax import layer_ops, slot_plan
+from pulseinfer_jax.backends import ResolvedBackends
+from pulseinfer_jax.config import OffloadConfig
 from pulseinfer_jax.kv_cache import blocks_for, bucket, zeros_on
 from pulseinfer_jax.sparse import BlockScoring
 from pulseinfer_jax.step_inputs import StepTables, micro_batch_inputs, slot_step_inputs
@@ -64,44 +66,38 @@ from pulseinfer_jax.step_inputs import StepTables, micro_batch_inputs, slot_step
 Stop = tuple[str, jax.Array, jax.Array | None]  # (kind, awaited array, GPU work queued ahead of it)
 
 
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    io: str = "coalesced"  # "coalesced" | "fragmented"
-    recall: str = "interruptible"  # "interruptible" | "eager" | "sync"
-    micro_batches: int = 2
-    attention: str = "jnp"  # "jnp" | "pallas"
-    solohead: str = "normalized_sum"  # "normalized_sum" | "retrieval_head"
-    scoring: BlockScoring = BlockScoring()  # how blocks are scored (EngineConfig.scoring)
-    retrieval_heads: tuple[int, ...] | None = None  # per sparse layer, for solohead="retrieval_head"
-
-
 class SparseDecoder:
     """Decode steps and prompt spills of sparse requests over the shared GPU cache (see module docstring)."""
 
-    def __init__(self, model: Transformer, params: dict, plan: SparsePlan, config: PipelineConfig,
-                 pool: HostKVPool, num_gpu_blocks: int, device: jax.Device,
+    def __init__(self, model: Transformer, params: dict, plan: SparsePlan, offload: OffloadConfig,
+                 backends: ResolvedBackends, pool: HostKVPool, num_gpu_blocks: int, device: jax.Device,
                  split_weights: Callable[[], list[dict]] | None = None, max_requests: int = 8):
         c = model.cfg
-        if config.solohead == "retrieval_head" and (config.retrieval_heads is None
-                                                    or len(config.retrieval_heads) != plan.sparse_layers):
+        ab = offload.ablation
+        if ab.solohead == "retrieval_head" and (ab.retrieval_heads is None
+                                                or len(ab.retrieval_heads) != plan.sparse_layers):
             raise ValueError(f"solohead='retrieval_head' needs retrieval_heads: one KV head per sparse layer "
                              f"({plan.sparse_layers}); calibrate them with sparse.calibrate_retrieval_head")
-        self.model, self.params, self.plan, self.config = model, params, plan, config
+        self.model, self.params, self.plan, self.ablation = model, params, plan, ab
+        # as resolved for the device: the scoring (its key-bounds dtype), the attention, the batch split
+        self.scoring: BlockScoring = backends.scoring
+        self.attention: str = backends.sparse_attention
+        self.micro_batches: int = backends.micro_batches
         # one weight pytree per layer, made on first use: by `split_weights` (the engine's, shared with its
         # layer-wise dense step) or split here
         self._split_weights = split_weights or (lambda: split_layers(params))
         self._layer_params: list[dict] | None = None
         self.pool = pool
         self.nb = num_gpu_blocks
-        rows = plan.sparse_layers * pool.num_rows * config.scoring.sub_blocks  # metadata rows (m per block)
-        config.scoring.check_block_size(plan.block_size)
+        rows = plan.sparse_layers * pool.num_rows * self.scoring.sub_blocks  # metadata rows (m per block)
+        self.scoring.check_block_size(plan.block_size)
         # key bounds in float8 by default (rounded outward: block_metadata.round_bounds_outward) or in the KV dtype
         # (exact: the min / max of bf16 keys are bf16 values): at 128K they are the largest part of an offloaded
         # request's GPU footprint and of what a scoring step reads; scoring computes in float32
-        meta_dtype = config.scoring.metadata_dtype(pool.dtype)
+        meta_dtype = self.scoring.metadata_dtype(pool.dtype)
         # two-level scoring: one bound per group of `f` blocks = per aligned extent of f host rows (the pool's
         # ExtentAllocator), coarse row = host row // f; off: a one-row placeholder never read
-        f = config.scoring.coarse_group
+        f = self.scoring.coarse_group
         if f > 1 and pool.row_align != f:
             raise ValueError(f"score_coarse_group={f} needs a host pool with row_align={f} (got {pool.row_align})")
         self._group_rows = pool.num_rows // f if f > 1 else 1  # coarse rows per sparse layer
@@ -117,7 +113,7 @@ class SparseDecoder:
         self.kv: jax.Array | None = None
         # per sparse layer, on the device once: (metadata row offset, flat unit offset layer * NB, retrieval head,
         # sparse layer index, coarse metadata row offset), so a decode step sends no per-layer scalars
-        heads = config.retrieval_heads or (0,) * plan.sparse_layers
+        heads = ab.retrieval_heads or (0,) * plan.sparse_layers
         self._layer_scalars = [
             tuple(jax.device_put(np.int32(v), device)
                   for v in (sl * pool.num_rows, (plan.dense_layers + sl) * num_gpu_blocks, heads[sl], sl,
@@ -143,7 +139,7 @@ class SparseDecoder:
 
     @property
     def metadata_bytes(self) -> int:
-        return 2 * self.meta_min.nbytes + (2 * self.cmeta_min.nbytes if self.config.scoring.coarse_group > 1 else 0)
+        return 2 * self.meta_min.nbytes + (2 * self.cmeta_min.nbytes if self.scoring.coarse_group > 1 else 0)
 
     # ---- prompt spill --------------------------------------------------------------------------
     def spill_prompt(self, kv: jax.Array, s: SparseKV, prompt_tokens: int) -> jax.Array:
@@ -179,10 +175,10 @@ class SparseDecoder:
         r = np.full(n, -1, np.int32)
         lens = np.zeros(n, np.int32)
         u[: len(units)], r[: len(rows)], lens[: len(units)] = units, rows, p.block_size
-        m = self.config.scoring.sub_blocks
+        m = self.scoring.sub_blocks
         self.meta_min, self.meta_max = layer_ops.refresh_meta(kv, self.meta_min, self.meta_max, jnp.asarray(u),
                                                               jnp.asarray(lens), jnp.asarray(r), sub_blocks=m)
-        f = self.config.scoring.coarse_group
+        f = self.scoring.coarse_group
         if f == 1:
             return
         # each touched group's bound from all of its blocks that have metadata (the middle ones): recomputed, not
@@ -223,7 +219,7 @@ class SparseDecoder:
             s.counters.last_step_recall_bytes = 0
         self._prepare_slots(sparse)
 
-        k = max(1, min(self.config.micro_batches, len(sparse)))
+        k = max(1, min(self.micro_batches, len(sparse)))
         bounds = np.linspace(0, len(sparse), k + 1).astype(int)
         groups = [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
         self.kv = kv
@@ -269,9 +265,9 @@ class SparseDecoder:
 
     def _micro_batch(self, sparse: list[SparseKV], tokens: list[int], lengths: list[int],
                      outs: dict[int, jax.Array], key: int) -> Generator[Stop, None, None]:
-        p, cfg, nb = self.plan, self.config, self.nb
+        p, ab, nb = self.plan, self.ablation, self.nb
         model, params = self.model, self.params
-        mb = micro_batch_inputs(p, cfg.scoring, cfg.solohead, nb, sparse, tokens, lengths)
+        mb = micro_batch_inputs(p, self.scoring, ab.solohead, nb, sparse, tokens, lengths)
         bp = mb.tokens.shape[0]
         coarse = mb.coarse
         positions_d, cand_d, nblk_d, newest_d, groups_d, kept_l_d, kept_gpu_d, tok_d, dense_lens = (
@@ -287,7 +283,7 @@ class SparseDecoder:
             lp = self.layer_params[layer]
             if layer < p.dense_layers:
                 self.kv, x = layer_ops.dense_layer(model, lp, self.kv, x, positions_d, dense_write[layer],
-                                                   dense_ids[layer], dense_lens, attention=cfg.attention)
+                                                   dense_ids[layer], dense_lens, attention=self.attention)
                 continue
             sl = layer - p.dense_layers
             meta_offset, unit_offset, rh, sl_d, coarse_offset = self._layer_scalars[sl]
@@ -295,11 +291,11 @@ class SparseDecoder:
                 model, lp, self.kv, self.meta_min, self.meta_max, meta_offset, unit_offset, x, positions_d,
                 newest_d, cand_d, nblk_d, rh, kept_l_d, kept_gpu_d, self.slot_state, step, sl_d, self.cmeta_min,
                 self.cmeta_max, coarse_offset, groups_d, budget=p.budget_blocks, sink=p.sink_blocks,
-                window=p.window_blocks, mode=p.selection, solohead=cfg.solohead, attention=cfg.attention,
-                scoring=cfg.scoring, coarse=coarse, plan_mode=self._plan_mode, override="override" in step)
+                window=p.window_blocks, mode=p.selection, solohead=ab.solohead, attention=self.attention,
+                scoring=self.scoring, coarse=coarse, plan_mode=self._plan_mode, override="override" in step)
             # eager: the attention over the early entries is queued before the plan is read, so that the GPU works on
             # it while the host reads the plan and issues the recall (one more call on layers with nothing to recall)
-            early = layer_ops.attend(q, self.kv, plan["early"], attention=cfg.attention) if cfg.recall == "eager" \
+            early = layer_ops.attend(q, self.kv, plan["early"], attention=self.attention) if ab.recall == "eager" \
                 else None
             yield "select", plan["info"], None
             info = self._read_plan(np.asarray(plan["info"]), sparse, bp)
@@ -310,18 +306,18 @@ class SparseDecoder:
             # Tied to the recall's count, which also sizes the staging, so that the landing call compiles once per
             # recall size rather than per (recall size, late width) pair
             width = min(bucket(info.count), p.budget_blocks) if staging is not None else 0
-            fan = self.model.cfg.num_kv_heads if (cfg.io == "fragmented" and p.selection == "solohead") else 1
-            if staging is None or cfg.recall == "sync":
+            fan = self.model.cfg.num_kv_heads if (ab.io == "fragmented" and p.selection == "solohead") else 1
+            if staging is None or ab.recall == "sync":
                 if staging is not None:
                     yield "recall", staging, q
                 self.kv, x = layer_ops.land_attend_finish(model, lp, x, q, self.kv, lid, plan, staging, early,
-                                                          attention=cfg.attention, width=width, fan=fan)
+                                                          attention=self.attention, width=width, fan=fan)
                 continue
             if early is None:
-                early = layer_ops.attend(q, self.kv, plan["early"], attention=cfg.attention)
+                early = layer_ops.attend(q, self.kv, plan["early"], attention=self.attention)
             yield "recall", staging, early[0]
             self.kv, x = layer_ops.land_attend_finish(model, lp, x, q, self.kv, lid, plan, staging, early,
-                                                      attention=cfg.attention, width=width, fan=fan)
+                                                      attention=self.attention, width=width, fan=fan)
         outs[key] = layer_ops.logits(model, head, x)
 
     @property
@@ -329,7 +325,7 @@ class SparseDecoder:
         """slot_plan.layer_plan's mode for this engine's sparse requests."""
         if self.plan.placement == "host":
             return "recall"
-        return "bookkeep" if self.config.scoring.favours_resident(self.plan.selection, self.config.solohead) else "none"
+        return "bookkeep" if self.scoring.favours_resident(self.plan.selection, self.ablation.solohead) else "none"
 
     def _step_inputs(self, sparse: list[SparseKV], tables: StepTables, bp: int) -> dict:
         """The device plan's per-step inputs (`slot_plan.layer_plan`'s `step`, step_inputs.slot_step_inputs) on the
@@ -391,7 +387,7 @@ class SparseDecoder:
         pool, p = self.pool, self.plan
         solo = p.selection == "solohead"
         per_row = info.misses.astype(np.int64)
-        if self.config.io == "coalesced":
+        if self.ablation.io == "coalesced":
             if solo:
                 staging, unit = pool.gather_blocks(sl, info.rows), pool.layer_block_bytes
             else:

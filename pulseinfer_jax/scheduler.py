@@ -51,6 +51,10 @@ class Request:
     t_first: float = 0.0
     t_done: float = 0.0
     prefill_s: float = 0.0
+    compile_s: float = 0.0  # tracing + compiling inside the steps this request took part in
+    warmup_s: float = 0.0  # decode steps of this request that compiled something
+    steady_s: float = 0.0  # decode steps of this request that compiled nothing
+    steady_tokens: int = 0  # tokens those steady steps made
     admit_step: int = -1  # engine step at which the request was admitted (queueing, without clocks)
     placement: str = ""  # "dense" | "offload" once admitted
     sparse: Any = None  # host_offload.placement.SparseKV of a sparse request

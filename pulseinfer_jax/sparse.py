@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from typing import Literal
 
 import jax
@@ -45,12 +46,14 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from pulseinfer_jax.kv_cache import bucket
+from pulseinfer_jax.options import check_choices, option
 
 Mode = Literal["headwise", "solohead"]
 SoloHead = Literal["normalized_sum", "retrieval_head"]
 
 
-BOUNDS_DTYPES = ("float8_e4m3fn", "kv")
+BoundsDtype = Literal["float8_e4m3fn", "kv"]
+BOUNDS_DTYPES: tuple[str, ...] = typing.get_args(BoundsDtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +82,22 @@ class BlockScoring:
       1 / coarse_group of it plus the kept groups'; the selection rule after that is unchanged.
     """
 
-    beta: float = 0.5
-    per_query_head: bool = True
-    sub_blocks: int = 1
-    kept_blocks: bool = True
-    resident_bonus: float = 0.25
-    bounds_dtype: str = "float8_e4m3fn"
-    coarse_group: int = 1
-    coarse_keep: float = 2.0
+    beta: float = option(0.5, "block scores' key-range weight: 1 = Quest's upper bound, 0 = the block midpoint",
+                         flat="score_beta")
+    per_query_head: bool = option(True, "SoloHead scores and softmaxes each query head on its own (off: per KV head "
+                                  "on its group's summed bounds)", flat="score_per_query_head")
+    sub_blocks: int = option(1, "key bounds per 1/m slice of a block (m x the metadata bytes; finer selection)",
+                             flat="score_sub_blocks")
+    kept_blocks: bool = option(True, "SoloHead also scores the sink and window blocks, so their attention share "
+                               "is counted", flat="score_kept_blocks")
+    resident_bonus: float = option(0.25, "SoloHead favours blocks already on the GPU: a block must hold (1 + bonus)"
+                                   " x a resident one's estimated attention to replace it (0 = off)")
+    bounds_dtype: BoundsDtype = option("float8_e4m3fn", "how the key bounds are stored on the GPU: float8_e4m3fn "
+                                       "(rounded outward) or kv (the KV dtype, exact)", flat="score_bounds_dtype")
+    coarse_group: int = option(1, "two-level scoring: score groups of this many blocks first, then only the best "
+                               "groups' blocks (1 = off)", flat="score_coarse_group")
+    coarse_keep: float = option(2.0, "groups two-level scoring keeps, in middle budgets' worth of blocks",
+                                flat="score_coarse_keep")
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 <= self.beta <= 1:
@@ -101,8 +112,7 @@ class BlockScoring:
         rb = self.resident_bonus
         if isinstance(rb, bool) or not isinstance(rb, (int, float)) or not 0 <= rb < float("inf"):
             raise ValueError(f"resident_bonus={rb!r} must be a finite number >= 0 (0 = off)")
-        if self.bounds_dtype not in BOUNDS_DTYPES:
-            raise ValueError(f"score_bounds_dtype={self.bounds_dtype!r}; use one of {', '.join(BOUNDS_DTYPES)}")
+        check_choices(self)
         f = self.coarse_group
         if isinstance(f, bool) or not isinstance(f, int) or f < 1 or f & (f - 1):
             raise ValueError(f"score_coarse_group={f!r} must be a power of two >= 1 (blocks per group; 1 = off)")

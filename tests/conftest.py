@@ -57,6 +57,20 @@ def doubled(m, name: str):
     return LoadedModel(cfg, params, m.tokenizer, m.dtype, name)
 
 
+@pytest.fixture
+def emulated_gpu(monkeypatch):
+    """Engines built in the test resolve their backends as on a GPU (pulseinfer_jax/backends.py): the GPU rule, and
+    its start-up checks (real, or scripted by the test) for every "auto" choice."""
+    import types
+
+    import pulseinfer_jax.engine as engine_mod
+    from pulseinfer_jax import backends
+
+    gpu = types.SimpleNamespace(platform="gpu")
+    monkeypatch.setattr(engine_mod, "resolve_backends", lambda config, device, model: backends.resolve_backends(
+        config, gpu, model))
+
+
 @pytest.fixture(scope="module")
 def tiny4(tiny):
     """A 4-layer model (the tiny checkpoint's two layers twice) so dense_layers=2 leaves two sparse layers."""

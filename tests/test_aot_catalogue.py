@@ -22,7 +22,7 @@ import pytest
 from models.loading import load_model
 from pulseinfer_jax import EngineConfig, SamplingParams
 from pulseinfer_jax.aot import catalogue as cat
-from pulseinfer_jax.config import resolve_decode_attention, resolve_layer_loop
+from pulseinfer_jax.backends import plan_backends
 from pulseinfer_jax.engine import Engine
 from pulseinfer_jax.kv_cache import blocks_for
 
@@ -99,10 +99,9 @@ def expected(model, config: EngineConfig, prompts: list[int]) -> set:
     the engine passes through (the first request alone, then all), every recall and write-back size up to the
     largest, the prefills, the prompt spills and the allocations."""
     platform = "cpu"
-    es = cat.EngineShapes.of(model.cfg, model.dtype, config,
-                             attention=resolve_decode_attention(config.decode_attention, platform),
-                             layer_loop=resolve_layer_loop(config.layer_loop, platform),
-                             host_io="xla" if config.host_io == "auto" else config.host_io, platform=platform)
+    r = plan_backends(config, platform, is_moe=model.cfg.is_moe)
+    es = cat.EngineShapes.of(model.cfg, model.dtype, config, attention=r.decode_attention, layer_loop=r.layer_loop,
+                             host_io=r.host_io or "xla", platform=platform)
     calls = []
     if config.mode == "dense":
         nb = sum(blocks_for(n + NEW, config.block_size) for n in prompts) + 1
@@ -112,7 +111,7 @@ def expected(model, config: EngineConfig, prompts: list[int]) -> set:
             calls += cat.prefill(es, n, blocks_for(n + NEW, config.block_size), num_blocks=nb)
         calls += cat.allocations(es, shardings, num_blocks=nb)
     else:
-        mbs = config.micro_batches or 1
+        mbs = config.offload.micro_batches or 1
         layout = cat.SparseLayout.of(es, prompts, NEW)
         most = len(prompts) * config.budget_blocks * model.cfg.num_kv_heads
         for k in range(1, len(prompts) + 1):
@@ -149,9 +148,9 @@ def tiny_model():
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_catalogue_covers_what_the_engine_compiles(tiny_model, name):
-    config = EngineConfig(**CONFIGS[name], progress=False)
+    config = EngineConfig.of(**CONFIGS[name], progress=False)
     model = tiny_model
-    if config.layer_loop == "layerwise":
+    if config.backends.layer_loop == "layerwise":
         model = dataclasses.replace(model)  # the engine unstacks a layer-wise model in place: keep the fixture's
     got = engine_compiles(model, config, PROMPTS)
     assert len(got) >= 4, f"the compile log caught too little ({got}): is jax_log_compiles' message still parsed?"
@@ -161,7 +160,7 @@ def test_catalogue_covers_what_the_engine_compiles(tiny_model, name):
 
 def test_catalogue_covers_a_mixture_of_experts_engine():
     model = load_model("random:tiny-qwen3-moe", dtype="float32")
-    config = EngineConfig(progress=False)
+    config = EngineConfig.of(progress=False)
     got = engine_compiles(model, config, PROMPTS)
     missing = uncovered(got, expected(model, config, PROMPTS))
     assert not missing, "the engine compiled programs the catalogue lacks:\n" + "\n".join(map(str, missing))
@@ -169,7 +168,7 @@ def test_catalogue_covers_a_mixture_of_experts_engine():
 
 def test_the_check_fails_on_a_program_the_catalogue_lacks(tiny_model):
     """The comparison has teeth: without the prefill builder's programs, the engine's prefill is reported."""
-    config = EngineConfig(progress=False)
+    config = EngineConfig.of(progress=False)
     got = engine_compiles(tiny_model, config, PROMPTS)
     prefill = {s for n in PROMPTS for s in (c.program.signature for c in cat.prefill(
         cat.EngineShapes.of(tiny_model.cfg, tiny_model.dtype, config, attention="jnp", layer_loop="scan",

@@ -99,7 +99,7 @@ def test_missing_tensor_in_sharded_checkpoint(tmp_path):
 
 def test_engine_config_validation():
     with pytest.raises(ValueError, match="multiples of block_size"):
-        EngineConfig(block_size=16, prefill_chunk=100)
+        EngineConfig.of(block_size=16, prefill_chunk=100)
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -109,7 +109,7 @@ def test_engine_config_validation():
     (["generate", "--model", str(TINY / "llama2"), "--dtype", "int4", "hi"], "dtype"),
     (["generate", "--model", str(TINY / "llama2"), ""], "empty"),
     (["info", "/nonexistent"], "does not exist"),
-    (["generate", "--model", str(TINY / "llama2"), "--mode", "turbo", "hi"], "mode="),
+    (["generate", "--model", str(TINY / "llama2"), "--mode", "turbo", "hi"], "--mode: invalid choice"),
     (["generate", "--model", str(TINY / "llama2"), "--mode", "offload", "--budget-tokens", "16", "hi"],
      "below sink + window"),
     (["generate", "--model", str(TINY / "llama2"), "--mode", "offload", "hi"], "leaves no sparse layer"),
@@ -117,8 +117,9 @@ def test_engine_config_validation():
 ])
 def test_cli_errors_exit_2_one_line(capsys, argv, match):
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("pulseinfer: error:") and match in err[0]
+    err = capsys.readouterr().err.strip().splitlines()  # status lines ("pulseinfer: loading ..."), then the error
+    errors = [line for line in err if line.startswith("pulseinfer: error:")]
+    assert len(errors) == 1 and err[-1] == errors[0] and match in errors[0]
 
 
 def test_cli_generate_and_info(capsys, tmp_path):
@@ -134,7 +135,7 @@ def test_cli_generate_and_info(capsys, tmp_path):
     # offloaded, with the recall counters in --stats
     assert main(["generate", "--model", str(TINY / "smollm2"), "--max-new-tokens", "6", "--stats", "--mode",
                  "offload", "--dense-layers", "1", "--block-size", "4", "--budget-tokens", "96", "--no-chat",
-                 "--host-io", "numpy", "--score-beta", "0.25", "--score-per-kv-head", "--score-sub-blocks", "2",
+                 "--host-io", "numpy", "--score-beta", "0.25", "--no-score-per-query-head", "--score-sub-blocks", "2",
                  "--no-score-kept-blocks", "--resident-bonus", "0.5", "--score-bounds-dtype", "kv",
                  "--score-coarse-group", "2", "--score-coarse-keep", "1.5", "hello " * 50]) == 0
     stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
@@ -154,7 +155,8 @@ def test_cli_generate_and_info(capsys, tmp_path):
 def test_cli_subprocess_no_traceback():
     p = subprocess.run([sys.executable, "-m", "pulseinfer_jax.cli", "generate", "--model", "/nope", "x"],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("pulseinfer: error:") == 1
+    assert p.stderr.splitlines()[-1].startswith("pulseinfer: error: model path '/nope' does not exist")
     # prompt from stdin, through the real entry point
     p = subprocess.run([sys.executable, "-m", "pulseinfer_jax.cli", "generate", "--model", str(TINY / "llama2"),
                         "--max-new-tokens", "3", "--stats"], input="hello there", capture_output=True, text=True,

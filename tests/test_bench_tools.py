@@ -21,7 +21,7 @@ def _prompts(vocab, lengths, seed=0):
 
 
 def _record(model, prompts, steps, cls=Engine, decoder=RecordingDecoder, **kw):
-    eng = type("E", (cls,), {"decoder_class": decoder})(model, EngineConfig(**{**BASE, **kw}))
+    eng = type("E", (cls,), {"decoder_class": decoder})(model, EngineConfig.of(**{**BASE, **kw}))
     reqs = [eng.make_request(i, p, SamplingParams(max_new_tokens=steps + 1, ignore_eos=True))
             for i, p in enumerate(prompts)]
     list(eng.run(reqs))
@@ -76,7 +76,7 @@ def test_replay_maps_onto_longer_contexts(tiny4):
 def test_replay_refuses_a_trace_of_another_budget(tiny4):
     tr = _record(tiny4, _prompts(tiny4.cfg.vocab_size, (60,)), 3)
     eng = type("E", (Engine,), {"decoder_class": replay_decoder(tr)})(
-        tiny4, EngineConfig(**{**BASE, "budget_tokens": 48}))
+        tiny4, EngineConfig.of(**{**BASE, "budget_tokens": 48}))
     req = eng.make_request(0, [5] * 60, SamplingParams(max_new_tokens=3))
     with pytest.raises(ValueError, match="record the trace at the same budget_tokens"):
         list(eng.run([req]))
@@ -98,8 +98,8 @@ def test_synthetic_prefill_offloads_the_same_kv_dense_would_hold(tiny4):
     blocks (same key, same block order): the bench's offloaded and dense systems decode the same KV."""
     prompt = [7] * 61  # 16 blocks of 4: the fill's padded table has 16 entries in both engines
     sp = SamplingParams(max_new_tokens=8, ignore_eos=True)  # still running after the first step
-    dense = SyntheticKVEngine(tiny4, EngineConfig(**{**BASE, "mode": "dense"}))
-    off = SyntheticKVEngine(tiny4, EngineConfig(**BASE))
+    dense = SyntheticKVEngine(tiny4, EngineConfig.of(**{**BASE, "mode": "dense"}))
+    off = SyntheticKVEngine(tiny4, EngineConfig.of(**BASE))
     rd, ro = dense.make_request(0, prompt, sp), off.make_request(0, prompt, sp)
     for eng, r in ((dense, rd), (off, ro)):
         eng.ensure_pool([r])

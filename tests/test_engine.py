@@ -23,7 +23,7 @@ def test_continuous_batching_equals_one_by_one(tiny):
     alone = [generate_long([p], tiny, max_new_tokens=12, ignore_eos=True, block_size=8)[0].token_ids
              for p in prompts]
     # 2 requests at a time and a pool that holds only ~3 requests: the rest queue and join as others finish
-    eng = Engine(tiny, EngineConfig(block_size=8, max_batch=2, prefill_chunk=16, key_chunk=16, kv_cache_tokens=240))
+    eng = Engine(tiny, EngineConfig.of(block_size=8, max_batch=2, prefill_chunk=16, key_chunk=16, kv_cache_tokens=240))
     res = generate_long(prompts, eng, max_new_tokens=12, ignore_eos=True, engine_config=eng.config)
     assert [r.token_ids for r in res] == alone
     assert eng.allocator.num_free == eng.allocator.capacity  # every block came back
@@ -90,7 +90,7 @@ def test_32k_prompt_chunked_prefill_is_consistent():
     m = load_model("random:tiny-llama")
     prompt = np.random.default_rng(0).integers(0, m.cfg.vocab_size, 32768).tolist()
     a = generate_long([prompt], m, max_new_tokens=3, ignore_eos=True, prefill_chunk=1024, progress=False)[0]
-    cfg = EngineConfig(prefill_chunk=4096, key_chunk=1024, progress=False)
+    cfg = EngineConfig.of(prefill_chunk=4096, key_chunk=1024, progress=False)
     b = generate_long([prompt], m, max_new_tokens=3, ignore_eos=True, engine_config=cfg)[0]
     assert a.token_ids == b.token_ids
     assert a.stats["prompt_tokens"] == 32768
@@ -128,9 +128,9 @@ def test_pallas_decode_attention_backend_matches_jnp(tiny):
     """The engine's dense decode through the Pallas sparse kernel (interpret mode here) = the jnp path."""
     prompts = _prompts(3, tiny.cfg.vocab_size, seed=3)
     kw = dict(max_new_tokens=5, ignore_eos=True)
-    ref = generate_long(prompts, tiny, **kw, engine_config=EngineConfig(block_size=8, prefill_chunk=16))
+    ref = generate_long(prompts, tiny, **kw, engine_config=EngineConfig.of(block_size=8, prefill_chunk=16))
     got = generate_long(prompts, tiny, **kw,
-                        engine_config=EngineConfig(block_size=8, prefill_chunk=16, decode_attention="pallas"))
+                        engine_config=EngineConfig.of(block_size=8, prefill_chunk=16, decode_attention="pallas"))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
 
 
@@ -230,11 +230,11 @@ def test_load_model_per_layer_layout(spec):
 
 
 def test_api_loads_weights_as_the_engine_reads_them():
-    from pulseinfer_jax.api import _engine_for
+    from pulseinfer_jax.api import GenerateOptions, _engine_for
 
-    eng = _engine_for(str(TINY / "llama31"), "float32", EngineConfig(layer_loop="layerwise"))
+    eng = _engine_for(str(TINY / "llama31"), GenerateOptions(), EngineConfig.of(layer_loop="layerwise"))
     assert isinstance(eng.model.params["layers"], list)
-    eng = _engine_for(str(TINY / "llama31"), "float32", EngineConfig())  # scan off-GPU
+    eng = _engine_for(str(TINY / "llama31"), GenerateOptions(), EngineConfig())  # scan off-GPU
     assert not isinstance(eng.model.params["layers"], list)
 
 
@@ -248,12 +248,12 @@ def test_engine_layer_loop_layerwise_same_tokens_as_scan(tiny):
     prompts = _prompts(3, tiny.cfg.vocab_size, seed=5)
     prompts[0] = prompts[0] * 3  # several prefill chunks (16 tokens each)
     kw = dict(max_new_tokens=6, ignore_eos=True)
-    scan = Engine(tiny, EngineConfig(block_size=8, prefill_chunk=16))
+    scan = Engine(tiny, EngineConfig.of(block_size=8, prefill_chunk=16))
     assert scan.layer_loop == "scan"  # auto off-GPU
     ref = generate_long(prompts, scan, **kw, engine_config=scan.config)
     model = dataclasses.replace(tiny)  # a second LoadedModel over the same arrays: converting it leaves `tiny` be
     stacked = model.params["layers"]
-    eng = Engine(model, EngineConfig(block_size=8, prefill_chunk=16, layer_loop="layerwise"))
+    eng = Engine(model, EngineConfig.of(block_size=8, prefill_chunk=16, layer_loop="layerwise"))
     layers = model.params["layers"]
     assert isinstance(layers, list) and len(layers) == tiny.cfg.num_layers and eng.layer_params is layers
     kept = {id(a) for a in jax.tree.leaves(model.params)}
@@ -264,44 +264,79 @@ def test_engine_layer_loop_layerwise_same_tokens_as_scan(tiny):
     assert Engine(model, eng.config).layer_params is eng.layer_params is model.layer_params  # one copy per model
     assert not isinstance(tiny.params["layers"], list)
     assert model.stacked_params is not model.params and tiny.stacked_params is tiny.params
-    scan2 = Engine(model, EngineConfig(block_size=8, prefill_chunk=16))  # a scan engine re-stacks a copy
+    scan2 = Engine(model, EngineConfig.of(block_size=8, prefill_chunk=16))  # a scan engine re-stacks a copy
     assert [r.token_ids for r in generate_long(prompts, scan2, **kw, engine_config=scan2.config)] == \
         [r.token_ids for r in ref]
     with pytest.raises(ValueError, match="layer_loop='unrolled'; use one of auto, scan, layerwise"):
-        EngineConfig(layer_loop="unrolled")
+        EngineConfig.of(layer_loop="unrolled")
 
 
-def test_decode_attention_auto_resolution():
-    from pulseinfer_jax.config import resolve_decode_attention
+def test_backend_rule_per_platform():
+    from pulseinfer_jax.backends import plan_backends
 
-    assert resolve_decode_attention("auto", "gpu") == "pallas"
-    assert resolve_decode_attention("auto", "cpu") == "jnp"
-    assert resolve_decode_attention("jnp", "gpu") == "jnp"
-    assert resolve_decode_attention("pallas", "cpu") == "pallas"
+    gpu, cpu = plan_backends(EngineConfig(), "gpu"), plan_backends(EngineConfig(), "cpu")
+    assert (gpu.decode_attention, gpu.layer_loop, gpu.weights_layout) == ("pallas", "layerwise", "layers")
+    assert (cpu.decode_attention, cpu.layer_loop, cpu.weights_layout) == ("jnp", "scan", "stacked")
+    assert gpu.sparse_attention is None and gpu.host_io is None  # dense mode: no offload backends
+    off = plan_backends(EngineConfig.of(mode="offload"), "cuda")
+    assert (off.platform, off.sparse_attention, off.host_io, off.micro_batches) == ("gpu", "pallas", "xla", 2)
+    assert plan_backends(EngineConfig.of(mode="offload"), "cpu").micro_batches == 1
+    pinned = plan_backends(EngineConfig.of(decode_attention="jnp", layer_loop="scan", micro_batches=3,
+                                           mode="auto"), "gpu")
+    assert (pinned.decode_attention, pinned.layer_loop, pinned.micro_batches) == ("jnp", "scan", 3)
+    assert "decode_attention as configured" in pinned.reasons
+    assert plan_backends(EngineConfig.of(decode_attention="pallas"), "cpu").decode_attention == "pallas"
     with pytest.raises(ValueError, match="decode_attention"):
-        EngineConfig(decode_attention="triton")
+        EngineConfig.of(decode_attention="triton")
 
 
-def test_auto_attention_falls_back_when_the_kernel_does_not_compile(tiny, monkeypatch):
-    """Under "auto" on a GPU, a kernel the device's compiler rejects falls back to jnp once, with a warning and
-    the same tokens; an explicit "pallas" request surfaces the error instead."""
-    import pulseinfer_jax.engine as engine_mod
+def test_gpu_backends_fall_back_when_their_check_fails(tiny, monkeypatch, caplog):
+    """On a GPU each "auto" fast path is checked once when the engine is built; one that fails is replaced by the
+    safe path, said in the reasons and as a warning; the choices are logged in one line; an explicit choice is not
+    checked."""
+    import logging
+    import types
 
-    real = engine_mod.decode_step
+    import pulseinfer_jax.backends as backends
+    from host_offload import host_pool
 
-    def rejecting(*args, attention="jnp", **kw):
-        if attention == "pallas":
-            raise NotImplementedError("Triton lowering rejected the kernel")
-        return real(*args, attention=attention, **kw)
+    gpu = types.SimpleNamespace(platform="gpu")
+    calls = []
+    monkeypatch.setattr(backends, "probe_pallas", lambda *a, **k: calls.append("pallas") or "TritonError: rejected")
+    monkeypatch.setattr(host_pool, "probe_host_io", lambda *a, **k: calls.append("io") or "no pinned memory")
+    with caplog.at_level(logging.INFO, logger="pulseinfer_jax"), pytest.warns(RuntimeWarning) as warned:
+        r = backends.resolve_backends(EngineConfig.of(mode="offload"), gpu, tiny)
+    assert (r.decode_attention, r.sparse_attention, r.host_io) == ("jnp", "jnp", "numpy")
+    assert r.scoring.bounds_dtype == "kv" or r.sparse_attention == "jnp"
+    assert any("the Pallas kernels failed their check" in m for m in r.reasons)
+    assert any("host_io numpy" in m for m in r.reasons)
+    assert len(warned) == 2 and "safe path runs instead" in str(warned[0].message)
+    assert len(caplog.records) == 1 and "backends on gpu" in caplog.records[0].message
+    assert "decode_attention=jnp" in caplog.records[0].message and "host_io numpy" in caplog.records[0].message
+    calls.clear()
+    r = backends.resolve_backends(EngineConfig.of(mode="offload", decode_attention="pallas", host_io="xla"), gpu, tiny)
+    assert (r.decode_attention, r.host_io, calls) == ("pallas", "xla", [])
+    # only the float8 bounds fail: the bounds fall back to the KV dtype, Pallas kept
+    monkeypatch.setattr(backends, "probe_pallas", lambda d, dt, sc: None if sc.bounds_dtype == "kv" else "fp8")
+    with pytest.warns(RuntimeWarning, match="score_bounds_dtype kv"):
+        r = backends.resolve_backends(EngineConfig.of(mode="offload", host_io="xla"), gpu, tiny)
+    assert (r.sparse_attention, r.scoring.bounds_dtype) == ("pallas", "kv")
 
-    prompts = _prompts(2, tiny.cfg.vocab_size, seed=4)
-    want = [r.token_ids for r in generate_long(prompts, tiny, max_new_tokens=4, ignore_eos=True)]
-    monkeypatch.setattr(engine_mod, "decode_step", rejecting)
-    monkeypatch.setattr(engine_mod, "resolve_decode_attention", lambda choice, platform: "pallas")
-    with pytest.warns(RuntimeWarning, match="falling back"):
-        res = generate_long(prompts, tiny, max_new_tokens=4, ignore_eos=True)
-    assert [r.token_ids for r in res] == want
-    assert res[0].stats["decode_attention"] == "jnp"
-    with pytest.raises(NotImplementedError, match="rejected"):
-        generate_long(prompts, tiny, max_new_tokens=4, ignore_eos=True,
-                      engine_config=EngineConfig(decode_attention="pallas"))
+
+def test_pallas_probe_checks_the_kernels_against_their_references(monkeypatch):
+    """The start-up check runs both kernels and compares them with the jnp references (interpreted here): the real
+    kernels pass, a kernel that returns wrong values is caught, a compile error is reported, not raised."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels.sparse_decode_attention as sda
+    from pulseinfer_jax.backends import probe_pallas
+
+    cpu = jax.devices("cpu")[0]
+    assert probe_pallas(cpu, jnp.float32, interpret=True) is None
+    real = sda.sparse_decode_attention
+    monkeypatch.setattr(sda, "sparse_decode_attention", lambda *a, **k: tuple(x * 0 for x in real(*a, **k)))
+    assert "disagrees" in probe_pallas(cpu, jnp.float32, interpret=True)
+    monkeypatch.setattr(sda, "sparse_decode_attention", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("ptxas")))
+    assert probe_pallas(cpu, jnp.float32, interpret=True).startswith("RuntimeError: ptxas")
+

@@ -96,7 +96,7 @@ def test_grouped_layout_places_every_pair_once_in_its_experts_tiles(n, k, e, kin
 
 
 def test_engine_moe_strategies_generate_the_same_tokens():
-    """EngineConfig(moe_strategy=...) reaches the model's expert layers; every strategy generates the same greedy
+    """EngineConfig.of(moe_strategy=...) reaches the model's expert layers; every strategy generates the same greedy
     tokens on the tiny Qwen3-MoE (prefill: 20 tokens at once, decode: 1 at a time)."""
     from pulseinfer_jax import EngineConfig, generate_long
     from pulseinfer_jax.engine import Engine
@@ -105,7 +105,7 @@ def test_engine_moe_strategies_generate_the_same_tokens():
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, model.cfg.vocab_size, 20)]
     outs = {}
     for strategy in ("auto", "dense", "gather", "grouped", "grouped-pallas"):
-        eng = Engine(model, EngineConfig(moe_strategy=strategy, progress=False))
+        eng = Engine(model, EngineConfig.of(moe_strategy=strategy, progress=False))
         assert eng.transformer.moe.strategy == ("grouped" if strategy == "grouped-pallas" else strategy)
         assert eng.transformer.moe.grouped_kernel == ("pallas" if strategy == "grouped-pallas" else "jnp")
         r = generate_long([prompt], eng, max_new_tokens=6, ignore_eos=True, engine_config=eng.config)[0]
@@ -113,7 +113,7 @@ def test_engine_moe_strategies_generate_the_same_tokens():
         outs[strategy] = r.token_ids
     assert len(set(map(tuple, outs.values()))) == 1, outs
     with pytest.raises(ValueError, match="moe_strategy='sorted'"):
-        EngineConfig(moe_strategy="sorted")
+        EngineConfig.of(moe_strategy="sorted")
 
 
 def test_route_is_softmax_top_k_with_ties_to_the_lower_expert():
@@ -238,12 +238,15 @@ def test_grouped_pallas_is_probed_on_a_gpu_and_falls_back_to_jnp(monkeypatch):
     and runs the jnp tile loop (emulated: on_gpu forced, probe scripted). Off a GPU, and for dense models, no probe."""
     from models import moe
     from pulseinfer_jax import EngineConfig
-    from pulseinfer_jax import engine as engine_mod
     from pulseinfer_jax.engine import Engine
 
     assert moe.probe_grouped_kernel(jax.devices()[0], jnp.float32) is None  # interpret mode here
     monkeypatch.setattr(moe, "grouped_matmul", lambda *a, **k: (_ for _ in ()).throw(NotImplementedError("no")))
     assert moe.probe_grouped_kernel(jax.devices()[0], jnp.float32) == "NotImplementedError: no"
+
+    import types
+
+    from pulseinfer_jax.backends import resolve_backends
 
     calls = []
 
@@ -251,17 +254,18 @@ def test_grouped_pallas_is_probed_on_a_gpu_and_falls_back_to_jnp(monkeypatch):
         calls.append(dtype)
         return result
 
-    cfg = EngineConfig(moe_strategy="grouped-pallas", progress=False)
+    cfg = EngineConfig.of(moe_strategy="grouped-pallas", decode_attention="jnp", progress=False)
     model = load_model(TINY / "qwen3_moe")
+    monkeypatch.setattr(moe, "probe_grouped_kernel", probe)
     assert Engine(model, cfg).transformer.moe.grouped_kernel == "pallas" and calls == []  # CPU: not probed
-    monkeypatch.setattr(Engine, "on_gpu", property(lambda self: True))
-    monkeypatch.setattr(engine_mod, "probe_grouped_kernel", probe)
-    assert Engine(model, cfg).transformer.moe.grouped_kernel == "pallas" and calls == [model.dtype]
-    monkeypatch.setattr(engine_mod, "probe_grouped_kernel", lambda d, t: "NotImplementedError: Triton said no")
-    with pytest.warns(RuntimeWarning, match="Triton said no.*moe_strategy='grouped' with the jnp tile loop"):
-        eng = Engine(model, cfg)
-    assert eng.transformer.moe == MoEOptions("grouped", "jnp", "gpu") and eng.moe_strategy == "grouped"
+    gpu = types.SimpleNamespace(platform="gpu")
+    assert resolve_backends(cfg, gpu, model).moe.grouped_kernel == "pallas" and calls == [model.dtype]
+    monkeypatch.setattr(moe, "probe_grouped_kernel", lambda d, t: "NotImplementedError: Triton said no")
+    with pytest.warns(RuntimeWarning, match="Triton said no"):
+        r = resolve_backends(cfg, gpu, model)
+    assert r.moe == MoEOptions("grouped", "jnp", "gpu") and r.moe_strategy == "grouped"
+    assert any("Triton said no" in why and "jnp tile loop" in why for why in r.reasons)
     calls.clear()
-    monkeypatch.setattr(engine_mod, "probe_grouped_kernel", probe)
-    dense = Engine(load_model(TINY / "llama31"), cfg)  # a dense model has no expert layers to probe for
+    monkeypatch.setattr(moe, "probe_grouped_kernel", probe)
+    dense = resolve_backends(cfg, gpu, load_model(TINY / "llama31"))  # a dense model has no expert layers to probe
     assert calls == [] and dense.moe_strategy is None

@@ -37,10 +37,10 @@ def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extr
     m = request.getfixturevalue(model_name)
     prompts = _prompts(m.cfg.vocab_size)
     seen = record_sampled_logits(monkeypatch)
-    dense = generate_long(prompts, m, max_new_tokens=24, ignore_eos=True, engine_config=EngineConfig(**BASE))
+    dense = generate_long(prompts, m, max_new_tokens=24, ignore_eos=True, engine_config=EngineConfig.of(**BASE))
     dense_logits = dict(seen)
     seen.clear()
-    cfg = EngineConfig(**BASE, mode="offload", budget_tokens=512, **extra)
+    cfg = EngineConfig.of(**BASE, mode="offload", budget_tokens=512, **extra)
     off = generate_long(prompts, m, max_new_tokens=24, ignore_eos=True, engine_config=cfg)
     assert [r.token_ids for r in off] == [r.token_ids for r in dense]
     assert seen.keys() == dense_logits.keys()
@@ -71,14 +71,14 @@ def test_offloaded_sparse_equals_on_device_sparse(tiny4, selection, host_io, sco
     prompts = _prompts(tiny4.cfg.vocab_size)
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, selection=selection, **scoring)
     dev = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True,
-                        engine_config=EngineConfig(**kw, offload_placement="device"))
+                        engine_config=EngineConfig.of(**kw, offload_placement="device"))
     host = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True,
-                         engine_config=EngineConfig(**kw, host_io=host_io))
+                         engine_config=EngineConfig.of(**kw, host_io=host_io))
     assert all(r.stats["host_io"] == host_io for r in host)
     assert [r.token_ids for r in host] == [r.token_ids for r in dev]
     assert all(r.stats["offloaded"] and r.stats["recall_bytes"] > 0 for r in host)
     assert all(not r.stats["offloaded"] and r.stats["recall_bytes"] == 0 for r in dev)
-    full = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True, engine_config=EngineConfig(**BASE))
+    full = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True, engine_config=EngineConfig.of(**BASE))
     assert [r.token_ids for r in host] != [r.token_ids for r in full], "the budget did not drop anything"
 
 
@@ -101,8 +101,8 @@ def test_host_pool_holds_what_the_gpu_would(tiny4, host_io):
     host path splits attention into resident + recalled partials and merges them)."""
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(45, 30))
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, micro_batches=2)
-    host = Engine(tiny4, EngineConfig(**kw, host_io=host_io))
-    dev = Engine(tiny4, EngineConfig(**kw, offload_placement="device"))
+    host = Engine(tiny4, EngineConfig.of(**kw, host_io=host_io))
+    dev = Engine(tiny4, EngineConfig.of(**kw, offload_placement="device"))
     hreqs = _run_until_last_token(host, prompts, 40)
     dreqs = _run_until_last_token(dev, prompts, 40)
     kv_dev = np.asarray(dev.kv)
@@ -126,7 +126,7 @@ def test_coalesced_one_copy_per_layer_and_step_fragmented_per_unit(tiny4):
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
     logs, bytes_, per_req = {}, {}, {}
     for io, mbs in [("coalesced", 1), ("coalesced", 2), ("fragmented", 1)]:
-        eng = Engine(tiny4, EngineConfig(**kw, io=io, micro_batches=mbs))
+        eng = Engine(tiny4, EngineConfig.of(**kw, io=io, micro_batches=mbs))
         res = generate_long(prompts, eng, max_new_tokens=16, ignore_eos=True, engine_config=eng.config)
         logs[io, mbs] = list(eng.sparse.step_log)
         bytes_[io, mbs] = sum(e["h2d_bytes"] for e in logs[io, mbs])
@@ -161,7 +161,7 @@ def test_eager_recall_queues_the_early_attention_on_every_layer(tiny4, monkeypat
     seen = {}
     for recall in ("interruptible", "eager"):
         calls.update(attend=0, sparse_pre=0)
-        eng = Engine(tiny4, EngineConfig(**BASE, mode="offload", budget_tokens=24, dense_layers=2, micro_batches=2,
+        eng = Engine(tiny4, EngineConfig.of(**BASE, mode="offload", budget_tokens=24, dense_layers=2, micro_batches=2,
                                          recall=recall))
         res = generate_long(prompts, eng, max_new_tokens=16, ignore_eos=True, engine_config=eng.config)
         copies = sum(e["h2d_copies"] for e in eng.sparse.step_log)  # coalesced: one per layer that recalls
@@ -177,7 +177,7 @@ def test_repeated_selection_recalls_nothing(tiny4):
     """A budget covering every block selects the same middle blocks step after step: the first step recalls
     them, later steps only what newly left the window (nothing while no block leaves)."""
     prompt = _prompts(tiny4.cfg.vocab_size, lengths=(40,))  # 10 full blocks
-    eng = Engine(tiny4, EngineConfig(**BASE, mode="offload", budget_tokens=512, dense_layers=2, micro_batches=1))
+    eng = Engine(tiny4, EngineConfig.of(**BASE, mode="offload", budget_tokens=512, dense_layers=2, micro_batches=1))
     generate_long(prompt, eng, max_new_tokens=8, ignore_eos=True, engine_config=eng.config)
     log = list(eng.sparse.step_log)
     # the first decode step writes position 40 (block 10): window = blocks 9, 10, middle = blocks 1..8
@@ -195,9 +195,9 @@ def test_auto_mode_places_by_memory_and_pcie_and_stays_correct(tiny4):
     placement run alone (dense, or offloaded sparse)."""
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(100, 100, 100, 100))
     kw = dict(**BASE, budget_tokens=32, dense_layers=1, slot_cache_blocks=5)
-    dense = generate_long(prompts, tiny4, max_new_tokens=12, ignore_eos=True, engine_config=EngineConfig(**kw))
+    dense = generate_long(prompts, tiny4, max_new_tokens=12, ignore_eos=True, engine_config=EngineConfig.of(**kw))
     off = generate_long(prompts, tiny4, max_new_tokens=12, ignore_eos=True,
-                        engine_config=EngineConfig(**kw, mode="offload"))
+                        engine_config=EngineConfig.of(**kw, mode="offload"))
     # dense: 28 blocks per request; offloaded: 4 resident + 5 slots + 7 dense-layer packs = 16
     c = tiny4.cfg
     # one offloaded request's prior recall: 25% of (5 middle blocks x one layer-block x 3 sparse layers)
@@ -205,7 +205,7 @@ def test_auto_mode_places_by_memory_and_pcie_and_stays_correct(tiny4):
     hideable = 0.8 * 0.02  # slack x the assumed step time (IOAA defaults) = seconds of copy a step hides
 
     def run(n, h2d):
-        cfg = EngineConfig(**kw, mode="auto", kv_cache_tokens=72 * 4, h2d_bytes_per_s=h2d)
+        cfg = EngineConfig.of(**kw, mode="auto", kv_cache_tokens=72 * 4, h2d_bytes_per_s=h2d)
         eng = Engine(tiny4, cfg)
         res = generate_long(prompts[:n], eng, max_new_tokens=12, ignore_eos=True, engine_config=cfg)
         for r, d, o in zip(res, dense, off, strict=False):
@@ -230,7 +230,7 @@ def test_host_pool_exhaustion_queues_then_runs(tiny4):
     """A host pool that holds one offloaded request at a time: the second waits (no lost KV), then runs."""
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(40, 40))
     need = blocks_for(40 + 8, 4)
-    cfg = EngineConfig(**BASE, mode="offload", budget_tokens=24, dense_layers=2, host_kv_tokens=need * 4)
+    cfg = EngineConfig.of(**BASE, mode="offload", budget_tokens=24, dense_layers=2, host_kv_tokens=need * 4)
     res = generate_long(prompts, tiny4, max_new_tokens=8, ignore_eos=True, engine_config=cfg)
     solo = [generate_long([p], tiny4, max_new_tokens=8, ignore_eos=True, engine_config=cfg)[0] for p in prompts]
     assert [r.token_ids for r in res] == [r.token_ids for r in solo]
@@ -247,18 +247,19 @@ def test_host_pool_exhaustion_queues_then_runs(tiny4):
 ])
 def test_bad_offload_configs(kw, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig(**{**BASE, "mode": "offload", "budget_tokens": 64, **kw})
+        EngineConfig.of(**{**BASE, "mode": "offload", "budget_tokens": 64, **kw})
 
 
 def test_bad_offload_runtime_configs(tiny, tiny4):
     p = _prompts(tiny4.cfg.vocab_size, lengths=(40,))
     with pytest.raises(ValueError, match="host rows"):  # host pool too small for the request
-        generate_long(p, tiny4, max_new_tokens=8, engine_config=EngineConfig(
+        generate_long(p, tiny4, max_new_tokens=8, engine_config=EngineConfig.of(
             **BASE, mode="offload", budget_tokens=24, host_kv_tokens=16))
     with pytest.raises(ValueError, match="leaves no sparse layer"):
-        generate_long(p, tiny, max_new_tokens=8, engine_config=EngineConfig(**BASE, mode="offload", budget_tokens=24))
+        generate_long(p, tiny, max_new_tokens=8,
+                      engine_config=EngineConfig.of(**BASE, mode="offload", budget_tokens=24))
     with pytest.raises(ValueError, match="gpu_kv_budget"):
-        generate_long(p, tiny4, max_new_tokens=8, engine_config=EngineConfig(
+        generate_long(p, tiny4, max_new_tokens=8, engine_config=EngineConfig.of(
             **BASE, mode="offload", budget_tokens=24, gpu_kv_budget=1000))
     assert dense_ok(tiny4, p)  # the engine is still usable after the errors
 
@@ -271,9 +272,9 @@ def test_pallas_sparse_pipeline_matches_jnp(tiny4):
     """The offload pipeline with the Pallas kernels (interpret mode here) gives the jnp pipeline's tokens."""
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(37,))
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
-    a = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True, engine_config=EngineConfig(**kw))
+    a = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True, engine_config=EngineConfig.of(**kw))
     b = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True,
-                      engine_config=EngineConfig(**kw, decode_attention="pallas"))
+                      engine_config=EngineConfig.of(**kw, decode_attention="pallas"))
     assert a[0].token_ids == b[0].token_ids
     assert b[0].stats["decode_attention"] == "pallas"
 
@@ -282,10 +283,11 @@ def test_probe_pallas_runs_the_kernels_and_reports_failures(monkeypatch):
     import jax
 
     from pallas_kernels import block_scoring
-    from pulseinfer_jax.offload import probe_pallas
+    from pulseinfer_jax.backends import probe_pallas
 
     dev = jax.devices()[0]
-    assert probe_pallas(dev, "float32", BlockScoring(sub_blocks=2)) is None  # interpret mode here; compiled on a GPU
+    # interpreted here (compiled on a GPU)
+    assert probe_pallas(dev, "float32", BlockScoring(sub_blocks=2), interpret=True) is None
     seen = []
     real = block_scoring.block_scores
 
@@ -294,14 +296,16 @@ def test_probe_pallas_runs_the_kernels_and_reports_failures(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(block_scoring, "block_scores", recording)
-    assert probe_pallas(dev, "float32", BlockScoring(beta=0.25, sub_blocks=2)) is None
+    assert probe_pallas(dev, "float32", BlockScoring(beta=0.25, sub_blocks=2), interpret=True) is None
     assert sorted(seen) == [(0.25, False, 2), (0.25, True, 2)]  # the engine's scoring, both score layouts
 
     def rejecting(*a, **k):
         raise NotImplementedError("Triton rejected the kernel")
 
     monkeypatch.setattr(block_scoring, "block_scores", rejecting)
-    assert probe_pallas(dev, "float32", BlockScoring()) == "NotImplementedError: Triton rejected the kernel"
+    assert probe_pallas(dev, "float32", BlockScoring(), interpret=True) == \
+        "NotImplementedError: Triton rejected the kernel"
+    assert probe_pallas(dev, "float32").startswith("ValueError")  # compiled for this CPU: reported, not raised
 
 
 @pytest.mark.parametrize("scoring,selection,want", [
@@ -326,12 +330,12 @@ def test_block_scoring_config_reaches_both_scoring_paths(tiny4, monkeypatch, sco
     layer_ops.sparse_pre.clear_cache()  # retrace: the spy sees every scoring this test compiles
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(37,))
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, selection=selection, **scoring)
-    a = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True, engine_config=EngineConfig(**kw))
+    a = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True, engine_config=EngineConfig.of(**kw))
     assert seen and set(seen) == {(*want, 0)}
     st = a[0].stats
     assert (st["score_beta"], st["score_sub_blocks"]) == (want[0], want[2])
     b = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True,
-                      engine_config=EngineConfig(**kw, decode_attention="pallas"))
+                      engine_config=EngineConfig.of(**kw, decode_attention="pallas"))
     assert a[0].token_ids == b[0].token_ids
 
 
@@ -352,11 +356,11 @@ def test_kept_blocks_scored_only_for_solohead_softmax(tiny4, monkeypatch, kw, ru
 
     monkeypatch.setattr(layer_ops, "kept_block_scores", spy)
     layer_ops.sparse_pre.clear_cache()
-    cfg = EngineConfig(**BASE, mode="offload", budget_tokens=24, dense_layers=2, **kw)
+    cfg = EngineConfig.of(**BASE, mode="offload", budget_tokens=24, dense_layers=2, **kw)
     out = generate_long(_prompts(tiny4.cfg.vocab_size, lengths=(37,)), tiny4, max_new_tokens=4, ignore_eos=True,
                         engine_config=cfg)
-    assert bool(seen) == runs and all(s[1] == cfg.sink_blocks + cfg.window_blocks for s in seen)
-    assert out[0].stats["score_kept_blocks"] is cfg.score_kept_blocks
+    assert bool(seen) == runs and all(s[1] == cfg.offload.sink_blocks + cfg.window_blocks for s in seen)
+    assert out[0].stats["score_kept_blocks"] is cfg.scoring.kept_blocks
 
 
 def test_resident_bonus_keeps_what_the_slot_cache_holds(tiny4):
@@ -365,11 +369,11 @@ def test_resident_bonus_keeps_what_the_slot_cache_holds(tiny4):
     recall more; the bonus changes the tokens only through the selection."""
     prompts = _prompts(tiny4.cfg.vocab_size)
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
-    cfg = EngineConfig(**kw, resident_bonus=0.0)
-    middle = cfg.budget_blocks - cfg.sink_blocks - cfg.window_blocks
+    cfg = EngineConfig.of(**kw, resident_bonus=0.0)
+    middle = cfg.budget_blocks - cfg.offload.sink_blocks - cfg.window_blocks
     plain = generate_long(prompts, tiny4, max_new_tokens=16, ignore_eos=True, engine_config=cfg)
     sticky = generate_long(prompts, tiny4, max_new_tokens=16, ignore_eos=True,
-                           engine_config=EngineConfig(**kw, resident_bonus=1e30))
+                           engine_config=EngineConfig.of(**kw, resident_bonus=1e30))
     sparse_layers = tiny4.cfg.num_layers - 2
     for r in sticky:
         assert r.stats["resident_bonus"] == 1e30
@@ -386,7 +390,7 @@ def test_metadata_budgeted_as_allocated(tiny4, m, bounds, dtype):
     bound the keys of their blocks."""
     from pulseinfer_jax import offload
 
-    eng = Engine(tiny4, EngineConfig(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_sub_blocks=m,
+    eng = Engine(tiny4, EngineConfig.of(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_sub_blocks=m,
                                      score_bounds_dtype=bounds))
     (req,) = _run_until_last_token(eng, _prompts(tiny4.cfg.vocab_size, lengths=(45,)), 4)
     assert eng.sparse.meta_min.dtype == eng.sparse.meta_max.dtype == jnp.dtype(dtype)
@@ -428,7 +432,7 @@ def test_two_level_scoring_scores_kept_groups_only(tiny4, monkeypatch):
     layer_ops.sparse_pre.clear_cache()
     f, prompts = 2, _prompts(tiny4.cfg.vocab_size, lengths=(61, 45))
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_coarse_group=f, score_coarse_keep=1.0)
-    eng = Engine(tiny4, EngineConfig(**kw))
+    eng = Engine(tiny4, EngineConfig.of(**kw))
     reqs = _run_until_last_token(eng, prompts, 8)
     dec = eng.sparse
     rows, sl_n = eng.host_pool.num_rows, dec.plan.sparse_layers
@@ -453,15 +457,15 @@ def test_two_level_scoring_scores_kept_groups_only(tiny4, monkeypatch):
                 checked += 1
     assert checked >= 2 * sl_n * 6
     # group scoring reads the coarse rows, block scoring keep * f candidates: fewer than the blocks it skips
-    keep = EngineConfig(**kw).scoring.coarse_groups(6, 1, 2, 16)
+    keep = EngineConfig.of(**kw).scoring.coarse_groups(6, 1, 2, 16)
     assert keep == 2
     coarse_calls = [w for w in widths if w[0] == dec.cmeta_min.shape[0]]
     fine_calls = [w for w in widths if w[0] == dec.meta_min.shape[0]]
     assert coarse_calls and {w[1] for w in fine_calls} == {keep * f}
     host = [r.output for r in reqs]
-    pallas = _run_until_last_token(Engine(tiny4, EngineConfig(**kw, decode_attention="pallas")), prompts, 8)
+    pallas = _run_until_last_token(Engine(tiny4, EngineConfig.of(**kw, decode_attention="pallas")), prompts, 8)
     assert [r.output for r in pallas] == host
-    plain = _run_until_last_token(Engine(tiny4, EngineConfig(**{**kw, "score_coarse_group": 1})), prompts, 8)
+    plain = _run_until_last_token(Engine(tiny4, EngineConfig.of(**{**kw, "score_coarse_group": 1})), prompts, 8)
     assert [r.output for r in plain] != host, "the first level dropped nothing the plain scorer would select"
 
 
@@ -479,7 +483,7 @@ def test_two_level_scoring_scores_kept_groups_only(tiny4, monkeypatch):
 ])
 def test_bad_block_scoring_configs(kw, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig(**kw)
+        EngineConfig.of(**kw)
 
 
 def test_retrieval_head_calibration_and_decode(tiny4):
@@ -489,28 +493,29 @@ def test_retrieval_head_calibration_and_decode(tiny4):
 
     prompt = _prompts(tiny4.cfg.vocab_size, lengths=(90,))[0]
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
-    heads = calibrate_retrieval_heads(tiny4, prompt, EngineConfig(**kw))
+    heads = calibrate_retrieval_heads(tiny4, prompt, EngineConfig.of(**kw))
     assert len(heads) == 2 and all(0 <= h < tiny4.cfg.num_kv_heads for h in heads)
     with pytest.raises(ValueError, match="fits in the 512-token budget"):
-        calibrate_retrieval_heads(tiny4, prompt, EngineConfig(**{**kw, "budget_tokens": 512}))
+        calibrate_retrieval_heads(tiny4, prompt, EngineConfig.of(**{**kw, "budget_tokens": 512}))
     with pytest.raises(ValueError, match="too short"):
-        calibrate_retrieval_heads(tiny4, prompt[:5], EngineConfig(**kw))
+        calibrate_retrieval_heads(tiny4, prompt[:5], EngineConfig.of(**kw))
     cfg = dict(kw, solohead="retrieval_head", retrieval_heads=heads)
-    a = generate_long([prompt[:60]], tiny4, max_new_tokens=12, ignore_eos=True, engine_config=EngineConfig(**cfg))
+    a = generate_long([prompt[:60]], tiny4, max_new_tokens=12, ignore_eos=True, engine_config=EngineConfig.of(**cfg))
     b = generate_long([prompt[:60]], tiny4, max_new_tokens=12, ignore_eos=True,
-                      engine_config=EngineConfig(**cfg, offload_placement="device"))
+                      engine_config=EngineConfig.of(**cfg, offload_placement="device"))
     assert a[0].token_ids == b[0].token_ids and a[0].stats["recall_bytes"] > 0
 
 
-def test_auto_host_io_falls_back_to_numpy_when_the_probe_fails(tiny4, monkeypatch):
-    """On a GPU, host_io="auto" probes the pinned-host (xla) transfers once; if they fail there, the engine
-    warns, moves the host pool to numpy and still decodes the same tokens (emulated: on_gpu forced, probe
-    failing)."""
+def test_auto_host_io_falls_back_to_numpy_when_the_probe_fails(tiny4, monkeypatch, emulated_gpu):
+    """On a GPU, host_io="auto" checks the pinned-host (xla) transfers once, when the engine is built; if they fail
+    there, the engine warns, keeps the host pool in numpy and decodes the same tokens (emulated GPU, check failing)."""
     from host_offload import host_pool
 
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(45, 30))
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, h2d_bytes_per_s=16e9)
-    want = generate_long(prompts, tiny4, max_new_tokens=12, ignore_eos=True, engine_config=EngineConfig(**kw))
+    kw["decode_attention"] = "jnp"  # (not under test: no kernel check)
+    want = generate_long(prompts, tiny4, max_new_tokens=12, ignore_eos=True,
+                         engine_config=EngineConfig.of(**kw, host_io="numpy"))
     calls = []
 
     def failing_probe(device, **kw):
@@ -518,51 +523,49 @@ def test_auto_host_io_falls_back_to_numpy_when_the_probe_fails(tiny4, monkeypatc
         return "RuntimeError: no host compute here"
 
     monkeypatch.setattr(host_pool, "probe_host_io", failing_probe)
-    monkeypatch.setattr(Engine, "on_gpu", property(lambda self: True))
-    eng = Engine(tiny4, EngineConfig(**kw))
-    with pytest.warns(RuntimeWarning, match="no host compute here.*host_io='numpy'"):
-        got = generate_long(prompts, eng, max_new_tokens=12, ignore_eos=True, engine_config=eng.config)
+    with pytest.warns(RuntimeWarning, match=r"host_io numpy: .* \(RuntimeError: no host compute here\)"):
+        eng = Engine(tiny4, EngineConfig.of(**kw))
+    got = generate_long(prompts, eng, max_new_tokens=12, ignore_eos=True)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert eng.host_io == "numpy" and eng.host_pool.io_name == "numpy"
     assert eng.layer_loop == "layerwise" and eng.sparse.layer_params is eng.layer_params  # one split, shared
     assert all(r.stats["host_io"] == "numpy" and r.stats["recall_bytes"] > 0 for r in got)
     assert len(calls) == 1 and calls[0]["dtype"] == tiny4.dtype  # probed once, in the KV dtype
-    generate_long(prompts, eng, max_new_tokens=4, ignore_eos=True, engine_config=eng.config)
+    generate_long(prompts, eng, max_new_tokens=4, ignore_eos=True)
     assert len(calls) == 1  # not again for the next run of the same engine
     # configured explicitly: no probe
-    eng2 = Engine(tiny4, EngineConfig(**kw, host_io="xla"))
+    eng2 = Engine(tiny4, EngineConfig.of(**kw, host_io="xla"))
     generate_long(prompts[:1], eng2, max_new_tokens=4, ignore_eos=True, engine_config=eng2.config)
     assert len(calls) == 1 and eng2.host_pool.io_name == "xla"
 
 
-def test_auto_kernels_fall_back_on_a_gpu_that_rejects_them(tiny4, monkeypatch):
-    """Under decode_attention="auto" on a GPU the sparse kernels are probed once per engine (emulated: the engine
-    told it runs Pallas, the probe scripted). A GPU that rejects only float8 key bounds keeps Pallas with the bounds
-    in the KV dtype (and budgets their bytes); one that rejects the kernels either way falls back to the jnp
-    attention, float8 bounds kept. Each warns; the tokens are those of the same configuration run directly."""
-    from pulseinfer_jax import offload
+def test_auto_kernels_fall_back_on_a_gpu_that_rejects_them(tiny4, monkeypatch, emulated_gpu):
+    """Under decode_attention="auto" on a GPU the Pallas kernels are checked once, when the engine is built (emulated
+    GPU, check scripted). A GPU that rejects only float8 key bounds keeps Pallas with the bounds in the KV dtype (and
+    budgets their bytes); one that rejects the kernels either way falls back to the jnp attention, float8 bounds kept.
+    Each warns; the tokens are those of the same configuration run directly."""
+    from pulseinfer_jax import backends
 
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(37,))
-    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
-    for rejects, attention, bounds, match in [("float8_e4m3fn", "pallas", "kv", "key bounds are kept in the KV dtype"),
-                                              ("all", "jnp", "float8_e4m3fn", "uses the jnp attention")]:
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, host_io="xla")
+    for rejects, attention, bounds, match in [("float8_e4m3fn", "pallas", "kv", "score_bounds_dtype kv: the Pallas"),
+                                              ("all", "jnp", "float8_e4m3fn", "decode_attention jnp: the Pallas")]:
         calls = []
 
         def probe(device, dtype=None, scoring=BlockScoring(), rejects=rejects, calls=calls):
             calls.append(scoring.bounds_dtype)
             return "NotImplementedError: no" if rejects in ("all", scoring.bounds_dtype) else None
 
-        monkeypatch.setattr(offload, "probe_pallas", probe)
-        eng = Engine(tiny4, EngineConfig(**kw))
-        eng.decode_attention = "pallas"  # what "auto" resolves to on a GPU
+        monkeypatch.setattr(backends, "probe_pallas", probe)
         with pytest.warns(RuntimeWarning, match=match):
-            got = generate_long(prompts, eng, max_new_tokens=5, ignore_eos=True, engine_config=eng.config)
+            eng = Engine(tiny4, EngineConfig.of(**kw))
+        got = generate_long(prompts, eng, max_new_tokens=5, ignore_eos=True)
         assert calls == ["float8_e4m3fn", "kv"]  # probed once (and the exact bounds once more), not per run
         assert eng.sparse_attention == attention and eng.scoring.bounds_dtype == bounds
         assert eng.sparse.meta_min.dtype == eng.scoring.metadata_dtype(tiny4.dtype)
         assert got[0].stats["score_bounds_dtype"] == bounds and got[0].stats["decode_attention"] == attention
-        want = generate_long(prompts, tiny4, max_new_tokens=5, ignore_eos=True, engine_config=EngineConfig(
+        want = generate_long(prompts, tiny4, max_new_tokens=5, ignore_eos=True, engine_config=EngineConfig.of(
             **kw, decode_attention=attention, score_bounds_dtype=bounds))
         assert got[0].token_ids == want[0].token_ids
-        generate_long(prompts, eng, max_new_tokens=2, ignore_eos=True, engine_config=eng.config)
+        generate_long(prompts, eng, max_new_tokens=2, ignore_eos=True)
         assert len(calls) == 2

@@ -106,14 +106,15 @@ def test_harness_reproduces_the_engine(tiny4, policy, engine_kw):
             tiny4.transformer, tiny4.params, k, v, rows[:-1], policy=pol, budget=6, bs=4, sink=1, window=2,
             dense_layers=1))])
 
-    cfg = EngineConfig(block_size=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1, dense_layers=1,
+    cfg = EngineConfig.of(block_size=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1, dense_layers=1,
                        mode="offload", budget_tokens=24, resident_bonus=0.0, **engine_kw)  # (no slot history)
     engine = teacher_forced_logits(tiny4, cfg, toks[:70], targets)
     same = harness(policy)
     assert engine.shape == same.shape == (len(targets), tiny4.cfg.vocab_size)
     scale = np.abs(engine).max()
     np.testing.assert_allclose(same, engine, rtol=0, atol=1e-5 * scale)
-    dense = teacher_forced_logits(tiny4, EngineConfig(block_size=4, prefill_chunk=32, key_chunk=32), toks[:70], targets)
+    dense_cfg = EngineConfig.of(block_size=4, prefill_chunk=32, key_chunk=32)
+    dense = teacher_forced_logits(tiny4, dense_cfg, toks[:70], targets)
     assert np.abs(dense - engine).max() > 1e-3 * scale  # 6 of 18-21 blocks: the selection matters
     if ":coarse" in policy:  # the first level really drops blocks the plain scorer would select
         assert np.abs(harness(policy.split(":coarse")[0]) - engine).max() > 1e-3 * scale

@@ -56,9 +56,9 @@ class EngineShapes:
     @staticmethod
     def of(cfg, dtype, config: EngineConfig, *, attention: str = "pallas", layer_loop: str = "layerwise",
            host_io: str = "xla", platform: str = "gpu", default: bool = True) -> EngineShapes:
-        from pulseinfer_jax.config import moe_options
+        from pulseinfer_jax.backends import plan_backends
 
-        moe = moe_options(config.moe_strategy, platform) if cfg.is_moe else MoEOptions()
+        moe = plan_backends(config, platform, is_moe=cfg.is_moe).moe or MoEOptions()
         return EngineShapes(Transformer(cfg, jnp.dtype(dtype), moe=moe), config, attention, layer_loop, host_io,
                             platform, default)
 
@@ -228,7 +228,7 @@ class SparseLayout:
         sizes = pool_sizes(cfg, c, jnp.dtype(es.model.dtype).itemsize, meta_item, reqs, cap)
         plan, nb = sizes.plan, sizes.num_blocks + sizes.scratch
         scratch_ids = list(range(sizes.num_blocks, nb))
-        align = cfg.score_coarse_group  # host rows go out in aligned extents (the first holds the null row)
+        align = cfg.scoring.coarse_group  # host rows go out in aligned extents (the first holds the null row)
         out, next_block, next_row = [], 1, align if align > 1 else 1
         for i in (range(len(reqs)) if offloaded is None else offloaded):
             r = reqs[i]
@@ -305,8 +305,8 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
     dev_s = shardings("device") if shardings is not None else None
     for g in groups:
         members = [reqs[j] for j in g]
-        mb = micro_batch_inputs(plan, sc, es.config.solohead, layout.num_gpu_blocks, members, [0] * len(members),
-                                [layout.lengths[j] for j in g])
+        mb = micro_batch_inputs(plan, sc, es.config.ablation.solohead, layout.num_gpu_blocks, members,
+                                [0] * len(members), [layout.lengths[j] for j in g])
         bp = mb.tokens.shape[0]
         step = specs_of(slot_step_inputs(members, mb.tables, bp, slots[0].shape[1], slots[0].shape[3]))
         x = es.x(bp)
@@ -322,9 +322,10 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
                             specs_of(mb.dense_ids[d]), specs_of(mb.dense_lens)), {"attention": es.attention},
                            pallas=ATTENTION, valid=dense_valid), 1)
         statics = dict(budget=plan.budget_blocks, sink=plan.sink_blocks, window=plan.window_blocks,
-                       mode=plan.selection, solohead=cfg.solohead, attention=es.attention, scoring=sc,
+                       mode=plan.selection, solohead=cfg.ablation.solohead, attention=es.attention, scoring=sc,
                        coarse=mb.coarse, plan_mode="recall" if plan.placement == "host" else
-                       ("bookkeep" if sc.favours_resident(plan.selection, cfg.solohead) else "none"), override=False)
+                       ("bookkeep" if sc.favours_resident(plan.selection, cfg.ablation.solohead) else "none"),
+                       override=False)
         pre = es.program("sparse_pre", group, layer_ops.sparse_pre, (
             model, es.layer_params, kv, meta, meta, _scalar(), _scalar(), x, specs_of(mb.positions),
             specs_of(mb.newest), specs_of(mb.cand), specs_of(mb.num_blocks), _scalar(), specs_of(mb.kept_logical),
@@ -343,12 +344,12 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         staging = None
         if recall:
             staging = _recall_calls(es, layout, recall, add, host_s, dev_s, sl_n, group)
-        eager = cfg.recall == "eager"
-        interrupt = recall and cfg.recall != "sync"
+        eager = cfg.ablation.recall == "eager"
+        interrupt = recall and cfg.ablation.recall != "sync"
         if eager or interrupt:
             add(attend, sl_n)
         width = min(bucket(recall), plan.budget_blocks) if recall else 0
-        fan = c.num_kv_heads if (cfg.io == "fragmented" and plan.selection == "solohead") else 1
+        fan = c.num_kv_heads if (cfg.ablation.io == "fragmented" and plan.selection == "solohead") else 1
         # the landing attends the late entries (width per lane), and the early ones too when none came in
         late = rows * per_row / (bp * width * plan.lanes) if width else 0.0
         land_valid = ((ATTENTION[0], late if (eager or interrupt) else early_valid[0][1]),)
@@ -377,7 +378,7 @@ def _recall_calls(es: EngineShapes, layout: SparseLayout, recall: int, add, host
     bs, dt = cfg.block_size, es.model.dtype
     solo = plan.selection == "solohead"
     pool = layout.pool
-    if cfg.io == "coalesced":
+    if cfg.ablation.io == "coalesced":
         n = bucket(recall)
         if es.host_io == "xla":
             _, stage_blocks, stage_units, _ = _io(es, plan.dense_layers, host_s, dev_s)

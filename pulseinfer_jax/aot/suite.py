@@ -121,8 +121,8 @@ def typical_recall(es: cat.EngineShapes, batch: int, micro_batches: int) -> tupl
     """(typical, largest) misses per sparse layer and micro-batch: a quarter of the middle budget (IOAA's prior
     miss fraction) and all of it."""
     cfg = es.config
-    middle = cfg.budget_blocks - cfg.sink_blocks - cfg.window_blocks
-    lanes = es.model.cfg.num_kv_heads if cfg.selection == "headwise" else 1
+    middle = cfg.budget_blocks - cfg.offload.sink_blocks - cfg.window_blocks
+    lanes = es.model.cfg.num_kv_heads if cfg.ablation.selection == "headwise" else 1
     per_mb = -(-batch // max(1, min(micro_batches, batch)))
     return max(1, per_mb * lanes * middle // 4), per_mb * lanes * middle
 
@@ -134,7 +134,7 @@ def engine_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -> 
     contexts = (4096, 32768) if quick else CONTEXTS
     for name in models:
         for ctx in contexts:
-            base = EngineConfig(max_batch=max(BATCHES), budget_tokens=2048)
+            base = EngineConfig.of(max_batch=max(BATCHES), budget_tokens=2048)
             es = engine(name, ctx, base)
             prompt = prompt_for(es.model.cfg, ctx)
             suite.add(f"{name}/prefill/{ctx}", cat.prefill(es, prompt, blocks_for(prompt + NEW_TOKENS, 16)))
@@ -145,7 +145,7 @@ def engine_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -> 
                     continue
                 budgets = (1024, 2048, 4096) if (b == 8 and ctx == 32768) else (2048,)
                 for budget in budgets:
-                    sparse = engine(name, ctx, EngineConfig(mode="offload", max_batch=max(BATCHES),
+                    sparse = engine(name, ctx, EngineConfig.of(mode="offload", max_batch=max(BATCHES),
                                                             budget_tokens=budget))
                     typical, largest = typical_recall(sparse, b, 2)
                     layout = offload_layout(sparse, [prompt] * b, hbm)
@@ -165,9 +165,9 @@ def ablation_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -
     names = ["per-head-offloading", "numpy-io"] if quick else list(ABLATIONS)
     for name in names:
         over, backends = ABLATIONS[name]
-        cfg = EngineConfig(mode="offload", max_batch=max(BATCHES), budget_tokens=budget, **over)
+        cfg = EngineConfig.of(mode="offload", max_batch=max(BATCHES), budget_tokens=budget, **over)
         es = ablation("llama-3.1-8b", ctx, cfg, **backends)
-        mbs = cfg.micro_batches or 2
+        mbs = cfg.offload.micro_batches or 2
         typical, _ = typical_recall(es, b, mbs)
         layout = offload_layout(es, [ctx] * b, hbm)
         suite.add(f"ablation/{name}/offload/{ctx}x{b}",
@@ -181,7 +181,7 @@ def ablation_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -
                       cat.prefill(es, ctx, blocks_for(ctx + NEW_TOKENS, 16)))
     if not quick:
         for strategy in ("grouped-pallas", "grouped", "dense", "gather"):
-            es = ablation("qwen3-30b-a3b", ctx, EngineConfig(moe_strategy=strategy))
+            es = ablation("qwen3-30b-a3b", ctx, EngineConfig.of(moe_strategy=strategy))
             suite.add(f"ablation/moe-{strategy}/dense/{ctx}x{b}", cat.dense_decode(es, [ctx] * b, NEW_TOKENS))
             suite.add(f"ablation/moe-{strategy}/prefill/{ctx}", cat.prefill(es, 4096, blocks_for(4096 + 256, 16)))
 
