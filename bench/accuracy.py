@@ -137,7 +137,8 @@ def main() -> int:
     if args.smoke:
         args.lengths, args.depths, args.budgets, args.tf_context, args.tf_tokens = "300", "0.5", "256", 300, 8
 
-    from models.loading import load_model
+    from pulseinfer_jax.models.loading import load_model
+
     from pulseinfer_jax.calibration import MAX_CALIBRATION_TOKENS, calibrate_retrieval_heads
 
     model = load_model(args.model)

@@ -27,7 +27,8 @@ from bench.common import write_result  # noqa: E402
 
 
 def our_side(ids: list[int], decode_tokens: int, repeats: int, prefill_chunk: int) -> dict:
-    from models.loading import load_model
+    from pulseinfer_jax.models.loading import load_model
+
     from pulseinfer_jax import Engine, EngineConfig, stream_long
 
     t0 = time.perf_counter()
@@ -74,9 +75,10 @@ def main() -> int:
         print(f"{args.torch_python} not found: run bench/setup_torch_venv.sh first", file=sys.stderr)
         return 2
 
-    from models.default_model import default_model_path
-    from models.gguf import load_gguf
-    from models.tokenizer import Tokenizer
+    from pulseinfer_jax.models.default_model import default_model_path
+    from pulseinfer_jax.models.gguf import load_gguf
+    from pulseinfer_jax.models.tokenizer import Tokenizer
+
     from pulseinfer_jax.demo import passkey_prompt
 
     gguf = str(default_model_path())

@@ -351,8 +351,7 @@ def main() -> int:
         ap.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
 
     import jax
-
-    from models.loading import load_model
+    from pulseinfer_jax.models.loading import load_model
 
     compiles = CompileCounter()
     cache: dict = {}

@@ -34,7 +34,9 @@ from bench.common import write_result  # noqa: E402
 def step_times(model, ctx: int, batch: int, steps: int, block_size: int, attention: str = "jnp",
                layer_loop: str = "scan", split: list[dict] | None = None) -> dict:
     """split: the per-layer weights (LoadedModel.layer_params) for layer_loop="layerwise"."""
-    from pulseinfer_jax.kv_cache import CacheSpec, blocks_for, bucket
+    from pulseinfer_jax.host_offload.blocks import blocks_for, bucket
+
+    from pulseinfer_jax.kv_cache import CacheSpec
     from pulseinfer_jax.runner import decode_step, decode_step_layerwise
 
     c = model.cfg
@@ -109,7 +111,7 @@ def main() -> int:
         args.model, args.dtype, args.contexts, args.batches = "random:tiny-llama", "float32", "256,1024", "1,4"
         args.steps, args.engine_prompt, args.engine_batch = 3, 600, 2
 
-    from models.loading import load_model
+    from pulseinfer_jax.models.loading import load_model
 
     t0 = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype)

@@ -110,7 +110,7 @@ def main() -> int:
                     "(default 1 and the machine's cores)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from host_offload.xla_io import XlaHostIO
+    from pulseinfer_jax.host_offload.xla_io import XlaHostIO
 
     block_bytes = int(np.prod(BLOCK)) * 2
     rows = int(a.pool_gib * (1 << 30) // (a.layers * block_bytes))

@@ -45,7 +45,8 @@ class Breakdown:
                ("HostKVPool", ("gather_blocks", "stage_blocks", "write_back")))
 
     def __init__(self):
-        from host_offload.host_pool import HostKVPool
+        from pulseinfer_jax.host_offload.host_pool import HostKVPool
+
         from pulseinfer_jax import layer_ops
         from pulseinfer_jax.pipeline import SparseDecoder
 
@@ -83,9 +84,10 @@ class Breakdown:
 def step_point(system: str, *, batch: int, context: int, budget: int, steps: int, warm: int, trace_name: str,
                host_io: str = "auto", breakdown: bool = False, recall: str | None = None) -> dict:
     """Main-thread CPU time of whole decode steps of a compute-free Llama-3.1-8B skeleton (see the docstring)."""
+    from pulseinfer_jax.models.loading import load_model
+    from pulseinfer_jax.models.presets import PRESETS
+
     from bench import decode_throughput as dt
-    from models.loading import load_model
-    from models.presets import PRESETS
     from pulseinfer_jax import SamplingParams
 
     skeleton = "llama-3.1-8b-skeleton"  # 32 layers, 8 KV heads as Llama-3.1-8B; everything else tiny

@@ -57,10 +57,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from pulseinfer_jax.host_offload.host_pool import HOST_IO, HostKVPool, resolve_host_io  # noqa: E402
+from pulseinfer_jax.host_offload.memory import device_sharding  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
-from host_offload.host_pool import HOST_IO, HostKVPool, resolve_host_io  # noqa: E402
-from host_offload.memory import device_sharding  # noqa: E402
 
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
 RUNNABLE = ("per_block", "per_block_head", "per_block_head_python", "per_block_gather", "coalesced", "device_copy")

@@ -43,9 +43,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from pulseinfer_jax.pallas_kernels.common import pow2_divisor  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
-from pallas_kernels.common import pow2_divisor  # noqa: E402
 
 ROWS: list[tuple[str, str, str, float, float | None]] = []  # (section, impl, config, ms, GB/s) for the table
 
@@ -125,15 +125,15 @@ def bench_copy(a, tk) -> dict:
 
 
 def bench_attention(a, tk) -> dict:
-    sda, why = lazy_import("pallas_kernels.sparse_decode_attention", "sparse_decode_attention")
+    sda, why = lazy_import("pulseinfer_jax.pallas_kernels.sparse_decode_attention", "sparse_decode_attention")
     if sda is None:
         print(f"attention: SKIPPED, {why}", flush=True)
         return {"skipped": why}
-    ref, _ = lazy_import("pallas_kernels.sparse_decode_attention", "sparse_decode_attention_reference")
+    ref, _ = lazy_import("pulseinfer_jax.pallas_kernels.sparse_decode_attention", "sparse_decode_attention_reference")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         paged, paged_why = lazy_import("jax.experimental.pallas.ops.gpu.paged_attention", "paged_attention")
-    from pallas_kernels.common import resolve_interpret
+    from pulseinfer_jax.pallas_kernels.common import resolve_interpret
 
     interp = resolve_interpret(None)
     hq, hkv, hd, bs, dt = a.hq, a.hkv, a.hd, a.bs, jnp.dtype(a.dtype)
@@ -209,11 +209,11 @@ def _selectors(a, kb: int, g: int, scale_of) -> dict:
 
 
 def bench_scoring(a, tk) -> dict:
-    scores_fn, why = lazy_import("pallas_kernels.block_scoring", "block_scores")
+    scores_fn, why = lazy_import("pulseinfer_jax.pallas_kernels.block_scoring", "block_scores")
     if scores_fn is None:
         print(f"scoring: SKIPPED, {why}", flush=True)
         return {"skipped": why}
-    from pallas_kernels.block_scoring import default_scale  # the module is there: block_scores imported
+    from pulseinfer_jax.pallas_kernels.block_scoring import default_scale  # the module is there: block_scores imported
 
     hq, hkv, hd, bs = a.hq, a.hkv, a.hd, a.bs
     kv_dt, f8 = jnp.dtype(a.dtype), jnp.dtype(jnp.float8_e4m3fn)
@@ -267,7 +267,8 @@ def _two_level_row(a, scores_fn, q, lo, hi, cand, kb: int, cfg: str, tk) -> dict
     name = f"two-level g{a.coarse_group} k{a.coarse_keep:g} f8"
     if two_level is None:
         return {"impl": name, "config": cfg, "error": why}
-    from pallas_kernels.block_scoring import default_scale
+    from pulseinfer_jax.pallas_kernels.block_scoring import default_scale
+
     from pulseinfer_jax.sparse import BlockScoring, coarse_groups_kept
 
     b, kc = cand.shape
@@ -297,7 +298,7 @@ class _Scatter:
 
 
 def bench_gather(a, tk) -> dict:
-    from pallas_kernels import gather_scatter as gs
+    from pulseinfer_jax.pallas_kernels import gather_scatter as gs
 
     hkv, hd, bs, dt = a.hkv, a.hd, a.bs, jnp.dtype(a.dtype)
     block_bytes = 2 * bs * hkv * hd * dt.itemsize

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=None, help="result file name (default layer_budgets_<platform>)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from models.loading import load_model
+    from pulseinfer_jax.models.loading import load_model
 
     bs, sink, window = args.block_size, args.sink_blocks, args.window_tokens // args.block_size
     if args.smoke:

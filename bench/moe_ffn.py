@@ -24,11 +24,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from pulseinfer_jax.models.config import ModelConfig  # noqa: E402
+from pulseinfer_jax.models.moe import MoEOptions, experts_ffn, grouped_tile_m, grouped_tiles, route  # noqa: E402
+from pulseinfer_jax.models.presets import PRESETS  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
-from models.config import ModelConfig  # noqa: E402
-from models.moe import MoEOptions, experts_ffn, grouped_tile_m, grouped_tiles, route  # noqa: E402
-from models.presets import PRESETS  # noqa: E402
 
 STRATEGIES = ("dense", "gather", "grouped", "grouped-pallas")
 

@@ -130,7 +130,7 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
 
-    from models.loading import load_model
+    from pulseinfer_jax.models.loading import load_model
 
     model = load_model(args.model, dtype=args.dtype)
     prompts, prompt_kind = make_prompts(model, args.context, args.batch)

@@ -152,7 +152,8 @@ def _coarse_keep(qf: jax.Array, kmin: jax.Array, kmax: jax.Array, mid: jax.Array
                  kept_groups: int) -> jax.Array:
     """Two-level scoring's first level, per row: qf [R, Hq, hd], bounds [NB * m, Hkv, hd] (m rows per block), mid
     [R, NB] the row's middle blocks -> [R, NB] bool, the blocks of its `kept_groups` best groups."""
-    from pallas_kernels.block_scoring import block_scores_reference
+    from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference
+
     from pulseinfer_jax.sparse import membership_mask, top_groups
 
     f, m = opt["coarse"], opt["sub"]
@@ -175,8 +176,9 @@ def _coarse_keep(qf: jax.Array, kmin: jax.Array, kmax: jax.Array, mid: jax.Array
 def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget: int, bs: int, sink: int,
               window: int, dense_layers: int) -> jax.Array:
     """Logits [R, V] of the teacher-forced rows (tokens [R] at positions P..P+R-1) under `policy` (see module)."""
-    from pallas_kernels.block_metadata import round_bounds_outward
-    from pallas_kernels.block_scoring import block_scores_reference, default_scale
+    from pulseinfer_jax.pallas_kernels.block_metadata import round_bounds_outward
+    from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference, default_scale
+
     from pulseinfer_jax.kept_scores import score_kept_from_keys
     from pulseinfer_jax.sparse import select_blocks
 
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.context, args.tokens, args.budgets = 300, 8, "128"
 
-    from models.loading import load_model
+    from pulseinfer_jax.models.loading import load_model
 
     model = load_model(args.model)
     text_path = pathlib.Path(args.text) if args.text else next((p for p in TEXTS if p.is_file()), None)

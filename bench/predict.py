@@ -74,9 +74,10 @@ def _engine_config(system: str, point: dict):
 def admission(cfg, model_cfg, prompts: list[int], new: int, h2d: float) -> tuple[list[str], object]:
     """How the engine places requests submitted together (Scheduler.admit at the first step, everything waiting):
     the placement per request ("dense" / "offload" / "wait") and the pool sizes."""
+    from pulseinfer_jax.host_offload.blocks import blocks_for
+
     from pulseinfer_jax.aot.catalogue import _Request
     from pulseinfer_jax.ioaa import Candidate, IOAAConfig, admit_batch
-    from pulseinfer_jax.kv_cache import blocks_for
     from pulseinfer_jax.offload import pool_sizes
     from pulseinfer_jax.scheduler import FixedStepTime
 
@@ -105,7 +106,7 @@ def admission(cfg, model_cfg, prompts: list[int], new: int, h2d: float) -> tuple
 def lru_misses(cfg, plan, trace, point: dict) -> np.ndarray:
     """Mean misses per engine sparse layer and request over the bench's timed steps, replaying `trace` through
     LRU slot caches of the engine's capacity (per lane; headwise lanes replay trace lane h % S)."""
-    from host_offload.slot_cache import SlotCache
+    from pulseinfer_jax.host_offload.slot_cache import SlotCache
 
     r_count, t_count, ls_t, s_t, _ = trace.sel.shape
     tl = np.round(np.arange(plan.sparse_layers) * (ls_t - 1) / max(1, plan.sparse_layers - 1)).astype(int)
@@ -146,9 +147,10 @@ class SystemStep:
 
 
 def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemStep:
+    from pulseinfer_jax.models.config import ModelConfig
+    from pulseinfer_jax.models.presets import PRESETS
+
     from bench.traces import load_trace
-    from models.config import ModelConfig
-    from models.presets import PRESETS
     from pulseinfer_jax.aot import catalogue as cat
 
     point = POINTS[point_name]
@@ -173,7 +175,7 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
         if cfg.ablation.placement == "device":  # every block stays on the GPU: nothing is recalled
             per_request = np.zeros_like(per_request)
         misses = [float(m) * len(off_idx) / mbs for m in per_request]
-        from pulseinfer_jax.kv_cache import bucket
+        from pulseinfer_jax.host_offload.blocks import bucket
 
         for r in sorted({bucket(max(1, round(m))) if m else 0 for m in misses}):
             sparse_calls[r] = cat.sparse_decode(es, layout, r, shardings=shardings, micro_batches=mbs)
@@ -264,7 +266,7 @@ def calibration_steps() -> dict:
 
 def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
     """Predicted seconds of one decode step (module docstring), with its terms."""
-    from pulseinfer_jax.kv_cache import bucket
+    from pulseinfer_jax.host_offload.blocks import bucket
 
     cost = {k: r["cost"] for k, r in rows.items()}
     dense_s = sum(m.gpu(cost[c.program.key], c.count) for c in st.dense)

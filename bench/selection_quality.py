@@ -61,9 +61,9 @@ def quest_select(q: np.ndarray, keys: np.ndarray, positions: np.ndarray, budget:
     their bounds, sink / window blocks from their keys up to the position where it scores them; then
     select_blocks) as bool [P, S, NB]."""
     import jax.numpy as jnp
+    from pulseinfer_jax.pallas_kernels.block_metadata import round_bounds_outward
+    from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference, default_scale
 
-    from pallas_kernels.block_metadata import round_bounds_outward
-    from pallas_kernels.block_scoring import block_scores_reference, default_scale
     from pulseinfer_jax.kept_scores import score_kept_from_keys
     from pulseinfer_jax.sparse import BlockScoring, select_blocks
 
@@ -125,8 +125,9 @@ def main() -> int:
     if args.smoke:
         args.model, args.context, args.queries, args.budgets = "random:smollm2-135m", 600, 8, "256"
 
+    from pulseinfer_jax.models.loading import load_model
+
     from bench.accuracy import TEXTS
-    from models.loading import load_model
     from pulseinfer_jax.calibration import capture_queries_and_keys
     from pulseinfer_jax.config import EngineConfig
     from pulseinfer_jax.sparse import block_attention_mass

@@ -147,7 +147,7 @@ def main() -> int:
     if args.smoke:
         # SmolLM2's shape with random weights and random token ids; traces usable by decode_throughput --smoke
         args.model, args.lengths, args.steps, args.budgets = "random:smollm2-135m", "600,500", 6, "256"
-    from models.loading import load_model
+    from pulseinfer_jax.models.loading import load_model
 
     model = load_model(args.model)
     lengths = [int(x) for x in args.lengths.split(",")]

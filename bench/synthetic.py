@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
+from pulseinfer_jax.host_offload.blocks import bucket
 
 from pulseinfer_jax.engine import Engine
-from pulseinfer_jax.kv_cache import bucket
 from pulseinfer_jax.scheduler import Request
 
 

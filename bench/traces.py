@@ -25,8 +25,8 @@ import json
 import pathlib
 
 import numpy as np
+from pulseinfer_jax.host_offload.blocks import blocks_for
 
-from pulseinfer_jax.kv_cache import blocks_for
 from pulseinfer_jax.pipeline import SparseDecoder
 
 

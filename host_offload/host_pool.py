@@ -33,10 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
-
-from host_offload.numpy_io import NumpyHostIO
-from host_offload.xla_io import XlaHostIO
-from pulseinfer_jax.kv_cache import BlockAllocator, ExtentAllocator, OutOfBlocksError, bucket
+from pulseinfer_jax.host_offload.blocks import BlockAllocator, ExtentAllocator, OutOfBlocksError, bucket
+from pulseinfer_jax.host_offload.numpy_io import NumpyHostIO
+from pulseinfer_jax.host_offload.xla_io import XlaHostIO
 
 NULL_ROW = 0
 HOST_IO = {"xla": XlaHostIO, "numpy": NumpyHostIO}

@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
-
-from host_offload.memory import device_sharding
+from pulseinfer_jax.host_offload.memory import device_sharding
 
 MAX_QUEUED_WRITES = 64  # queued write-backs are landed at the latest after this many (bounds their memory)
 

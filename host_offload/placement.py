@@ -35,8 +35,7 @@ import dataclasses
 
 import numpy as np
 from jaxtyping import Int
-
-from pulseinfer_jax.kv_cache import blocks_for
+from pulseinfer_jax.host_offload.blocks import blocks_for
 
 
 @dataclasses.dataclass(frozen=True)

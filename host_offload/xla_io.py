@@ -31,9 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
 from jaxtyping import Array, Float, Int
-
-from host_offload.memory import device_sharding, host_sharding
-from pulseinfer_jax.kv_cache import zeros_on
+from pulseinfer_jax.host_offload.memory import device_sharding, host_sharding, zeros_on
 
 
 class XlaHostIO:

@@ -15,10 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
-
-from models.config import ModelConfig
-from models.rope import apply_rope
-from pallas_kernels.common import matmul_precision
+from pulseinfer_jax.models.config import ModelConfig
+from pulseinfer_jax.models.rope import apply_rope
+from pulseinfer_jax.pallas_kernels.common import matmul_precision
 
 # attend(q [B,T,Hq,hd], k [B,T,Hkv,hd], v [B,T,Hkv,hd], state) -> (o [B,T,Hq,hd], state)
 AttendFn = Callable[[Array, Array, Array, Any], tuple[Array, Any]]

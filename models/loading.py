@@ -16,15 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-
-from models.config import ModelConfig
-from models.presets import PRESETS
-from models.safetensors_dir import SafetensorsDir
-from models.transformer import Transformer, resolve_dtype, split_layers, stacked_layers
-from models.weights import CheckpointError, params_from_hf
+from pulseinfer_jax.models.config import ModelConfig
+from pulseinfer_jax.models.presets import PRESETS
+from pulseinfer_jax.models.safetensors_dir import SafetensorsDir
+from pulseinfer_jax.models.transformer import Transformer, resolve_dtype, split_layers, stacked_layers
+from pulseinfer_jax.models.weights import CheckpointError, params_from_hf
 
 if TYPE_CHECKING:
-    from models.tokenizer import Tokenizer
+    from pulseinfer_jax.models.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,15 +106,15 @@ def load_hf_dir(path: pathlib.Path, dtype: Any, device: Any = None, layout: str 
     cfg = ModelConfig.from_hf_dict(hf_cfg, name=path.name)
     tensors = SafetensorsDir(_hf_weight_files(path))
     params = params_from_hf(cfg, tensors, dtype, source=str(path), device=device, layout=layout)
-    from models.tokenizer import Tokenizer
+    from pulseinfer_jax.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
     return LoadedModel(cfg, params, tok, dtype, str(path))
 
 
 def load_gguf_file(path: pathlib.Path, dtype: Any, device: Any = None, layout: str = "stacked") -> LoadedModel:
-    from models.gguf import load_gguf
-    from models.tokenizer import Tokenizer
+    from pulseinfer_jax.models.gguf import load_gguf
+    from pulseinfer_jax.models.tokenizer import Tokenizer
 
     ckpt = load_gguf(path)
     cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=path.stem)
@@ -151,7 +150,7 @@ def load_model(spec: str | pathlib.Path | None = None, dtype: str | Any = "float
         raise ValueError(f"layout={layout!r} must be 'stacked' or 'layers'")
     jdtype = resolve_dtype(dtype)
     if spec is None:
-        from models.default_model import default_model_path
+        from pulseinfer_jax.models.default_model import default_model_path
 
         return load_gguf_file(default_model_path(), jdtype, device, layout)
     spec_s = str(spec)
@@ -170,10 +169,10 @@ def load_model(spec: str | pathlib.Path | None = None, dtype: str | Any = "float
 
 def describe_model(spec: str | pathlib.Path | None = None) -> tuple[ModelConfig, "Tokenizer | None", str]:
     """Config and tokenizer of `spec` without materialising weights (for `pulseinfer info`)."""
-    from models.tokenizer import Tokenizer
+    from pulseinfer_jax.models.tokenizer import Tokenizer
 
     if spec is None:
-        from models.default_model import default_model_path
+        from pulseinfer_jax.models.default_model import default_model_path
 
         spec = default_model_path()
     spec_s = str(spec)
@@ -191,7 +190,7 @@ def describe_model(spec: str | pathlib.Path | None = None) -> tuple[ModelConfig,
         tok = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
         return cfg, tok, str(path)
     if path.suffix == ".gguf" and path.is_file():
-        from models.gguf import load_gguf
+        from pulseinfer_jax.models.gguf import load_gguf
 
         ckpt = load_gguf(path)
         return ModelConfig.from_hf_dict(ckpt.hf_config, name=path.stem), Tokenizer.from_gguf(ckpt), str(path)

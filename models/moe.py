@@ -41,9 +41,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
-
-from pallas_kernels.common import GPU_PLATFORMS, next_pow2
-from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from pulseinfer_jax.pallas_kernels.common import next_pow2
+from pulseinfer_jax.pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 
 GROUPED_KERNELS = ("jnp", "pallas")
 MOE_STRATEGIES = ("auto", "dense", "gather", "grouped")
@@ -95,8 +94,8 @@ class MoEOptions:
     def resolve(self, num_tokens: int, top_k: int, num_experts: int) -> str:
         if self.strategy != "auto":
             return self.strategy
-        platform = self.platform or jax.default_backend()
-        return moe_strategy(num_tokens, top_k, num_experts, "gpu" if platform in GPU_PLATFORMS else "cpu")
+        platform = self.platform or jax.default_backend()  # ("gpu" on any GPU: pulseinfer_jax.backends)
+        return moe_strategy(num_tokens, top_k, num_experts, "gpu" if platform == "gpu" else "cpu")
 
 
 def probe_grouped_kernel(device: jax.Device, dtype: Any) -> str | None:

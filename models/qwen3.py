@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from jaxtyping import Array
-
-from models.llama import DecoderLayer, RMSNorm
+from pulseinfer_jax.models.llama import DecoderLayer, RMSNorm
 
 
 class Qwen3DecoderLayer(DecoderLayer):

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from jaxtyping import Array, Float
-
-from models.moe import MoEFeedForward, MoEOptions
-from models.qwen3 import Qwen3DecoderLayer
-from pallas_kernels.common import matmul_precision
+from pulseinfer_jax.models.moe import MoEFeedForward, MoEOptions
+from pulseinfer_jax.models.qwen3 import Qwen3DecoderLayer
+from pulseinfer_jax.pallas_kernels.common import matmul_precision
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
-
-from models.config import ModelConfig
+from pulseinfer_jax.models.config import ModelConfig
 
 
 def rope_tables(cfg: ModelConfig, positions: Int[Array, "*batch"]) -> tuple[Array, Array]:

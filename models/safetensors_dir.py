@@ -16,8 +16,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-
-from models.weights import CheckpointError
+from pulseinfer_jax.models.weights import CheckpointError
 
 DTYPES: dict[str, Any] = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,

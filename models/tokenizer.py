@@ -26,7 +26,7 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
 if TYPE_CHECKING:
-    from models.gguf import GGUFCheckpoint
+    from pulseinfer_jax.models.gguf import GGUFCheckpoint
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -110,7 +110,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, source: str | os.PathLike[str] | GGUFCheckpoint) -> Tokenizer:
         """Build the tokenizer from a GGUF file's ``tokenizer.*`` metadata (a path or a loaded checkpoint)."""
-        from models.gguf import GGUFCheckpoint, load_gguf
+        from pulseinfer_jax.models.gguf import GGUFCheckpoint, load_gguf
 
         checkpoint = source if isinstance(source, GGUFCheckpoint) else load_gguf(source)
         md = checkpoint.metadata

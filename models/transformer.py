@@ -17,13 +17,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
-
-from models.config import ModelConfig
-from models.llama import AttendFn, DecoderLayer, Embedder
-from models.moe import MoEOptions
-from models.qwen3 import Qwen3DecoderLayer
-from models.qwen3_moe import Qwen3MoeDecoderLayer
-from models.rope import rope_tables
+from pulseinfer_jax.models.config import ModelConfig
+from pulseinfer_jax.models.llama import AttendFn, DecoderLayer, Embedder
+from pulseinfer_jax.models.moe import MoEOptions
+from pulseinfer_jax.models.qwen3 import Qwen3DecoderLayer
+from pulseinfer_jax.models.qwen3_moe import Qwen3MoeDecoderLayer
+from pulseinfer_jax.models.rope import rope_tables
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

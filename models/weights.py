@@ -8,8 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from models.config import ModelConfig
+from pulseinfer_jax.models.config import ModelConfig
 
 # our layer param path -> HF suffix under `model.layers.{i}.`; kernels are transposed [out,in] -> [in,out].
 _LAYER_KERNELS = {

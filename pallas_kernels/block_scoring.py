@@ -61,8 +61,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
-
-from pallas_kernels.common import next_pow2, on_platform, resolve_interpret, triton_params
+from pulseinfer_jax.pallas_kernels.common import next_pow2, on_platform, resolve_interpret, triton_params
 
 # Elements of one gathered [TK, hd] bound tile (TK = _TILE_ELEMS // hd candidates per program, 64 at hd = 128), for
 # group sums. Per-query-head scores keep G running rows per slice: ptxas (sm_90a, bench/results/h200_compile.json)

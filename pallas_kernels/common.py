@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plt
 
-GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # platform names under which pallas_call lowers for a GPU
 # shared memory one program (thread block) may use on the target GPUs: the opt-in maximum of the H100 and H200
 # (227 KiB); kernels bound their tiles by it, since the compiler rejects a kernel over it
 SHARED_MEMORY_PER_BLOCK = 232448
@@ -26,7 +25,7 @@ def resolve_interpret(interpret: bool | None) -> bool:
     """True -> Pallas interpret mode. None picks interpret mode unless the default backend is a GPU (for callers
     outside a kernel's own jit, e.g. benchmarks calling jax's own Pallas ops; the kernels use `on_platform`)."""
     if interpret is None:
-        return jax.default_backend() not in GPU_PLATFORMS
+        return jax.default_backend() != "gpu"  # (CUDA and ROCm devices both report platform "gpu")
     return bool(interpret)
 
 

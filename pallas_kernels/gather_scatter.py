@@ -38,8 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Int, Shaped
-
-from pallas_kernels.common import on_platform, pow2_divisor, triton_params
+from pulseinfer_jax.pallas_kernels.common import on_platform, pow2_divisor, triton_params
 
 DEFAULT_MAX_TILE = 8192  # elements per program (16 KiB in bf16)
 

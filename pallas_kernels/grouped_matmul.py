@@ -32,8 +32,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
-
-from pallas_kernels.common import matmul_precision, on_platform, pow2_divisor, resolve_interpret, triton_params
+from pulseinfer_jax.pallas_kernels.common import (
+    matmul_precision,
+    on_platform,
+    pow2_divisor,
+    resolve_interpret,
+    triton_params,
+)
 
 MIN_DOT_DIM = 16  # Triton's tensor-core dots want every operand dim >= 16
 # float32 operands: at most this many output elements per program, with 8 warps (ptxas for sm_90a, 30B-A3B's expert

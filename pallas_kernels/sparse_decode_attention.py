@@ -64,9 +64,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
-
-from pallas_kernels.common import SHARED_MEMORY_PER_BLOCK, matmul_precision, next_pow2, on_platform, triton_params
-from pallas_kernels.merge import merge_stacked_partials
+from pulseinfer_jax.pallas_kernels.common import (
+    SHARED_MEMORY_PER_BLOCK,
+    matmul_precision,
+    next_pow2,
+    on_platform,
+    triton_params,
+)
+from pulseinfer_jax.pallas_kernels.merge import merge_stacked_partials
 
 MIN_DOT_DIM = 16  # Triton's tensor-core dots want every operand dim >= 16
 TOKENS_PER_STEP = 64  # default tokens gathered per online-softmax step (P = TOKENS_PER_STEP // bs)

@@ -16,10 +16,10 @@ from typing import Any
 
 import jax
 
-from models.loading import LoadedModel, load_model
 from pulseinfer_jax.backends import plan_backends
 from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.engine import Engine
+from pulseinfer_jax.models.loading import LoadedModel, load_model
 from pulseinfer_jax.options import flat_names, flatten
 from pulseinfer_jax.sampling import SamplingParams
 from pulseinfer_jax.scheduler import Request
@@ -127,7 +127,7 @@ def _engine_for(model: Any, opts: GenerateOptions, config: EngineConfig | None) 
 def _check_dtype(opts: GenerateOptions, model: LoadedModel) -> None:
     import jax.numpy as jnp
 
-    from models.transformer import resolve_dtype
+    from pulseinfer_jax.models.transformer import resolve_dtype
 
     if opts.dtype is not None and jnp.dtype(resolve_dtype(opts.dtype)) != jnp.dtype(model.dtype):
         raise ValueError(f"dtype={opts.dtype!r} but the given model is already loaded in {jnp.dtype(model.dtype)}; "
@@ -193,7 +193,7 @@ class _TextTracker:
     """Per-request detokenization with stop-string matching."""
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...]):
-        from models.detokenize import IncrementalDecoder
+        from pulseinfer_jax.models.detokenize import IncrementalDecoder
 
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.stop = stop

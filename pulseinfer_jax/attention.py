@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.common import matmul_precision
+from pulseinfer_jax.pallas_kernels.common import matmul_precision
 
 NEG_INF = -1e30
 
@@ -88,7 +88,7 @@ def paged_decode_attention_pallas(
     kernel reads layer `layer` through block ids offset by layer * NB into the cache viewed as
     [L * NB, 2, bs, Hkv, hd] (a free reshape), so the layer's pool is never sliced out and copied.
     """
-    from pallas_kernels.sparse_decode_attention import sparse_decode_attention
+    from pulseinfer_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
     from pulseinfer_jax.sparse import selected_block_lens
 
     n_layers, nb, _, bs = kv.shape[:4]

@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.moe import MoEOptions
-from pallas_kernels.common import GPU_PLATFORMS
 from pulseinfer_jax.config import EngineConfig
+from pulseinfer_jax.models.moe import MoEOptions
 from pulseinfer_jax.sparse import BlockScoring
 
 log = logging.getLogger("pulseinfer_jax")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # device platforms (and lowering platforms) that are a GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +129,7 @@ def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBack
             why.append(f"decode_attention jnp: the Pallas kernels failed their check ({err})")
             attention, sparse = "jnp", ("jnp" if sparse is not None else None)
     if host_io is not None and b.host_io == "auto":
-        from host_offload.host_pool import probe_host_io
+        from pulseinfer_jax.host_offload.host_pool import probe_host_io
 
         c = model.cfg
         err = probe_host_io(device, block_size=config.block_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -138,7 +138,7 @@ def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBack
             why.append(f"host_io numpy: pinned-host transfers failed their check ({err}); pageable RAM, slower")
             host_io = "numpy"
     if moe is not None and moe.grouped_kernel == "pallas":
-        from models.moe import probe_grouped_kernel
+        from pulseinfer_jax.models.moe import probe_grouped_kernel
 
         err = probe_grouped_kernel(device, dtype)
         if err is not None:
@@ -156,8 +156,8 @@ def probe_pallas(device: jax.Device, dtype=None, scoring: BlockScoring = BlockSc
     (default bfloat16) with the engine's block scoring (key bounds in its metadata dtype; per query head and per KV
     head; its beta and sub-blocks), each against its jnp reference. None if they run and agree, else what failed.
     (`interpret`: run the kernels interpreted, to test the check off a GPU.)"""
-    import pallas_kernels.block_scoring as bsc
-    import pallas_kernels.sparse_decode_attention as sda
+    import pulseinfer_jax.pallas_kernels.block_scoring as bsc
+    import pulseinfer_jax.pallas_kernels.sparse_decode_attention as sda
 
     dtype = jnp.dtype(dtype or jnp.bfloat16)
     rng = np.random.default_rng(0)

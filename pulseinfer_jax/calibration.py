@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from models.loading import LoadedModel
 from pulseinfer_jax.config import EngineConfig
+from pulseinfer_jax.models.loading import LoadedModel
 from pulseinfer_jax.sparse import block_attention_mass, calibrate_retrieval_head
 
 MAX_CALIBRATION_TOKENS = 8192

@@ -8,8 +8,8 @@ import sys
 import typing
 from collections.abc import Sequence
 
-from models.config import UnsupportedModelError
-from models.weights import CheckpointError
+from pulseinfer_jax.models.config import UnsupportedModelError
+from pulseinfer_jax.models.weights import CheckpointError
 
 USER_ERRORS = (ValueError, FileNotFoundError, UnsupportedModelError, CheckpointError, OSError)
 
@@ -145,8 +145,8 @@ def load_for(config, model: str | None, dtype: str):
 
     import jax
 
-    from models.loading import load_model
     from pulseinfer_jax.backends import plan_backends
+    from pulseinfer_jax.models.loading import load_model
 
     say(f"loading {model or 'the embedded SmolLM2-135M-Instruct'} ({dtype}) ...")
     t0 = time.perf_counter()
@@ -201,8 +201,8 @@ def _info(args: argparse.Namespace) -> int:
 
     import jax.numpy as jnp
 
-    from models.loading import describe_model
-    from models.transformer import resolve_dtype
+    from pulseinfer_jax.models.loading import describe_model
+    from pulseinfer_jax.models.transformer import resolve_dtype
 
     itemsize = jnp.dtype(resolve_dtype(args.dtype)).itemsize
     c, tok, source = describe_model(args.model)

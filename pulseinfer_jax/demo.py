@@ -41,9 +41,9 @@ def run_demo(model=None, dtype: str = "float32", tokens: int = 2000, depth: floa
              config=None, stats: bool = False) -> bool:
     """Load the model, build the haystack, generate greedily; print answer and timing. True if found.
     `config`: an EngineConfig (e.g. mode="offload"); default: dense, progress bar on."""
-    from models.loading import load_model
     from pulseinfer_jax.api import generate_long
     from pulseinfer_jax.config import EngineConfig
+    from pulseinfer_jax.models.loading import load_model
 
     config = config or EngineConfig.of(progress=True)
 

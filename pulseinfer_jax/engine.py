@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.loading import LoadedModel
 from pulseinfer_jax.backends import ResolvedBackends, resolve_backends
 from pulseinfer_jax.compile_clock import compile_seconds
 from pulseinfer_jax.config import EngineConfig
+from pulseinfer_jax.host_offload.blocks import BlockAllocator, blocks_for, bucket
 from pulseinfer_jax.ioaa import IOAAConfig
-from pulseinfer_jax.kv_cache import BlockAllocator, CacheSpec, blocks_for, bucket, bucket_blocks
+from pulseinfer_jax.kv_cache import CacheSpec, bucket_blocks
+from pulseinfer_jax.models.loading import LoadedModel
 from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
 from pulseinfer_jax.sampling import SamplingParams, greedy_sample, sample
 from pulseinfer_jax.scheduler import FixedStepTime, Request, Scheduler, Status
@@ -93,9 +94,7 @@ class Engine:
 
     @property
     def on_gpu(self) -> bool:
-        from pallas_kernels.common import GPU_PLATFORMS
-
-        return self.device.platform in GPU_PLATFORMS
+        return self.backends.platform == "gpu"
 
     # ---- KV pool -------------------------------------------------------------------------------
     @property
@@ -154,7 +153,7 @@ class Engine:
                                    cost=FixedStepTime(cfg.offload.ioaa_step_time_s))
 
     def _ensure_offload(self, plan, rows: int, num_blocks: int) -> None:
-        from host_offload.host_pool import HostKVPool
+        from pulseinfer_jax.host_offload.host_pool import HostKVPool
         from pulseinfer_jax.pipeline import SparseDecoder
 
         cfg, c = self.config, self.model.cfg

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.block_metadata import block_key_bounds
-from pallas_kernels.block_scoring import block_scores_reference
+from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds
+from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference
 
 
 def kept_logical(num_blocks: Int[Array, " B"] | np.ndarray, sink: int, window: int, xp=np) -> Int[Array, "B KK"]:

@@ -22,14 +22,17 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from models.rope import rope_tables
-from models.transformer import Transformer
-from pallas_kernels.block_metadata import block_key_bounds, update_bounds
-from pallas_kernels.block_scoring import block_scores, block_scores_reference, default_scale
-from pallas_kernels.merge import merge_attention_partials
-from pallas_kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
 from pulseinfer_jax import slot_plan
 from pulseinfer_jax.kept_scores import kept_block_scores, kept_lens, with_kept_scores
+from pulseinfer_jax.models.rope import rope_tables
+from pulseinfer_jax.models.transformer import Transformer
+from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, update_bounds
+from pulseinfer_jax.pallas_kernels.block_scoring import block_scores, block_scores_reference, default_scale
+from pulseinfer_jax.pallas_kernels.merge import merge_attention_partials
+from pulseinfer_jax.pallas_kernels.sparse_decode_attention import (
+    sparse_decode_attention,
+    sparse_decode_attention_reference,
+)
 from pulseinfer_jax.sparse import BlockScoring, resident_mask, select_blocks, top_groups
 
 Partial = tuple[Array, Array, Array]  # (o [B, Hq, hd], m [B, Hq] f32, l [B, Hq] f32), see pallas_kernels/merge.py

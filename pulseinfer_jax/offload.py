@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from host_offload.host_pool import HostKVPool
-from host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.config import EngineConfig
+from pulseinfer_jax.host_offload.blocks import BlockAllocator, blocks_for
+from pulseinfer_jax.host_offload.host_pool import HostKVPool
+from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.ioaa import Candidate
-from pulseinfer_jax.kv_cache import BlockAllocator, blocks_for
 from pulseinfer_jax.scheduler import Request
 
 

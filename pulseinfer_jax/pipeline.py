@@ -53,13 +53,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from host_offload.host_pool import HostKVPool
-from host_offload.placement import SparseKV, SparsePlan
-from models.transformer import Transformer, head_params, split_layers
 from pulseinfer_jax import layer_ops, slot_plan
 from pulseinfer_jax.backends import ResolvedBackends
 from pulseinfer_jax.config import OffloadConfig
-from pulseinfer_jax.kv_cache import blocks_for, bucket, zeros_on
+from pulseinfer_jax.host_offload.blocks import blocks_for, bucket
+from pulseinfer_jax.host_offload.host_pool import HostKVPool
+from pulseinfer_jax.host_offload.memory import zeros_on
+from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
+from pulseinfer_jax.models.transformer import Transformer, head_params, split_layers
 from pulseinfer_jax.sparse import BlockScoring
 from pulseinfer_jax.step_inputs import StepTables, micro_batch_inputs, slot_step_inputs
 

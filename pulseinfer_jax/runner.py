@@ -23,8 +23,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from models.rope import rope_tables
-from models.transformer import Transformer, head_params
 from pulseinfer_jax import layer_ops
 from pulseinfer_jax.attention import (
     chunked_prefill_attention,
@@ -33,6 +31,8 @@ from pulseinfer_jax.attention import (
     write_decode_kv,
     write_prefill_kv,
 )
+from pulseinfer_jax.models.rope import rope_tables
+from pulseinfer_jax.models.transformer import Transformer, head_params
 
 DECODE_ATTENTION = {"jnp": paged_decode_attention, "pallas": paged_decode_attention_pallas}
 

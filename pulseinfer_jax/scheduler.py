@@ -21,8 +21,8 @@ import dataclasses
 import enum
 from typing import Any, Protocol
 
+from pulseinfer_jax.host_offload.blocks import BlockAllocator, blocks_for
 from pulseinfer_jax.ioaa import Candidate, CostModel, IOAAConfig, RecallEstimator, admit_batch
-from pulseinfer_jax.kv_cache import BlockAllocator, blocks_for
 from pulseinfer_jax.sampling import SamplingParams
 
 

@@ -45,7 +45,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from pulseinfer_jax.kv_cache import bucket
+from pulseinfer_jax.host_offload.blocks import bucket
 from pulseinfer_jax.options import check_choices, option
 
 Mode = Literal["headwise", "solohead"]

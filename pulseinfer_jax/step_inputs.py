@@ -13,9 +13,10 @@ import dataclasses
 import numpy as np
 from jaxtyping import Int
 
-from host_offload.placement import SparseKV, SparsePlan
+from pulseinfer_jax.host_offload.blocks import blocks_for, bucket
+from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.kept_scores import kept_logical
-from pulseinfer_jax.kv_cache import blocks_for, bucket, bucket_blocks
+from pulseinfer_jax.kv_cache import bucket_blocks
 from pulseinfer_jax.sparse import BlockScoring
 
 

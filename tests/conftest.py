@@ -35,7 +35,7 @@ def record_sampled_logits(monkeypatch) -> dict:
 @pytest.fixture(scope="module")
 def tiny():
     """The tiny Llama-3.1 checkpoint of the goldens (2 layers)."""
-    from models.loading import load_model
+    from pulseinfer_jax.models.loading import load_model
 
     return load_model(TINY / "llama31")
 
@@ -47,9 +47,8 @@ def doubled(m, name: str):
 
     import jax
     import jax.numpy as jnp
-
-    from models.loading import LoadedModel
-    from models.transformer import stacked_layers
+    from pulseinfer_jax.models.loading import LoadedModel
+    from pulseinfer_jax.models.transformer import stacked_layers
 
     params = dict(m.params)
     params["layers"] = jax.tree.map(lambda a: jnp.concatenate([a, a[::-1]]), stacked_layers(m.params))
@@ -80,7 +79,7 @@ def tiny4(tiny):
 @pytest.fixture(scope="module")
 def moe4():
     """The tiny Qwen3-MoE checkpoint of the goldens (8 experts, 2 per token), its two layers twice."""
-    from models.loading import load_model
+    from pulseinfer_jax.models.loading import load_model
 
     return doubled(load_model(TINY / "qwen3_moe"), "moe4")
 

@@ -18,13 +18,13 @@ import re
 import jax
 import numpy as np
 import pytest
+from pulseinfer_jax.host_offload.blocks import blocks_for
+from pulseinfer_jax.models.loading import load_model
 
-from models.loading import load_model
 from pulseinfer_jax import EngineConfig, SamplingParams
 from pulseinfer_jax.aot import catalogue as cat
 from pulseinfer_jax.backends import plan_backends
 from pulseinfer_jax.engine import Engine
-from pulseinfer_jax.kv_cache import blocks_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS = [150, 141]  # 10 and 9 blocks of 16: tables stay 16 wide while 8 tokens are generated

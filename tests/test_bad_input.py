@@ -7,10 +7,10 @@ import sys
 
 import pytest
 from conftest import ROOT, TINY
+from pulseinfer_jax.models.config import UnsupportedModelError
+from pulseinfer_jax.models.loading import load_model
+from pulseinfer_jax.models.weights import CheckpointError
 
-from models.config import UnsupportedModelError
-from models.loading import load_model
-from models.weights import CheckpointError
 from pulseinfer_jax import EngineConfig, generate_long
 from pulseinfer_jax.cli import main
 

@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pulseinfer_jax.host_offload.blocks import blocks_for
 
 from bench.synthetic import SyntheticKVEngine, fill_random_kv
 from bench.traces import BlockMap, RecordingDecoder, load_trace, replay_decoder
 from pulseinfer_jax import Engine, EngineConfig, SamplingParams
-from pulseinfer_jax.kv_cache import blocks_for
 
 BASE = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1,
             budget_tokens=32, dense_layers=2, mode="offload", progress=False)
@@ -309,8 +309,9 @@ def test_slot_cache_sweep_reproduces_the_engine_at_its_own_size(tiny4):
 
 
 def test_host_overhead_breakdown_times_the_wrapped_calls_and_restores_them():
+    from pulseinfer_jax.host_offload.host_pool import HostKVPool
+
     from bench.host_overhead import Breakdown
-    from host_offload.host_pool import HostKVPool
 
     pool = HostKVPool(num_rows=4, first_layer=1, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
                       dtype=jnp.float32, device=jax.devices()[0], io="numpy")

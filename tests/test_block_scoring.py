@@ -9,15 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from pallas_kernels.block_metadata import (
+from pulseinfer_jax.pallas_kernels.block_metadata import (
     block_key_bounds,
     block_key_bounds_reference,
     init_bounds,
     round_bounds_outward,
     update_bounds,
 )
-from pallas_kernels.block_scoring import block_scores, block_scores_reference
+from pulseinfer_jax.pallas_kernels.block_scoring import block_scores, block_scores_reference
 
 
 def _pool(rng, nb, bs, hkv, hd, lens):

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 from conftest import TINY
+from pulseinfer_jax.models.loading import load_model
 
-from models.loading import load_model
 from pulseinfer_jax import Engine, EngineConfig, generate_long, stream_long
 
 
@@ -100,8 +100,8 @@ def test_32k_prompt_chunked_prefill_is_consistent():
 def test_half_precision_close_to_float32(dtype, tol):
     """bf16/f16 weights + KV run end to end and stay close to the f32 logits (relative to their spread)."""
     import jax.numpy as jnp
+    from pulseinfer_jax.models.loading import load_model as load
 
-    from models.loading import load_model as load
     from pulseinfer_jax.kv_cache import CacheSpec
     from pulseinfer_jax.runner import decode_step, prefill_step
 
@@ -170,8 +170,8 @@ def test_layerwise_decode_step_equals_scan(tiny, attention):
     """decode_step_layerwise (one call per layer, per-layer weights) computes decode_step's logits and cache
     writes; shuffled tables, a row exactly at a block boundary."""
     import jax.numpy as jnp
+    from pulseinfer_jax.models.transformer import split_layers
 
-    from models.transformer import split_layers
     from pulseinfer_jax.runner import decode_step, decode_step_layerwise
 
     c = tiny.cfg
@@ -196,8 +196,7 @@ def test_per_layer_params_layout_is_the_same_model(tiny):
     stacked_layers / split_layers convert both ways."""
     import jax
     import jax.numpy as jnp
-
-    from models.transformer import split_layers, stacked_layers, unstack_layers
+    from pulseinfer_jax.models.transformer import split_layers, stacked_layers, unstack_layers
 
     per_layer = unstack_layers(tiny.params)
     assert isinstance(per_layer["layers"], list) and unstack_layers(per_layer) is per_layer
@@ -214,8 +213,7 @@ def test_per_layer_params_layout_is_the_same_model(tiny):
 def test_load_model_per_layer_layout(spec):
     """load_model(layout="layers") gives the stacked load's weights, one pytree per layer (no stacked array)."""
     import jax
-
-    from models.transformer import stacked_layers
+    from pulseinfer_jax.models.transformer import stacked_layers
 
     a, b = load_model(spec), load_model(spec, layout="layers")
     assert isinstance(b.params["layers"], list) and len(b.params["layers"]) == a.cfg.num_layers
@@ -297,8 +295,9 @@ def test_gpu_backends_fall_back_when_their_check_fails(tiny, monkeypatch, caplog
     import logging
     import types
 
+    from pulseinfer_jax.host_offload import host_pool
+
     import pulseinfer_jax.backends as backends
-    from host_offload import host_pool
 
     gpu = types.SimpleNamespace(platform="gpu")
     calls = []
@@ -328,8 +327,8 @@ def test_pallas_probe_checks_the_kernels_against_their_references(monkeypatch):
     kernels pass, a kernel that returns wrong values is caught, a compile error is reported, not raised."""
     import jax
     import jax.numpy as jnp
+    import pulseinfer_jax.pallas_kernels.sparse_decode_attention as sda
 
-    import pallas_kernels.sparse_decode_attention as sda
     from pulseinfer_jax.backends import probe_pallas
 
     cpu = jax.devices("cpu")[0]

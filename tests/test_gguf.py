@@ -10,10 +10,9 @@ import time
 import gguf
 import numpy as np
 import pytest
-
-from models import default_model
-from models.default_model import ModelNotFoundError, default_model_path
-from models.gguf import SUPPORTED_ARCHITECTURES, GGUFCheckpoint, load_gguf, unpermute_rope_rows
+from pulseinfer_jax.models import default_model
+from pulseinfer_jax.models.default_model import ModelNotFoundError, default_model_path
+from pulseinfer_jax.models.gguf import SUPPORTED_ARCHITECTURES, GGUFCheckpoint, load_gguf, unpermute_rope_rows
 
 GOLDENS = pathlib.Path(__file__).resolve().parent / "goldens"
 WEIGHTS_NPZ = GOLDENS / "smollm2_gguf_weights.npz"
@@ -340,7 +339,7 @@ def write_qwen3moe_gguf(src: pathlib.Path, path: pathlib.Path, quantize_experts:
     """The tiny Qwen3-MoE golden checkpoint as llama.cpp's convert_hf_to_gguf writes a `qwen3moe` file: experts
     stacked per layer into blk.N.ffn_{gate,up,down}_exps ([E, f, d] / [E, d, f] in numpy order), the router as
     ffn_gate_inp, no Q/K row permutation (not a llama architecture); optionally the experts in Q8_0."""
-    from models.safetensors_dir import SafetensorsDir
+    from pulseinfer_jax.models.safetensors_dir import SafetensorsDir
 
     cfg = json.loads((src / "config.json").read_text())
     hf = SafetensorsDir([src / "model.safetensors"])
@@ -382,10 +381,9 @@ def test_qwen3moe_gguf_gives_the_transformers_logits(tmp_path: pathlib.Path, qua
     (`from_pretrained(gguf_file=..., config=<the golden's config>)`) gave the golden logits to 2e-5 from the
     float32 file, and on the Q8_0 file the same logits as this loader to 2e-5 (both 0.33 from the golden)."""
     import jax.numpy as jnp
-
-    from models.config import ModelConfig
-    from models.transformer import Transformer
-    from models.weights import params_from_hf
+    from pulseinfer_jax.models.config import ModelConfig
+    from pulseinfer_jax.models.transformer import Transformer
+    from pulseinfer_jax.models.weights import params_from_hf
 
     src = GOLDENS / "tiny" / "qwen3_moe"
     path = tmp_path / "moe.gguf"

@@ -12,8 +12,7 @@ import zlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from pulseinfer_jax.pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 

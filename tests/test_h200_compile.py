@@ -17,8 +17,8 @@ pytest.importorskip("jax_plugins.xla_cuda13", reason="needs jax's CUDA plugin: .
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from pulseinfer_jax.pallas_kernels import block_scoring, gather_scatter, grouped_matmul, sparse_decode_attention  # noqa: E402
 
-from pallas_kernels import block_scoring, gather_scatter, grouped_matmul, sparse_decode_attention  # noqa: E402
 from pulseinfer_jax import slot_plan  # noqa: E402
 from pulseinfer_jax.aot import check  # noqa: E402
 from pulseinfer_jax.aot.programs import program, spec  # noqa: E402

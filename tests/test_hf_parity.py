@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY, TINY_FAMILIES
+from pulseinfer_jax.models.loading import load_model
 
-from models.loading import load_model
 from pulseinfer_jax import generate_long
 from pulseinfer_jax.kv_cache import CacheSpec
 from pulseinfer_jax.runner import decode_step, prefill_step

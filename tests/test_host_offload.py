@@ -7,11 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from host_offload import host_pool as host_pool_mod
-from host_offload.host_pool import NULL_ROW, HostKVPool, probe_host_io
-from host_offload.placement import SparseKV, SparsePlan
-from host_offload.slot_cache import SlotCache, SlotTable
+from pulseinfer_jax.host_offload import host_pool as host_pool_mod
+from pulseinfer_jax.host_offload.host_pool import NULL_ROW, HostKVPool, probe_host_io
+from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
+from pulseinfer_jax.host_offload.slot_cache import SlotCache, SlotTable
 
 L, NB, BS, HKV, HD = 4, 9, 4, 2, 8
 

@@ -360,7 +360,8 @@ class FakePlacer:
 
 def test_scheduler_runs_ioaa_every_step():
     """The scheduler admits by IOAA from the live allocator and the running recall estimate, every step."""
-    from pulseinfer_jax.kv_cache import BlockAllocator
+    from pulseinfer_jax.host_offload.blocks import BlockAllocator
+
     from pulseinfer_jax.sampling import SamplingParams
     from pulseinfer_jax.scheduler import Request, Scheduler
 

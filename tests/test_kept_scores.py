@@ -5,9 +5,9 @@ and the scatter into the candidates' scores."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds_reference
+from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference, default_scale
 
-from pallas_kernels.block_metadata import block_key_bounds_reference
-from pallas_kernels.block_scoring import block_scores_reference, default_scale
 from pulseinfer_jax.kept_scores import kept_block_scores, kept_lens, kept_logical, with_kept_scores
 
 

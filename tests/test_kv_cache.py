@@ -3,8 +3,8 @@
 import random
 
 import pytest
+from pulseinfer_jax.host_offload.blocks import NULL_BLOCK, BlockAllocator, ExtentAllocator, OutOfBlocksError, blocks_for
 
-from pulseinfer_jax.kv_cache import NULL_BLOCK, BlockAllocator, ExtentAllocator, OutOfBlocksError, blocks_for
 from pulseinfer_jax.sampling import SamplingParams
 from pulseinfer_jax.scheduler import Request, Scheduler, Status
 

@@ -11,13 +11,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import TINY
-
-from models.config import ModelConfig, UnsupportedModelError
-from models.loading import load_model
-from models.moe import MoEOptions, experts_ffn, grouped_layout, grouped_tile_m, moe_ffn_reference, moe_strategy, route
-from models.presets import PRESETS
-from models.safetensors_dir import SafetensorsDir
-from models.weights import params_from_hf
+from pulseinfer_jax.models.config import ModelConfig, UnsupportedModelError
+from pulseinfer_jax.models.loading import load_model
+from pulseinfer_jax.models.moe import (
+    MoEOptions,
+    experts_ffn,
+    grouped_layout,
+    grouped_tile_m,
+    moe_ffn_reference,
+    moe_strategy,
+    route,
+)
+from pulseinfer_jax.models.presets import PRESETS
+from pulseinfer_jax.models.safetensors_dir import SafetensorsDir
+from pulseinfer_jax.models.weights import params_from_hf
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
 
@@ -56,7 +63,7 @@ def test_strategy_by_platform_and_token_count():
     assert moe_strategy(1, 2, 8, "gpu") == "dense" and moe_strategy(1, 1, 8, "gpu") == "gather"
     with pytest.raises(ValueError, match="platform='tpu'"):
         moe_strategy(1, 2, 8, "tpu")
-    assert MoEOptions(platform="cuda").resolve(64, 8, 128) == "dense"
+    assert MoEOptions(platform="gpu").resolve(64, 8, 128) == "dense"  # (any GPU: backends.plan_backends says "gpu")
     assert MoEOptions(platform="cpu").resolve(64, 8, 128) == "grouped"
     assert MoEOptions("gather", platform="cpu").resolve(64, 8, 128) == "gather"
     with pytest.raises(ValueError, match="MoE strategy='sorted'"):
@@ -236,7 +243,8 @@ def test_qwen3_moe_configs():
 def test_grouped_pallas_is_probed_on_a_gpu_and_falls_back_to_jnp(monkeypatch):
     """moe_strategy="grouped-pallas" on a GPU compiles the kernel once at engine start; if that fails the engine warns
     and runs the jnp tile loop (emulated: on_gpu forced, probe scripted). Off a GPU, and for dense models, no probe."""
-    from models import moe
+    from pulseinfer_jax.models import moe
+
     from pulseinfer_jax import EngineConfig
     from pulseinfer_jax.engine import Engine
 

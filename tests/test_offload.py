@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import record_sampled_logits
+from pulseinfer_jax.host_offload.blocks import blocks_for
 
 from pulseinfer_jax import Engine, EngineConfig, SamplingParams, generate_long
-from pulseinfer_jax.kv_cache import blocks_for
 from pulseinfer_jax.sparse import BlockScoring
 
 BASE = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1)
@@ -281,8 +281,8 @@ def test_pallas_sparse_pipeline_matches_jnp(tiny4):
 
 def test_probe_pallas_runs_the_kernels_and_reports_failures(monkeypatch):
     import jax
+    from pulseinfer_jax.pallas_kernels import block_scoring
 
-    from pallas_kernels import block_scoring
     from pulseinfer_jax.backends import probe_pallas
 
     dev = jax.devices()[0]
@@ -509,7 +509,7 @@ def test_retrieval_head_calibration_and_decode(tiny4):
 def test_auto_host_io_falls_back_to_numpy_when_the_probe_fails(tiny4, monkeypatch, emulated_gpu):
     """On a GPU, host_io="auto" checks the pinned-host (xla) transfers once, when the engine is built; if they fail
     there, the engine warns, keeps the host pool in numpy and decodes the same tokens (emulated GPU, check failing)."""
-    from host_offload import host_pool
+    from pulseinfer_jax.host_offload import host_pool
 
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(45, 30))
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, h2d_bytes_per_s=16e9)

@@ -66,7 +66,7 @@ def test_estimated_tail_changes_only_what_is_dropped(tiny4):
 
 def test_main_smoke_writes_json(tmp_path):
     pytest.importorskip("gguf")
-    from models.default_model import ModelNotFoundError, default_model_path
+    from pulseinfer_jax.models.default_model import ModelNotFoundError, default_model_path
 
     try:
         default_model_path()  # the smoke runs the embedded SmolLM2 (it needs a tokenizer and a text)

@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import GOLDENS
-
-from models.config import ModelConfig, YarnScaling
-from models.presets import PRESETS
-from models.rope import rope_tables
+from pulseinfer_jax.models.config import ModelConfig, YarnScaling
+from pulseinfer_jax.models.presets import PRESETS
+from pulseinfer_jax.models.rope import rope_tables
 
 GOLDEN = json.loads((GOLDENS / "rope_yarn.json").read_text())
 
@@ -59,8 +58,8 @@ def test_a_yarn_checkpoint_loads_and_decodes(tmp_path, monkeypatch):
     import shutil
 
     from conftest import TINY, record_sampled_logits
+    from pulseinfer_jax.models.loading import load_model
 
-    from models.loading import load_model
     from pulseinfer_jax import generate_long
 
     d = tmp_path / "qwen3_yarn"

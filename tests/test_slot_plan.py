@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pulseinfer_jax.host_offload.slot_cache import SlotTable
 
-from host_offload.slot_cache import SlotTable
 from pulseinfer_jax import slot_plan
 
 

@@ -16,8 +16,8 @@ LOGITS = np.load(GOLDENS / "smollm2_gguf_logits.npz")
 @pytest.fixture(scope="module")
 def smollm2():
     pytest.importorskip("gguf")
-    from models.default_model import ModelNotFoundError, default_model_path
-    from models.loading import load_model
+    from pulseinfer_jax.models.default_model import ModelNotFoundError, default_model_path
+    from pulseinfer_jax.models.loading import load_model
 
     try:
         default_model_path()

@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from pallas_kernels.merge import merge_attention_partials
-from pallas_kernels.sparse_decode_attention import (
+from pulseinfer_jax.pallas_kernels.merge import merge_attention_partials
+from pulseinfer_jax.pallas_kernels.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_reference,
 )
+
 from pulseinfer_jax.attention import paged_decode_attention
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

@@ -5,10 +5,10 @@ selected tokens; with a budget covering the context it must equal dense attentio
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, update_bounds
+from pulseinfer_jax.pallas_kernels.block_scoring import block_scores
+from pulseinfer_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
 
-from pallas_kernels.block_metadata import block_key_bounds, update_bounds
-from pallas_kernels.block_scoring import block_scores
-from pallas_kernels.sparse_decode_attention import sparse_decode_attention
 from pulseinfer_jax.sparse import (
     candidate_ids,
     logical_to_physical,

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, update_bounds
+from pulseinfer_jax.pallas_kernels.block_scoring import block_scores
 
-from pallas_kernels.block_metadata import block_key_bounds, update_bounds
-from pallas_kernels.block_scoring import block_scores
 from pulseinfer_jax.sparse import (
     block_attention_mass,
     bucket_budget,
@@ -310,7 +310,8 @@ def testtwo_level_scores_equal_plain_scores_on_kept_groups(kernel):
     outside it is -inf; the kept groups are `top_groups` of the groups' scores from the min / max of their blocks'
     bounds; keeping every group reproduces plain scoring. Shuffled metadata rows, NaN-poisoned unused rows, -1
     candidates (no metadata) and a group with none."""
-    from pallas_kernels.block_scoring import block_scores_reference
+    from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference
+
     from pulseinfer_jax.layer_ops import two_level_scores
     from pulseinfer_jax.sparse import BlockScoring
 

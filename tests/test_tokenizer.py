@@ -7,10 +7,9 @@ import pathlib
 import re
 
 import pytest
-
-from models.default_model import ModelNotFoundError, default_model_path
-from models.detokenize import IncrementalDecoder
-from models.tokenizer import Tokenizer, build_byte_level_bpe
+from pulseinfer_jax.models.default_model import ModelNotFoundError, default_model_path
+from pulseinfer_jax.models.detokenize import IncrementalDecoder
+from pulseinfer_jax.models.tokenizer import Tokenizer, build_byte_level_bpe
 
 GOLDEN_JSON = pathlib.Path(__file__).resolve().parent / "goldens" / "smollm2_tokenizer.json"
 GOLDEN = json.loads(GOLDEN_JSON.read_text(encoding="utf-8"))

@@ -19,7 +19,7 @@ from pulseinfer_jax.options import flat_names, leaves
 @pytest.fixture(scope="module")
 def chat_model():
     """The tiny SmolLM2 checkpoint: a tokenizer with a chat template, like the default instruct model."""
-    from models.loading import load_model
+    from pulseinfer_jax.models.loading import load_model
 
     return load_model(TINY / "smollm2")
 

@@ -24,14 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host_offload import numpy_io, xla_io
-from host_offload.placement import SparseKV
-from models.moe import MoEOptions
-from models.transformer import Transformer
 from pulseinfer_jax import layer_ops, runner, sampling, slot_plan
 from pulseinfer_jax.aot.programs import HOST, PLACED, Call, Program, Spec, _is_spec, program, spec, specs_of
 from pulseinfer_jax.config import EngineConfig
-from pulseinfer_jax.kv_cache import blocks_for, bucket, bucket_blocks
+from pulseinfer_jax.host_offload import numpy_io, xla_io
+from pulseinfer_jax.host_offload.blocks import blocks_for, bucket
+from pulseinfer_jax.host_offload.placement import SparseKV
+from pulseinfer_jax.kv_cache import bucket_blocks
+from pulseinfer_jax.models.moe import MoEOptions
+from pulseinfer_jax.models.transformer import Transformer
 from pulseinfer_jax.offload import pool_sizes
 from pulseinfer_jax.step_inputs import micro_batch_inputs, slot_step_inputs
 
@@ -431,7 +432,7 @@ def allocations(es: EngineShapes, shardings, layout: SparseLayout | None = None,
                 num_blocks: int | None = None) -> list[Call]:
     """The engine's zero-filled pools (kv_cache.zeros_on): the KV cache, and for offloaded requests the key bounds
     (device) and the host pool (pinned host memory with host_io "xla"). Once per engine, not per step."""
-    from pulseinfer_jax.kv_cache import zeros_program
+    from pulseinfer_jax.host_offload.memory import zeros_program
 
     nb = layout.num_gpu_blocks if layout is not None else num_blocks
     arrays = [(es.kv(nb), "device")]

@@ -18,13 +18,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
-from models.presets import PRESETS
-from pallas_kernels import block_scoring, gather_scatter, grouped_matmul, sparse_decode_attention
 from pulseinfer_jax.aot import catalogue as cat
 from pulseinfer_jax.aot.programs import PLACED, Call, Program, program, spec
 from pulseinfer_jax.config import EngineConfig
-from pulseinfer_jax.kv_cache import blocks_for, bucket
+from pulseinfer_jax.host_offload.blocks import blocks_for, bucket
+from pulseinfer_jax.models.config import ModelConfig
+from pulseinfer_jax.models.presets import PRESETS
+from pulseinfer_jax.pallas_kernels import block_scoring, gather_scatter, grouped_matmul, sparse_decode_attention
 
 I32 = jnp.int32
 BF16 = jnp.bfloat16
@@ -291,7 +291,7 @@ def probes(suite: Suite, *, shardings) -> None:
 
 
 def _host_io_probe(hkv: int, hd: int, shardings) -> list[Call]:
-    from host_offload import xla_io
+    from pulseinfer_jax.host_offload import xla_io
 
     host, dev = shardings("pinned_host"), shardings("device")
     write, stage_blocks, stage_units, fragment = xla_io.transfers(host, dev, 1)
