@@ -166,10 +166,10 @@ def sparse_pre(
     see kept_scores.py), and select. GPU block g of this layer is flat unit `unit_offset + g` (layer * NB + g);
     the per-row arrays stay the same for every layer of a step, only the offsets and `sparse_layer` (device
     scalars) change. Where `scoring.favours_resident`, the logical blocks in this layer's slot caches (the slot
-    state `(stamp, key)` of sparse layer `sparse_layer`, rows `step["rows"]`, see slot_plan.py) get the
+    state `(stamp, key)` of sparse layer `sparse_layer`, rows `step.rows`, see slot_plan.py) get the
     resident-block bonus. Then the slot-cache plan of the selection (`slot_plan.layer_plan`, `plan_mode`), which
     updates the slot state. With `override` (the throughput bench's replayed selections), the middle blocks
-    selected are `step["override"][sparse_layer]` ([B, S, M], -1 padded) instead of the scorer's; sinks and window
+    selected are `step.override[sparse_layer]` ([B, S, M], -1 padded) instead of the scorer's; sinks and window
     stay the scorer's.
     With `coarse` > 0 (two-level scoring, `BlockScoring.coarse_group`) the groups are scored first from their bounds
     (coarse metadata rows `coarse_offset + cand_groups`, -1 = none) and only the best `coarse` groups' blocks from
@@ -200,12 +200,12 @@ def sparse_pre(
     stamp, key = slot_state
     resident = None
     if scoring.favours_resident(mode, solohead):
-        resident = resident_mask(key[sparse_layer, step["rows"], 0], scores.shape[2])  # [B, C] -> [B, K]
+        resident = resident_mask(key[sparse_layer, step.rows, 0], scores.shape[2])  # [B, C] -> [B, K]
     sel = select_blocks(scores, num_blocks, budget_blocks=budget, sink_blocks=sink, window_blocks=window, mode=mode,
                         solohead=solohead, retrieval_head=retrieval_head, score_scale=scale, resident=resident,
                         resident_bonus=scoring.resident_bonus)
     if override:
-        sel = _with_middle(sel, jax.lax.dynamic_index_in_dim(step["override"], sparse_layer, 0, keepdims=False),
+        sel = _with_middle(sel, jax.lax.dynamic_index_in_dim(step.override, sparse_layer, 0, keepdims=False),
                            num_blocks, sink, window)
     stamp, key, plan = slot_plan.layer_plan(stamp, key, sparse_layer, sel, step, unit_offset, block_size=kv.shape[3],
                                             sink=sink, window=window, mode=plan_mode)
@@ -264,19 +264,19 @@ def land_attend_finish(
     if staging is not None:
         n = staging.shape[0]
         entry = jnp.arange(n) // fan
-        real = entry < plan["count"]
-        entry = jnp.minimum(entry, plan["recall"].shape[1] - 1)
-        blocks = jnp.where(real, plan["recall"][0, entry], 0)
+        real = entry < plan.count
+        entry = jnp.minimum(entry, plan.recall.shape[1] - 1)
+        blocks = jnp.where(real, plan.recall[0, entry], 0)
         if staging.ndim == 5:
             kv = kv.at[layer, blocks].set(staging.astype(kv.dtype))
         else:
-            heads = jnp.arange(n) % fan if fan > 1 else plan["recall"][1, entry]
+            heads = jnp.arange(n) % fan if fan > 1 else plan.recall[1, entry]
             kv = kv.at[layer, blocks, :, :, jnp.where(real, heads, 0)].set(staging.astype(kv.dtype))
     if early is None:
-        early = _attend(attention, q, kv, plan["early"][0], plan["early"][1])
+        early = _attend(attention, q, kv, plan.early[0], plan.early[1])
     parts = [early]
     if width:
-        ids, lens = (a[..., :width] for a in plan["late"])
+        ids, lens = (a[..., :width] for a in plan.late)
         parts.append(_attend(attention, q, kv, ids, lens))
     o = parts[0][0] if len(parts) == 1 else merge_attention_partials(parts)[0]
     return kv, model.layer_finish(lp, x, o[:, None])

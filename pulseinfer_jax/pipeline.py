@@ -61,6 +61,7 @@ from pulseinfer_jax.host_offload.host_pool import HostKVPool
 from pulseinfer_jax.host_offload.memory import zeros_on
 from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.models.transformer import Transformer, head_params, split_layers
+from pulseinfer_jax.slot_plan import SlotStep
 from pulseinfer_jax.sparse import BlockScoring
 from pulseinfer_jax.step_inputs import StepTables, micro_batch_inputs, slot_step_inputs
 
@@ -293,13 +294,13 @@ class SparseDecoder:
                 newest_d, cand_d, nblk_d, rh, kept_l_d, kept_gpu_d, self.slot_state, step, sl_d, self.cmeta_min,
                 self.cmeta_max, coarse_offset, groups_d, budget=p.budget_blocks, sink=p.sink_blocks,
                 window=p.window_blocks, mode=p.selection, solohead=ab.solohead, attention=self.attention,
-                scoring=self.scoring, coarse=coarse, plan_mode=self._plan_mode, override="override" in step)
+                scoring=self.scoring, coarse=coarse, plan_mode=self._plan_mode, override=step.override is not None)
             # eager: the attention over the early entries is queued before the plan is read, so that the GPU works on
             # it while the host reads the plan and issues the recall (one more call on layers with nothing to recall)
-            early = layer_ops.attend(q, self.kv, plan["early"], attention=self.attention) if ab.recall == "eager" \
+            early = layer_ops.attend(q, self.kv, plan.early, attention=self.attention) if ab.recall == "eager" \
                 else None
-            yield "select", plan["info"], None
-            info = self._read_plan(np.asarray(plan["info"]), sparse, bp)
+            yield "select", plan.info, None
+            info = self._read_plan(np.asarray(plan.info), sparse, bp)
             self._observe_layer(sl, sparse, lengths, sel, info)
             staging = self._issue_recall(sl, info, sparse)
             lid = self._layer_ids[layer]
@@ -315,7 +316,7 @@ class SparseDecoder:
                                                           attention=self.attention, width=width, fan=fan)
                 continue
             if early is None:
-                early = layer_ops.attend(q, self.kv, plan["early"], attention=self.attention)
+                early = layer_ops.attend(q, self.kv, plan.early, attention=self.attention)
             yield "recall", staging, early[0]
             self.kv, x = layer_ops.land_attend_finish(model, lp, x, q, self.kv, lid, plan, staging, early,
                                                       attention=self.attention, width=width, fan=fan)
@@ -328,13 +329,13 @@ class SparseDecoder:
             return "recall"
         return "bookkeep" if self.scoring.favours_resident(self.plan.selection, self.ablation.solohead) else "none"
 
-    def _step_inputs(self, sparse: list[SparseKV], tables: StepTables, bp: int) -> dict:
+    def _step_inputs(self, sparse: list[SparseKV], tables: StepTables, bp: int) -> SlotStep:
         """The device plan's per-step inputs (`slot_plan.layer_plan`'s `step`, step_inputs.slot_step_inputs) on the
         device; the padding rows use the slot table's last row (see _prepare_slots)."""
         stamp = self.slot_state[0]
         step = slot_step_inputs(sparse, tables, bp, stamp.shape[1], stamp.shape[3],
                                 self._override(sparse, tables, bp))
-        return {k: jnp.asarray(v) for k, v in step.items()}
+        return step.on(self.device)
 
     def _prepare_slots(self, sparse: list[SparseKV]) -> None:
         """Before a step's micro-batches: the device slot table holds every request's row plus the padding rows'

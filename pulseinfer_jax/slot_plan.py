@@ -16,9 +16,44 @@ Slots at or past a request's capacity are never victims.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Int
+
+IntArray = Array | np.ndarray
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotStep:
+    """A step's inputs to every sparse layer's plan (host-built: `step_inputs.slot_step_inputs`), per batch row."""
+
+    rows: Int[IntArray, " B"]  # slot-table row of each batch row (padding rows: the table's last row)
+    capacity: Int[IntArray, " B"]  # its slot-cache size
+    gpu: Int[IntArray, "B K"]  # GPU block of each resident logical block, -1 = not resident
+    host: Int[IntArray, "B K"]  # host row of each logical block
+    slots: Int[IntArray, "B C"]  # GPU block of each slot
+    lengths: Int[IntArray, " B"]  # tokens (0 for padding rows)
+    # the middle blocks a replayed trace selects instead of the scorer ([sparse layers, B, lanes, M], -1 padded)
+    override: Int[IntArray, "SL B S M"] | None = None
+
+    def on(self, device: jax.Device) -> SlotStep:
+        return jax.tree.map(lambda a: jax.device_put(a, device), self)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """A sparse layer's slot-cache plan (`layer_plan`): its attention entry lists and its recall list."""
+
+    early: tuple[Int[Array, "B S N"], Int[Array, "B S N"]]  # (units, valid tokens) of resident blocks and hits
+    late: tuple[Int[Array, "B S N"], Int[Array, "B S N"]]  # the same for the misses (recalled into their slots)
+    recall: Int[Array, "3 P"]  # slot block, lane and host row of each miss, zero past the count
+    count: Int[Array, ""]  # the misses
+    info: Int[Array, " I"]  # what the host reads, in one copy: [count, hits [B], misses [B], host rows [P], lanes [P]]
 
 
 def init_state(sparse_layers: int, table_rows: int, lanes: int, capacity: int) -> tuple[Array, Array]:
@@ -92,31 +127,27 @@ def plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer: Int[
 
 
 def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer: Int[Array, ""],
-               sel: Int[Array, "B S N"], step: dict, unit_offset: Int[Array, ""], *, block_size: int, sink: int,
-               window: int, mode: str) -> tuple:
+               sel: Int[Array, "B S N"], step: SlotStep, unit_offset: Int[Array, ""], *, block_size: int,
+               sink: int, window: int, mode: str) -> tuple[Array, Array, LayerPlan]:
     """Sparse layer `layer`'s selection -> its slot-cache plan, attention entries and recall list, on the device.
 
-    `sel`: the selected logical blocks per row and lane (-1 = none). `step` (the same for every layer of a step):
-    rows [B] table row of each batch row, capacity [B] its slot-cache size, gpu [B, K] GPU block of each resident
-    logical block (-1 = not resident), host [B, K] host row of each logical block, slots [B, C] GPU block of each
-    slot, lengths [B] tokens (0 for padding rows). GPU block g of this layer is flat unit `unit_offset + g`.
+    `sel`: the selected logical blocks per row and lane (-1 = none); `step`: the step's `SlotStep` (the same for every
+    layer of a step). GPU block g of this layer is flat unit `unit_offset + g`.
     mode: "recall" (offloaded: every selected block that is not resident is looked up in the slot cache, misses
     are recalled), "bookkeep" (every block resident; the slot caches still track what "recall" would hold, for the
     resident-block bonus), "none" (every block resident, no slot caches).
 
-    Returns (stamp, key, plan): plan["early"] (units, valid tokens), each [B, S, N], of the resident blocks and hits,
-    in selection order, padded with (-1, 0); plan["late"] the same for the misses (recalled into their slots);
-    plan["recall"] [3, P] (P = a power of two >= B*S*N) the slot block, lane and host row of each miss in row /
-    lane / selection order, zero past the count; plan["count"] [] the misses; plan["info"] int32 for the host, one
-    copy: [count, hits per row [B], misses per row [B], host rows [P], lanes [P]].
+    Returns (stamp, key, `LayerPlan`): the entry lists in selection order, padded with (-1, 0); the recall list in
+    row / lane / selection order (P = a power of two >= B*S*N); the host's part packed in one int32 vector, read in
+    one copy (unpacked by `pipeline.PlanInfo`).
     """
     b, s, n = sel.shape
     valid = sel >= 0
-    safe = jnp.clip(sel, 0, step["gpu"].shape[1] - 1)
+    safe = jnp.clip(sel, 0, step.gpu.shape[1] - 1)
     ri = jnp.arange(b)[:, None, None]
-    gpu = step["gpu"][ri, safe]
+    gpu = step.gpu[ri, safe]
     resident = valid & (gpu >= 0)
-    lengths = step["lengths"][:, None, None]
+    lengths = step.lengths[:, None, None]
     if mode == "none":
         hit = miss = jnp.zeros_like(valid)
         slot = jnp.full(sel.shape, -1, jnp.int32)
@@ -126,11 +157,11 @@ def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer
         else:  # bookkeep: the blocks "recall" would look up (neither sink nor window)
             nblk = -(-lengths // block_size)
             wanted = valid & (sel >= sink) & (sel < nblk - window)
-        stamp, key, slot, hit = plan(stamp, key, layer, step["rows"], step["capacity"], jnp.where(wanted, sel, -1))
+        stamp, key, slot, hit = plan(stamp, key, layer, step.rows, step.capacity, jnp.where(wanted, sel, -1))
         if mode == "bookkeep":
             hit = jnp.zeros_like(valid)
         miss = wanted & ~hit if mode == "recall" else jnp.zeros_like(valid)
-    slot_block = step["slots"][ri, jnp.clip(slot, 0, step["slots"].shape[1] - 1)]
+    slot_block = step.slots[ri, jnp.clip(slot, 0, step.slots.shape[1] - 1)]
     units = jnp.where(resident, unit_offset + gpu, unit_offset + slot_block)
     lens = jnp.where(resident, jnp.clip(lengths - sel * block_size, 0, block_size), block_size)
     # early = resident + hits (resident first, then hits), late = misses; both in selection order, compacted to the
@@ -146,7 +177,7 @@ def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer
     p = 1 << max(0, (b * s * n - 1).bit_length())
     flat = miss.reshape(-1)
     at = jnp.where(flat, jnp.cumsum(flat) - 1, p)  # index p: dropped
-    host = step["host"][ri, safe]
+    host = step.host[ri, safe]
     lane_ids = jnp.broadcast_to(jnp.arange(s)[None, :, None], sel.shape)
     cols = jnp.stack([slot_block, lane_ids, host]).reshape(3, -1).astype(jnp.int32)
     recall = jnp.zeros((3, p), jnp.int32).at[:, at].set(cols, mode="drop")
@@ -158,4 +189,4 @@ def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer
     # stacked [2, ...] array would be sliced into copies by every consumer)
     early_list = (entries[0, 0], entries[0, 1])
     late_list = (entries[1, 0], entries[1, 1])
-    return stamp, key, {"early": early_list, "late": late_list, "recall": recall, "count": count, "info": info}
+    return stamp, key, LayerPlan(early_list, late_list, recall, count, info)

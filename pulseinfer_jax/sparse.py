@@ -1,9 +1,11 @@
 """Block selection policies for sparse decode: budgets, top-k with sinks + window, SoloHead, calibration.
 
-Everything here is plain jnp and jittable (except the offline `calibrate_retrieval_head`, which returns a
-Python int). Candidates are *logical* block indices 0..K-1 of each sequence, in order; the engine scores
-them with `pallas_kernels.block_scoring.block_scores(q, meta_min, meta_max, candidate_ids(...))` and maps
-the selection back to physical blocks with `logical_to_physical`.
+Everything here is plain jnp and jittable (except the offline `calibrate_retrieval_head`, which returns a Python
+int). Candidates are *logical* block indices 0..K-1 of each sequence, in order. In the engine, a sparse layer's
+selection call (`layer_ops.sparse_pre`) scores them from their key bounds (`pallas_kernels.block_scoring`, with the
+`BlockScoring` here), selects with `select_blocks` and plans the slot cache (`slot_plan.layer_plan`) in one jitted
+call; `candidate_ids` / `logical_to_physical` / `selected_block_lens` are the same steps for callers that hold
+physical block tables (tests, benches).
 
 Selection contract (`select_blocks`), per sequence b with n = num_blocks_total[b] blocks:
   - n <= budget: every block 0..n-1 is selected.
@@ -11,25 +13,19 @@ Selection contract (`select_blocks`), per sequence b with n = num_blocks_total[b
     always selected and count toward the budget; the remaining budget - sink - window slots go to the
     highest-scoring middle blocks; on equal scores the lower logical index wins (NaN counts as -inf).
   - output int32 [B, S, budget_blocks], each row sorted ascending and padded with -1.
-Modes: "headwise" (S = number of score heads, an independent top-k per KV head: Quest's per-head
-baseline, one small transfer per (block, head)) and "solohead" (S = 1: one shared set for all heads, so a
-layer's recall is whole blocks in one contiguous transfer).
+Modes: "headwise" (S = number of score heads, an independent top-k per KV head: Quest's per-head baseline, one small
+transfer per (block, head)) and "solohead" (S = 1: one shared set for all heads, so a layer's recall is whole blocks
+in one contiguous transfer).
 
-SoloHead aggregation `normalized_sum` = per-head softmax over the sequence's valid blocks, then the sum
-over heads. Why softmax (not z-scores or max-subtraction): a block's Quest score is an upper bound of its
-best logit, so softmax(score * scale) estimates the share of that head's attention mass the block holds,
-and the sum over heads estimates the total mass a shared set covers -- the quantity SoloHead must keep
-(the same coverage objective `calibrate_retrieval_head` measures). Softmax also gives every head the
-same total vote (1): a head with flat scores spreads it thinly and barely moves the ranking, while
-z-scoring would blow its noise up to unit variance and let it vote as loudly as a peaked retrieval head.
-Only the blocks given scores take part: the engine scores the middle blocks from their metadata and, by
-default (`BlockScoring.kept_blocks`), the sinks and the window from their resident keys
-(`pulseinfer_jax.kept_scores`), so a head whose mass sits in the window has less left to claim from the
-middle (measured: 3-15% lower KL to dense at 512-2,048 tokens, bench/RESULTS.md). The cost is a temperature:
-pass `score_scale`, the attention scale 1/sqrt(hd) for per-query-head scores, 1/(G sqrt(hd)) for group sums
-(their mean bound).
-The engine scores SoloHead per query head by default (`BlockScoring.per_query_head`: each query head its own
-softmax, measured closer to dense than per-KV-head group sums, bench/RESULTS.md).
+SoloHead aggregation `normalized_sum` = per-head softmax over the sequence's scored blocks, then the sum over heads.
+A block's Quest score bounds its best logit, so softmax(score * scale) estimates the share of that head's attention
+mass the block holds, and the sum over heads estimates the mass a shared set covers: the quantity SoloHead must keep
+(what `calibrate_retrieval_head` measures). Softmax also gives every head the same total vote, so a head with flat
+scores barely moves the ranking (z-scores would blow its noise up to unit variance). By default the sinks and the
+window are scored too, from their resident keys (`BlockScoring.kept_blocks`, `pulseinfer_jax.kept_scores`), so a
+head whose mass sits there claims less of the middle. `score_scale` is the softmax temperature: the attention scale
+1/sqrt(hd) for per-query-head scores (the default, `BlockScoring.per_query_head`), 1/(G sqrt(hd)) for group sums.
+What each choice measured: bench/RESULTS.md ("Accuracy of sparse decoding").
 """
 
 from __future__ import annotations

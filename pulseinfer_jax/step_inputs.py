@@ -17,6 +17,7 @@ from pulseinfer_jax.host_offload.blocks import blocks_for, bucket
 from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.kept_scores import kept_logical
 from pulseinfer_jax.kv_cache import bucket_blocks
+from pulseinfer_jax.slot_plan import SlotStep
 from pulseinfer_jax.sparse import BlockScoring
 
 
@@ -130,7 +131,7 @@ def micro_batch_inputs(plan: SparsePlan, scoring: BlockScoring, solohead: str, n
 
 
 def slot_step_inputs(sparse: list[SparseKV], tables: StepTables, bp: int, table_rows: int, capacity: int,
-                     override: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                     override: np.ndarray | None = None) -> SlotStep:
     """The device slot plan's per-step inputs (`slot_plan.layer_plan`'s `step`) for a slot table of `table_rows`
     rows (the last is the padding rows' own) and `capacity` slots per lane; `override`: the middle blocks a
     replayed trace selects instead ([sparse layers, bp, lanes, M], -1 padded)."""
@@ -140,8 +141,4 @@ def slot_step_inputs(sparse: list[SparseKV], tables: StepTables, bp: int, table_
     cap[: len(sparse)] = [s.slot_capacity for s in sparse]
     lengths = np.zeros(bp, np.int32)
     lengths[: len(sparse)] = tables.lengths
-    step = {"rows": r, "capacity": cap, "gpu": tables.gpu, "host": tables.host, "slots": tables.slots,
-            "lengths": lengths}
-    if override is not None:
-        step["override"] = override
-    return step
+    return SlotStep(r, cap, tables.gpu, tables.host, tables.slots, lengths, override)

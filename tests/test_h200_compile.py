@@ -189,8 +189,8 @@ def test_slot_plan_compiles_to_a_few_kernels_without_sorts(compiler):
     blocks, 246 slots) compile to compare-and-count reductions, not sorts (XLA:GPU: several kernels each) and with
     the state updated in place (no copy of the [SL, R, S, C] table)."""
     b, s, n, c, sl, r, k = 4, 1, 128, 246, 30, 128, 2560
-    step = {"rows": spec((b,), I32), "capacity": spec((b,), I32), "gpu": spec((b, k), I32),
-            "host": spec((b, k), I32), "slots": spec((b, c), I32), "lengths": spec((b,), I32)}
+    step = slot_plan.SlotStep(rows=spec((b,), I32), capacity=spec((b,), I32), gpu=spec((b, k), I32),
+                              host=spec((b, k), I32), slots=spec((b, c), I32), lengths=spec((b,), I32))
     fn = jax.jit(functools.partial(slot_plan.layer_plan, block_size=16, sink=1, window=4, mode="recall"),
                  donate_argnums=(0, 1))
     row = compiler(program("layer_plan", "kernel", fn, (spec((sl, r, s, c), I32), spec((sl, r, s, c), I32),

@@ -9,6 +9,7 @@ import pytest
 from pulseinfer_jax.host_offload.slot_cache import SlotTable
 
 from pulseinfer_jax import slot_plan
+from pulseinfer_jax.slot_plan import SlotStep
 
 
 @pytest.mark.parametrize("lanes,capacity,keys", [(1, 6, 20), (3, 5, 14)])
@@ -77,17 +78,17 @@ def test_layer_plan_lists_match_its_contract(mode, lanes):
                 m = int(rng.integers(0, min(n, max(nblk[r], 1)) + 1)) if nblk[r] else 0
                 sel[r, lane, :m] = np.sort(rng.choice(max(nblk[r], 1), size=m, replace=False))
         gpu = np.where(rng.random((b, k)) < 0.4, rng.permutation(b * k).reshape(b, k), -1).astype(np.int32)
-        step = {"rows": np.array([0, 1, rows_n - 1], np.int32), "capacity": np.array([cap, cap - 2, cap], np.int32),
-                "gpu": gpu, "host": (np.arange(b * k).reshape(b, k) + 500).astype(np.int32),
-                "slots": (np.arange(b * cap).reshape(b, cap) + 200).astype(np.int32), "lengths": lengths}
+        step = SlotStep(rows=np.array([0, 1, rows_n - 1], np.int32), capacity=np.array([cap, cap - 2, cap], np.int32),
+                        gpu=gpu, host=(np.arange(b * k).reshape(b, k) + 500).astype(np.int32),
+                        slots=(np.arange(b * cap).reshape(b, cap) + 200).astype(np.int32), lengths=lengths)
         if mode == "recall":  # the caller's guarantee: at most `capacity` misses per lane
             for r in range(b):
                 for lane in range(lanes):
                     want = np.flatnonzero((sel[r, lane] >= 0) & (gpu[r, np.clip(sel[r, lane], 0, k - 1)] < 0))
-                    sel[r, lane, want[step["capacity"][r]:]] = -1
+                    sel[r, lane, want[step.capacity[r]:]] = -1
         sl = it % layers
         stamp0, key0 = stamp, key
-        stamp, key, got = fn(stamp, key, jnp.int32(sl), jnp.asarray(sel), {a: jnp.asarray(v) for a, v in step.items()},
+        stamp, key, got = fn(stamp, key, jnp.int32(sl), jnp.asarray(sel), jax.tree.map(jnp.asarray, step),
                              jnp.int32(unit_offset), block_size=bs, sink=1, window=1, mode=mode)
         valid = sel >= 0
         safe = np.clip(sel, 0, k - 1)
@@ -100,8 +101,8 @@ def test_layer_plan_lists_match_its_contract(mode, lanes):
             else:
                 wanted = valid & (sel >= 1) & (sel < nblk[:, None, None] - 1)
             want = jnp.asarray(np.where(wanted, sel, -1))
-            _, _, slot, hit = jax.jit(slot_plan.plan)(stamp0, key0, jnp.int32(sl), jnp.asarray(step["rows"]),
-                                                      jnp.asarray(step["capacity"]), want)
+            _, _, slot, hit = jax.jit(slot_plan.plan)(stamp0, key0, jnp.int32(sl), jnp.asarray(step.rows),
+                                                      jnp.asarray(step.capacity), want)
             slot, hit = np.asarray(slot), np.asarray(hit)
             if mode == "bookkeep":
                 hit = np.zeros_like(hit)
@@ -116,27 +117,27 @@ def test_layer_plan_lists_match_its_contract(mode, lanes):
                 items = [(i, "res") for i in range(n) if resident[r, lane, i]] + \
                         [(i, "hit") for i in range(n) if hit[r, lane, i]]
                 for i, kind in items:
-                    unit = gpu[r, sel[r, lane, i]] if kind == "res" else step["slots"][r, slot[r, lane, i]]
+                    unit = gpu[r, sel[r, lane, i]] if kind == "res" else step.slots[r, slot[r, lane, i]]
                     ln = np.clip(lengths[r] - sel[r, lane, i] * bs, 0, bs) if kind == "res" else bs
                     want_early[:, r, lane, e] = unit_offset + unit, ln
                     e += 1
                 for i in range(n):
                     if miss[r, lane, i]:
-                        block = step["slots"][r, slot[r, lane, i]]
+                        block = step.slots[r, slot[r, lane, i]]
                         want_late[:, r, lane, l_] = unit_offset + block, bs
                         l_ += 1
                         dst.append(block)
                         lane_l.append(lane)
-                        host_l.append(step["host"][r, sel[r, lane, i]])
-        np.testing.assert_array_equal(np.asarray(got["early"]), want_early)
-        np.testing.assert_array_equal(np.asarray(got["late"]), want_late)
-        p = np.asarray(got["recall"]).shape[1]
+                        host_l.append(step.host[r, sel[r, lane, i]])
+        np.testing.assert_array_equal(np.asarray(got.early), want_early)
+        np.testing.assert_array_equal(np.asarray(got.late), want_late)
+        p = np.asarray(got.recall).shape[1]
         assert p >= b * lanes * n and p & (p - 1) == 0
         recall = np.zeros((3, p), np.int64)
         recall[:, : len(dst)] = dst, lane_l, host_l
-        np.testing.assert_array_equal(np.asarray(got["recall"]), recall)
-        assert int(got["count"]) == len(dst)
+        np.testing.assert_array_equal(np.asarray(got.recall), recall)
+        assert int(got.count) == len(dst)
         info = np.concatenate([[len(dst)], hit.sum(axis=(1, 2)), miss.sum(axis=(1, 2)), recall[2], recall[1]])
-        np.testing.assert_array_equal(np.asarray(got["info"]), info)
+        np.testing.assert_array_equal(np.asarray(got.info), info)
         if mode == "none":
             np.testing.assert_array_equal(np.asarray(key), np.asarray(key0))

@@ -335,11 +335,11 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         add(pre, sl_n)
         _, q, _, plan_out, _ = out_shapes(pre)
         q, plan_spec = specs_of(q), specs_of(plan_out)
-        n_sel = plan_spec["early"][0].shape[-1] * plan.lanes  # entries a row lists: its whole selection
+        n_sel = plan_spec.early[0].shape[-1] * plan.lanes  # entries a row lists: its whole selection
         rows = len(members)
         per_row = min(float(recall) / rows, n_sel) if recall else 0.0  # misses per real row
         early_valid = ((ATTENTION[0], rows * (n_sel - per_row) / (bp * n_sel)),)
-        attend = es.program("attend", group, layer_ops.attend, (q, kv, plan_spec["early"]), {"attention": es.attention},
+        attend = es.program("attend", group, layer_ops.attend, (q, kv, plan_spec.early), {"attention": es.attention},
                             pallas=ATTENTION, valid=early_valid)
         early = specs_of(out_shapes(attend))
         staging = None
