@@ -110,16 +110,14 @@ def engine_for(model, system: str, base: dict, replay: dict | None, cache: dict,
     it and allocates its own): pinning tens of GiB per system would cost more than the decode steps measured.
     `overrides` (EngineConfig fields) win over the system's own settings."""
     from bench.synthetic import SyntheticKVEngine
-    from bench.traces import replay_decoder
+    from bench.traces import ReplaySelector
     from pulseinfer_jax import EngineConfig
 
     cfg = EngineConfig.of(**{**base, **SYSTEMS[system], **(overrides or {})})  # over base: a system's own settings
     if system == "pulseinfer-min-reuse":
         cfg = cfg.with_settings(slot_cache_blocks=cfg.budget_blocks - cfg.offload.sink_blocks - cfg.window_blocks)
-    attrs = {}
-    if replay is not None and cfg.mode != "dense":
-        attrs["decoder_class"] = replay_decoder(replay[cfg.ablation.selection])
-    eng = type("BenchEngine", (SyntheticKVEngine,), attrs)(model, cfg)
+    selector = ReplaySelector(replay[cfg.ablation.selection]) if replay is not None and cfg.mode != "dense" else None
+    eng = SyntheticKVEngine(model, cfg, selector=selector)
     eng.host_pool = cache.pop("host_pool", None)
     return eng, cfg
 

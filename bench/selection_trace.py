@@ -34,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from bench.common import RESULTS, write_result  # noqa: E402
-from bench.traces import RecordingDecoder, Trace  # noqa: E402
+from bench.traces import RecordingSelector, Trace  # noqa: E402
 from pulseinfer_jax.config import EngineConfig  # noqa: E402
 
 LICENSES = pathlib.Path("/usr/share/common-licenses")
@@ -62,17 +62,18 @@ def load_prompts(model, lengths: list[int]) -> tuple[list[list[int]], list[str]]
 
 
 def record(model, prompts: list[list[int]], steps: int, base: dict, selection: str, synthetic: bool):
-    """Decode all prompts together for `steps` tokens in an offloaded engine that records its selections."""
+    """Decode all prompts together for `steps` tokens in an offloaded engine that records its selections: (the
+    recorder, the engine's sparse pipeline)."""
     from bench.synthetic import SyntheticKVEngine
     from pulseinfer_jax import Engine, SamplingParams
 
     cls = SyntheticKVEngine if synthetic else Engine
-    eng = type("RecordingEngine", (cls,), {"decoder_class": RecordingDecoder})(
-        model, EngineConfig.of(**base, mode="offload", selection=selection))
+    recorder = RecordingSelector()
+    eng = cls(model, EngineConfig.of(**base, mode="offload", selection=selection), selector=recorder)
     sp = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     reqs = [eng.make_request(i, p, sp) for i, p in enumerate(prompts)]
     list(eng.run(reqs))
-    return eng.sparse
+    return recorder, eng.sparse
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
@@ -164,11 +165,11 @@ def main() -> int:
                     budget_tokens=budget, max_batch=len(prompts), progress=False, **scoring)
         for synthetic in ([False] if args.no_synthetic else [False, True]):
             t0 = time.perf_counter()
-            dec = record(model, prompts, args.steps, base, selection, synthetic)
+            recorder, dec = record(model, prompts, args.steps, base, selection, synthetic)
             meta = {"model": args.model or "SmolLM2-135M-Instruct (GGUF)", "prompts": names,
                     "prompt_tokens": lengths, "kv": "synthetic random" if synthetic else "real prefill",
                     "scoring": scoring}
-            tr = dec.trace(list(range(len(prompts))), args.steps, meta)
+            tr = recorder.trace(list(range(len(prompts))), args.steps, meta)
             unit = dec.pool.layer_block_bytes if selection == "solohead" else dec.pool.unit_bytes
             row = {"budget_tokens": budget, "selection": selection, "kv": meta["kv"], **analyse(tr, unit),
                    "seconds": time.perf_counter() - t0}

@@ -27,7 +27,7 @@ import pathlib
 import numpy as np
 from pulseinfer_jax.host_offload.blocks import blocks_for
 
-from pulseinfer_jax.pipeline import SparseDecoder
+from pulseinfer_jax.selector import Selector
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,33 +58,32 @@ def load_trace(path: str | pathlib.Path) -> Trace:
 
 
 # ---- recording -------------------------------------------------------------------------------------------
-class RecordingDecoder(SparseDecoder):
-    """A SparseDecoder that records every selection it plans (middle blocks per lane) and the slot-cache hits
-    and misses per layer; `trace(requests)` assembles them. Decodes exactly like its parent."""
+class RecordingSelector(Selector):
+    """Records every selection the engine plans (middle blocks per lane) and the slot-cache hits and misses per
+    layer; `trace(requests)` assembles them. Selects nothing itself: the engine decodes as it would."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self):
         self.recorded_steps: dict[int, int] = {}  # request owner -> decode steps done
         self.records: dict[tuple[int, int, int], tuple[list[list[int]], int, int]] = {}
         self.blocks_at: dict[tuple[int, int], int] = {}
 
-    def decode(self, kv, sparse, tokens, lengths):
+    def begin_step(self, sparse, lengths):
         for s, length in zip(sparse, lengths, strict=True):
             self.blocks_at[(s.owner, self.recorded_steps.get(s.owner, 0))] = blocks_for(length, self.plan.block_size)
-        out = super().decode(kv, sparse, tokens, lengths)
+
+    def end_step(self, sparse):
         for s in sparse:
             self.recorded_steps[s.owner] = self.recorded_steps.get(s.owner, 0) + 1
-        return out
 
-    def _observe_layer(self, sl, sparse, lengths, sel, info):
+    def observe(self, sparse_layer, sparse, lengths, sel, hits, misses):
         p = self.plan
         sel = np.asarray(sel)
         for b, s in enumerate(sparse):
             n = blocks_for(lengths[b], p.block_size)
             lanes = [[int(j) for j in sel[b, lane] if p.sink_blocks <= j < n - p.window_blocks]
                      for lane in range(p.lanes)]
-            self.records[(s.owner, self.recorded_steps.get(s.owner, 0), sl)] = (
-                lanes, int(info.hits[b]), int(info.misses[b]))
+            self.records[(s.owner, self.recorded_steps.get(s.owner, 0), sparse_layer)] = (
+                lanes, int(hits[b]), int(misses[b]))
 
     def trace(self, owners: list[int], steps: int, meta: dict) -> Trace:
         """The first `steps` decode steps of the requests `owners` (in that order) as a Trace."""
@@ -134,52 +133,60 @@ class BlockMap:
         return np.where(o < self.mid_t0, stretched, later)
 
 
-def replay_decoder(trace: Trace, base: type[SparseDecoder] = SparseDecoder) -> type[SparseDecoder]:
-    """A `base` subclass whose selections are the trace's (see the module docstring): request with owner i
-    replays trace request i % R from its first decode step (wrapping after T steps), sparse layer l replays the
-    trace layer at the same relative depth, lane h replays lane h % S. Sinks and window stay the engine's own."""
+class ReplaySelector(Selector):
+    """Selections from a recorded trace (see the module docstring): request with owner i replays trace request i % R
+    from its first decode step (wrapping after T steps), sparse layer l replays the trace layer at the same relative
+    depth, lane h replays lane h % S. Sinks and window stay the engine's own. `record`: also record what ran."""
 
-    class ReplayDecoder(base):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            p, m = self.plan, trace.meta
-            if p.middle_blocks != trace.middle_blocks or p.block_size != m["block_size"]:
-                raise ValueError(f"the trace selects {trace.middle_blocks} middle blocks of {m['block_size']} tokens; "
-                                 f"this engine {p.middle_blocks} of {p.block_size}: record the trace at the same "
-                                 "budget_tokens, block_size, sink_blocks and window_tokens")
-            self.replayed_steps: dict[int, int] = {}
-            self.maps: dict[int, BlockMap] = {}
+    def __init__(self, trace: Trace, record: RecordingSelector | None = None):
+        self.trace_in, self.record = trace, record
+        self.replayed_steps: dict[int, int] = {}
+        self.maps: dict[int, BlockMap] = {}
 
-        def decode(self, kv, sparse, tokens, lengths):
-            p = self.plan
-            r_count, t_count = trace.sel.shape[:2]
-            for s, length in zip(sparse, lengths, strict=True):
-                if s.owner not in self.maps:
-                    t0 = int(trace.num_blocks[s.owner % r_count, 0])
-                    n = blocks_for(length, p.block_size)
-                    self.maps[s.owner] = BlockMap(p.sink_blocks, t0 - p.sink_blocks - p.window_blocks,
-                                                  n - p.sink_blocks - p.window_blocks)
-            out = super().decode(kv, sparse, tokens, lengths)
-            for s in sparse:
-                self.replayed_steps[s.owner] = self.replayed_steps.get(s.owner, 0) + 1
-            return out
+    def bind(self, plan):
+        super().bind(plan)
+        trace, m = self.trace_in, self.trace_in.meta
+        if plan.middle_blocks != trace.middle_blocks or plan.block_size != m["block_size"]:
+            raise ValueError(f"the trace selects {trace.middle_blocks} middle blocks of {m['block_size']} tokens; "
+                             f"this engine {plan.middle_blocks} of {plan.block_size}: record the trace at the same "
+                             "budget_tokens, block_size, sink_blocks and window_tokens")
+        if self.record is not None:
+            self.record.bind(plan)
 
-        def _override(self, sparse, tables, bp):
-            """This step's middle blocks of every sparse layer from the trace, mapped onto each request's context:
-            [sparse layers, bp, lanes, M] (-1 padded); the device merges them with its own sinks and window."""
-            p = self.plan
-            r_count, t_count, ls_t, s_t, m = trace.sel.shape
-            tl = np.round(np.arange(p.sparse_layers) * (ls_t - 1) / max(1, p.sparse_layers - 1)).astype(int)
-            lanes = np.arange(p.lanes) % s_t
-            out = np.full((p.sparse_layers, bp, p.lanes, m), -1, np.int32)
-            for b, s in enumerate(sparse):
-                src = trace.sel[s.owner % r_count, self.replayed_steps.get(s.owner, 0) % t_count]  # [Ls_t, S_t, M]
-                src = src[tl][:, lanes].astype(np.int64)  # [SL, S, M]
-                bm = self.maps[s.owner]
-                mapped = bm(src)
-                n = blocks_for(int(tables.lengths[b]), p.block_size)
-                ok = (src >= 0) & (mapped >= p.sink_blocks) & (mapped < n - p.window_blocks)
-                out[:, b] = np.where(ok, mapped, -1)
-            return out
+    def begin_step(self, sparse, lengths):
+        p, trace = self.plan, self.trace_in
+        for s, length in zip(sparse, lengths, strict=True):
+            if s.owner not in self.maps:
+                t0 = int(trace.num_blocks[s.owner % trace.sel.shape[0], 0])
+                n = blocks_for(length, p.block_size)
+                self.maps[s.owner] = BlockMap(p.sink_blocks, t0 - p.sink_blocks - p.window_blocks,
+                                              n - p.sink_blocks - p.window_blocks)
+        if self.record is not None:
+            self.record.begin_step(sparse, lengths)
 
-    return ReplayDecoder
+    def end_step(self, sparse):
+        for s in sparse:
+            self.replayed_steps[s.owner] = self.replayed_steps.get(s.owner, 0) + 1
+        if self.record is not None:
+            self.record.end_step(sparse)
+
+    def observe(self, sparse_layer, sparse, lengths, sel, hits, misses):
+        if self.record is not None:
+            self.record.observe(sparse_layer, sparse, lengths, sel, hits, misses)
+
+    def override(self, sparse, lengths, bp):
+        """This step's middle blocks of every sparse layer from the trace, mapped onto each request's context:
+        [sparse layers, bp, lanes, M] (-1 padded); the device merges them with its own sinks and window."""
+        p, trace = self.plan, self.trace_in
+        r_count, t_count, ls_t, s_t, m = trace.sel.shape
+        tl = np.round(np.arange(p.sparse_layers) * (ls_t - 1) / max(1, p.sparse_layers - 1)).astype(int)
+        lanes = np.arange(p.lanes) % s_t
+        out = np.full((p.sparse_layers, bp, p.lanes, m), -1, np.int32)
+        for b, s in enumerate(sparse):
+            src = trace.sel[s.owner % r_count, self.replayed_steps.get(s.owner, 0) % t_count]  # [Ls_t, S_t, M]
+            src = src[tl][:, lanes].astype(np.int64)  # [SL, S, M]
+            mapped = self.maps[s.owner](src)
+            n = blocks_for(int(lengths[b]), p.block_size)
+            ok = (src >= 0) & (mapped >= p.sink_blocks) & (mapped < n - p.window_blocks)
+            out[:, b] = np.where(ok, mapped, -1)
+        return out

@@ -27,6 +27,7 @@ from pulseinfer_jax.models.loading import LoadedModel
 from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
 from pulseinfer_jax.sampling import SamplingParams, greedy_sample, sample
 from pulseinfer_jax.scheduler import FixedStepTime, Request, Scheduler, Status
+from pulseinfer_jax.selector import Selector
 from pulseinfer_jax.sparse import BlockScoring
 
 CPU_NOMINAL_H2D = 16e9  # IOAA's bandwidth off-GPU, where "host to device" is a memcpy (meaningless for timing)
@@ -44,9 +45,8 @@ class TokenEvent:
 
 
 class Engine:
-    decoder_class = None  # pipeline.SparseDecoder or a subclass (benchmarks record/replay selections with one)
-
-    def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig(), device: jax.Device | None = None):
+    def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig(), device: jax.Device | None = None,
+                 selector: Selector | None = None):
         self.model = model
         self.config = config
         self.device = device or jax.devices()[0]
@@ -71,6 +71,7 @@ class Engine:
         self.host_pool = None  # host_offload.HostKVPool (modes offload / auto)
         self.scratch: list[int] = []  # GPU blocks outside the allocator that offloaded prompts prefill into
         self.sparse = None  # pipeline.SparseDecoder
+        self.selector = selector  # where sparse layers' middle blocks come from (None: the scorer; selector.py)
         self.h2d_bytes_per_s: float | None = config.offload.h2d_bytes_per_s
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids if model.tokenizer else model.cfg.eos_token_ids)
 
@@ -170,10 +171,10 @@ class Engine:
         else:
             self.host_pool.reset_allocator()
         if self.sparse is None or self.sparse.plan != plan or self.sparse.nb != num_blocks:
-            cls = self.decoder_class or SparseDecoder
-            self.sparse = cls(self.transformer, self.model.params, plan, cfg.offload, self.backends, self.host_pool,
-                              num_blocks, self.device, split_weights=lambda: self.layer_params,
-                              max_requests=cfg.max_batch)
+            self.sparse = SparseDecoder(self.transformer, self.model.params, plan, cfg.offload, self.backends,
+                                        self.host_pool, num_blocks, self.device,
+                                        split_weights=lambda: self.layer_params, max_requests=cfg.max_batch,
+                                        selector=self.selector)
 
     def _h2d_bandwidth(self) -> float:
         if self.h2d_bytes_per_s is None:

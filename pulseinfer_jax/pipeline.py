@@ -61,6 +61,7 @@ from pulseinfer_jax.host_offload.host_pool import HostKVPool
 from pulseinfer_jax.host_offload.memory import zeros_on
 from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.models.transformer import Transformer, head_params, split_layers
+from pulseinfer_jax.selector import Selector
 from pulseinfer_jax.slot_plan import SlotStep
 from pulseinfer_jax.sparse import BlockScoring
 from pulseinfer_jax.step_inputs import StepTables, micro_batch_inputs, slot_step_inputs
@@ -73,7 +74,8 @@ class SparseDecoder:
 
     def __init__(self, model: Transformer, params: dict, plan: SparsePlan, offload: OffloadConfig,
                  backends: ResolvedBackends, pool: HostKVPool, num_gpu_blocks: int, device: jax.Device,
-                 split_weights: Callable[[], list[dict]] | None = None, max_requests: int = 8):
+                 split_weights: Callable[[], list[dict]] | None = None, max_requests: int = 8,
+                 selector: Selector | None = None):
         c = model.cfg
         ab = offload.ablation
         if ab.solohead == "retrieval_head" and (ab.retrieval_heads is None
@@ -81,6 +83,8 @@ class SparseDecoder:
             raise ValueError(f"solohead='retrieval_head' needs retrieval_heads: one KV head per sparse layer "
                              f"({plan.sparse_layers}); calibrate them with sparse.calibrate_retrieval_head")
         self.model, self.params, self.plan, self.ablation = model, params, plan, ab
+        self.selector = selector or Selector()  # the scorer's selection, or a strategy given to the engine
+        self.selector.bind(plan)
         # as resolved for the device: the scoring (its key-bounds dtype), the attention, the batch split
         self.scoring: BlockScoring = backends.scoring
         self.attention: str = backends.sparse_attention
@@ -207,6 +211,7 @@ class SparseDecoder:
                ) -> tuple[jax.Array, np.ndarray]:
         """One decode step: the token tokens[i] sits at position lengths[i] - 1 of request sparse[i].
         Returns (kv, logits [len(sparse), V] numpy)."""
+        self.selector.begin_step(sparse, lengths)
         write_back, meta = [], []
         for s, length in zip(sparse, lengths, strict=True):
             for j, blk in s.advance(length):
@@ -235,6 +240,7 @@ class SparseDecoder:
                               "h2d_bytes": self.pool.h2d_bytes - bytes0,
                               "recall_wait_s": waited})
         logits = np.concatenate([np.asarray(outs[i])[: len(g)] for i, g in enumerate(groups)])
+        self.selector.end_step(sparse)
         return kv, logits
 
     def _drive(self, coros: dict[int, Generator[Stop, None, None]], members: dict[int, list[SparseKV]]) -> float:
@@ -301,7 +307,7 @@ class SparseDecoder:
                 else None
             yield "select", plan.info, None
             info = self._read_plan(np.asarray(plan.info), sparse, bp)
-            self._observe_layer(sl, sparse, lengths, sel, info)
+            self.selector.observe(sl, sparse, lengths, sel, info.hits, info.misses)
             staging = self._issue_recall(sl, info, sparse)
             lid = self._layer_ids[layer]
             # late entries per lane: as many as the micro-batch's misses (rounded up), never more than the selection.
@@ -334,7 +340,7 @@ class SparseDecoder:
         device; the padding rows use the slot table's last row (see _prepare_slots)."""
         stamp = self.slot_state[0]
         step = slot_step_inputs(sparse, tables, bp, stamp.shape[1], stamp.shape[3],
-                                self._override(sparse, tables, bp))
+                                self.selector.override(sparse, tables.lengths, bp))
         return step.on(self.device)
 
     def _prepare_slots(self, sparse: list[SparseKV]) -> None:
@@ -360,15 +366,6 @@ class SparseDecoder:
             new = tuple(n.at[:, :have].set(o) for n, o in zip(new, self.slot_state, strict=True))
         self.slot_state = tuple(jax.device_put(a, self.device) for a in new)
 
-    def _override(self, sparse: list[SparseKV], tables: StepTables, bp: int) -> np.ndarray | None:
-        """Middle blocks to select instead of the scorer's, [sparse layers, bp, lanes, M] (-1 padded), or None (the
-        engine: its own selection). The throughput bench's replay decoder overrides this."""
-        return None
-
-    def _observe_layer(self, sl: int, sparse: list[SparseKV], lengths: list[int], sel: jax.Array,
-                       info: PlanInfo) -> None:
-        """Called once per sparse layer and micro-batch after the plan reached the host (the trace recorder
-        overrides it; `sel` is still on the device)."""
 
     def _read_plan(self, info: np.ndarray, sparse: list[SparseKV], bp: int) -> PlanInfo:
         """The plan's host part (`slot_plan.layer_plan`'s info) unpacked; counts each request's reuse."""

@@ -8,7 +8,7 @@ import pytest
 from pulseinfer_jax.host_offload.blocks import blocks_for
 
 from bench.synthetic import SyntheticKVEngine, fill_random_kv
-from bench.traces import BlockMap, RecordingDecoder, load_trace, replay_decoder
+from bench.traces import BlockMap, RecordingSelector, ReplaySelector, load_trace
 from pulseinfer_jax import Engine, EngineConfig, SamplingParams
 
 BASE = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1,
@@ -20,12 +20,15 @@ def _prompts(vocab, lengths, seed=0):
     return [rng.integers(3, vocab, n).tolist() for n in lengths]
 
 
-def _record(model, prompts, steps, cls=Engine, decoder=RecordingDecoder, **kw):
-    eng = type("E", (cls,), {"decoder_class": decoder})(model, EngineConfig.of(**{**BASE, **kw}))
+def _record(model, prompts, steps, cls=Engine, replay=None, **kw):
+    """Decode `prompts` for `steps` tokens recording every selection (replaying trace `replay` if given)."""
+    recorder = RecordingSelector()
+    selector = recorder if replay is None else ReplaySelector(replay, record=recorder)
+    eng = cls(model, EngineConfig.of(**{**BASE, **kw}), selector=selector)
     reqs = [eng.make_request(i, p, SamplingParams(max_new_tokens=steps + 1, ignore_eos=True))
             for i, p in enumerate(prompts)]
     list(eng.run(reqs))
-    return eng.sparse.trace(list(range(len(prompts))), steps, {"model": "tiny4"})
+    return recorder.trace(list(range(len(prompts))), steps, {"model": "tiny4"})
 
 
 def test_block_map_stretches_keeps_identity_and_is_injective():
@@ -55,7 +58,7 @@ def test_trace_records_and_replays_exactly(tiny4, tmp_path, selection):
     other = _record(tiny4, _prompts(v, (70, 53), seed=5), 10, selection=selection)
     assert not (other.sel == tr.sel).all()  # the other prompts select otherwise on their own
     replayed = _record(tiny4, _prompts(v, (70, 53), seed=5), 10, selection=selection,
-                       decoder=replay_decoder(tr2, base=RecordingDecoder))
+                       replay=tr2)
     assert (replayed.sel == tr.sel).all()
     assert (replayed.hits == tr.hits).all() and (replayed.misses == tr.misses).all()
 
@@ -63,7 +66,7 @@ def test_trace_records_and_replays_exactly(tiny4, tmp_path, selection):
 def test_replay_maps_onto_longer_contexts(tiny4):
     v = tiny4.cfg.vocab_size
     tr = _record(tiny4, _prompts(v, (60,)), 6)
-    replayed = _record(tiny4, _prompts(v, (150,), seed=3), 6, decoder=replay_decoder(tr, base=RecordingDecoder))
+    replayed = _record(tiny4, _prompts(v, (150,), seed=3), 6, replay=tr)
     sink, win = 1, 2
     m = BlockMap(sink, int(tr.num_blocks[0, 0]) - sink - win, int(replayed.num_blocks[0, 0]) - sink - win)
     for t in range(6):
@@ -75,8 +78,7 @@ def test_replay_maps_onto_longer_contexts(tiny4):
 
 def test_replay_refuses_a_trace_of_another_budget(tiny4):
     tr = _record(tiny4, _prompts(tiny4.cfg.vocab_size, (60,)), 3)
-    eng = type("E", (Engine,), {"decoder_class": replay_decoder(tr)})(
-        tiny4, EngineConfig.of(**{**BASE, "budget_tokens": 48}))
+    eng = Engine(tiny4, EngineConfig.of(**{**BASE, "budget_tokens": 48}), selector=ReplaySelector(tr))
     req = eng.make_request(0, [5] * 60, SamplingParams(max_new_tokens=3))
     with pytest.raises(ValueError, match="record the trace at the same budget_tokens"):
         list(eng.run([req]))
