@@ -20,7 +20,7 @@ from pulseinfer_jax.backends import plan_backends
 from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.engine import Engine
 from pulseinfer_jax.models.loading import LoadedModel, load_model
-from pulseinfer_jax.options import flat_names, flatten
+from pulseinfer_jax.options import flat_names, flatten, unknown_name
 from pulseinfer_jax.sampling import SamplingParams
 from pulseinfer_jax.scheduler import Request
 
@@ -92,11 +92,8 @@ def resolve_options(options: GenerateOptions | None, engine_config: EngineConfig
         elif name in engine_names:
             eng_kw[name] = value
         else:
-            import difflib
-
-            close = difflib.get_close_matches(name, [*OPTION_NAMES, *engine_names], n=3)
-            raise TypeError(f"unknown option {name!r}" + (f"; did you mean {' or '.join(close)}?" if close else
-                                                           "; see GenerateOptions and EngineConfig.of"))
+            raise TypeError(unknown_name(name, [*OPTION_NAMES, *engine_names],
+                                         "see GenerateOptions and EngineConfig.of"))
     if options is not None and not isinstance(options, GenerateOptions):
         raise TypeError(f"options must be a GenerateOptions, got {type(options).__name__}")
     if engine_config is not None and not isinstance(engine_config, EngineConfig):
@@ -111,7 +108,8 @@ def resolve_options(options: GenerateOptions | None, engine_config: EngineConfig
 def _engine_for(model: Any, opts: GenerateOptions, config: EngineConfig | None) -> Engine:
     if isinstance(model, Engine):  # used as it is: its compiled code, pools and config
         if config is not None and config != model.config:
-            changed = sorted(k for k, v in flatten(config).items() if flatten(model.config)[k] != v)
+            have = flatten(model.config)
+            changed = sorted(k for k, v in flatten(config).items() if have[k] != v)
             raise ValueError(f"model is an Engine built with a different config ({', '.join(changed)} differ); pass "
                              "the engine alone to use it as it is, or build Engine(engine.model, new_config)")
         _check_dtype(opts, model.model)
@@ -244,8 +242,8 @@ def _stats(r: Request, t_start: float, engine: Engine, chat: bool) -> dict[str, 
         "total_s": r.t_done - t_start,
         "mode": r.placement or "dense",
         "offloaded": r.sparse is not None and engine.config.ablation.placement == "host",
-        **engine.backends.as_dict(),
         **_io_stats(r, engine),
+        **engine.backends.as_dict(),  # last: what ran (e.g. the key-bounds dtype after a fallback) over the config
     }
 
 
@@ -263,7 +261,6 @@ def _io_stats(r: Request, engine: Engine) -> dict[str, Any]:
     }
     if c is not None:
         out.update(flatten(engine.config.offload))
-        out["score_bounds_dtype"] = engine.scoring.bounds_dtype  # (after any fallback on a GPU)
     return out
 
 

@@ -119,7 +119,7 @@ def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBack
     b, why, dtype = config.backends, list(r.reasons), model.dtype
     attention, sparse, scoring, host_io, moe = r.decode_attention, r.sparse_attention, r.scoring, r.host_io, r.moe
     if b.decode_attention == "auto":
-        err = probe_pallas(device, dtype, scoring if scoring is not None else BlockScoring())
+        err = probe_pallas(device, dtype, scoring)  # (dense mode: no scoring to check)
         if err is not None and scoring is not None and scoring.bounds_dtype != "kv":
             exact = dataclasses.replace(scoring, bounds_dtype="kv")
             if probe_pallas(device, dtype, exact) is None:
@@ -129,14 +129,13 @@ def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBack
             why.append(f"decode_attention jnp: the Pallas kernels failed their check ({err})")
             attention, sparse = "jnp", ("jnp" if sparse is not None else None)
     if host_io is not None and b.host_io == "auto":
-        from pulseinfer_jax.host_offload.host_pool import probe_host_io
+        from pulseinfer_jax.host_offload.host_pool import resolve_host_io
 
         c = model.cfg
-        err = probe_host_io(device, block_size=config.block_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                            dtype=dtype)
+        host_io, err = resolve_host_io(b.host_io, device, on_gpu=True, block_size=config.block_size,
+                                       num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=dtype)
         if err is not None:
             why.append(f"host_io numpy: pinned-host transfers failed their check ({err}); pageable RAM, slower")
-            host_io = "numpy"
     if moe is not None and moe.grouped_kernel == "pallas":
         from pulseinfer_jax.models.moe import probe_grouped_kernel
 
@@ -150,11 +149,12 @@ def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBack
                                host_io=host_io, moe=moe, reasons=tuple(why))
 
 
-def probe_pallas(device: jax.Device, dtype=None, scoring: BlockScoring = BlockScoring(), *,
+def probe_pallas(device: jax.Device, dtype=None, scoring: BlockScoring | None = BlockScoring(), *,
                  interpret: bool = False) -> str | None:
     """Run the sparse decode attention and block-scoring kernels once on `device` at tiny shapes in the KV dtype
     (default bfloat16) with the engine's block scoring (key bounds in its metadata dtype; per query head and per KV
-    head; its beta and sub-blocks), each against its jnp reference. None if they run and agree, else what failed.
+    head; its beta and sub-blocks; None: the attention only), each against its jnp reference. None if they run and
+    agree, else what failed.
     (`interpret`: run the kernels interpreted, to test the check off a GPU.)"""
     import pulseinfer_jax.pallas_kernels.block_scoring as bsc
     import pulseinfer_jax.pallas_kernels.sparse_decode_attention as sda
@@ -171,6 +171,8 @@ def probe_pallas(device: jax.Device, dtype=None, scoring: BlockScoring = BlockSc
             want = sda.sparse_decode_attention_reference(q, pool, ids, lens)[0]
             if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2):
                 return "sparse_decode_attention disagrees with its jnp reference"
+            if scoring is None:
+                return None
             meta_dtype = scoring.metadata_dtype(dtype)
             lo = jnp.asarray(rng.standard_normal((4 * scoring.sub_blocks, 2, 64)), meta_dtype)
             hi = jnp.asarray(np.asarray(lo, np.float32) + 1.0, meta_dtype)

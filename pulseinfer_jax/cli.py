@@ -67,7 +67,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         flag, default = "--" + leaf.flat.replace("_", "-"), leaf.field.default
         text = leaf.help.replace("%", "%%")  # (argparse formats help with %)
         suffix = "" if default is None else f" (default: {default})"  # (a None default's help says what it means)
-        if leaf.type is bool or leaf.type == "bool":
+        if leaf.type is bool:
             g.add_argument(flag, dest=leaf.flat, action=argparse.BooleanOptionalAction, default=None,
                            help=f"{text} (default: {'on' if default else 'off'})")
         elif leaf.choices is not None:

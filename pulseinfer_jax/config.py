@@ -112,7 +112,6 @@ class OffloadConfig:
                              f"({middle} blocks)")
         if self.host_kv_tokens is not None and self.host_kv_tokens < bs:
             raise ValueError(f"host_kv_tokens={self.host_kv_tokens} must be >= block_size={bs}")
-        self.scoring.check_block_size(bs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +161,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} must be >= block_size={bs}")
         if self.gpu_kv_budget is not None:
             _positive_int("gpu_kv_budget", self.gpu_kv_budget)
-        self.offload.scoring.check_block_size(bs)
+        self.offload.scoring.check_block_size(bs)  # (in every mode: a bad score_sub_blocks is refused even dense)
         if self.mode != "dense":  # the offload settings matter (and are checked) only when sparse decode can run
             self.offload.check_blocks(bs)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 import sys
@@ -42,17 +41,13 @@ def run_demo(model=None, dtype: str = "float32", tokens: int = 2000, depth: floa
     """Load the model, build the haystack, generate greedily; print answer and timing. True if found.
     `config`: an EngineConfig (e.g. mode="offload"); default: dense, progress bar on."""
     from pulseinfer_jax.api import generate_long
+    from pulseinfer_jax.cli import load_for, say  # status lines on stderr, as it happens
     from pulseinfer_jax.config import EngineConfig
-    from pulseinfer_jax.models.loading import load_model
 
     config = config or EngineConfig.of(progress=True)
-
-    say = functools.partial(print, "pulseinfer:", file=sys.stderr, flush=True)  # what is happening, as it happens
-    say(f"loading {model or 'the embedded SmolLM2-135M-Instruct'} ({dtype}) ...")
     t0 = time.perf_counter()
-    m = load_model(model, dtype=dtype)
+    m = load_for(config, model, dtype)
     load_s = time.perf_counter() - t0
-    say(f"loaded in {load_s:.1f} s")
     if m.tokenizer is None:
         raise ValueError(f"the demo needs a model with a tokenizer; {m.source} has none")
     passkey = random.Random(seed).randint(10000, 99999)

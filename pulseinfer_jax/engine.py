@@ -59,12 +59,10 @@ class Engine:
         # every "auto" backend resolved here, once (checked on the device first on a GPU), logged and reported
         self.backends: ResolvedBackends = resolve_backends(config, self.device, model)
         compile_seconds()  # start counting compile time (step stats leave compiling steps out of TPOT)
-        self.decode_attention = self.backends.decode_attention
-        self.layer_loop = self.backends.layer_loop
         # the jitted model: the loaded one with this engine's MoE options (how expert layers compute on its device)
         moe = self.backends.moe
         self.transformer = model.transformer if moe is None else dataclasses.replace(model.transformer, moe=moe)
-        if self.layer_loop == "layerwise":
+        if self.backends.layer_loop == "layerwise":
             model.unstack()  # every step reads per-layer weights: keep only those (no stacked second copy)
         self._layer_ids: list[jax.Array] | None = None
         self._bars: dict = {}
@@ -74,6 +72,14 @@ class Engine:
         self.selector = selector  # where sparse layers' middle blocks come from (None: the scorer; selector.py)
         self.h2d_bytes_per_s: float | None = config.offload.h2d_bytes_per_s
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids if model.tokenizer else model.cfg.eos_token_ids)
+
+    @property
+    def decode_attention(self) -> str:
+        return self.backends.decode_attention
+
+    @property
+    def layer_loop(self) -> str:
+        return self.backends.layer_loop
 
     @property
     def moe_strategy(self) -> str | None:

@@ -80,10 +80,11 @@ def flat_names(cls: type) -> dict[str, Leaf]:
     return {leaf.flat: leaf for leaf in leaves(cls)}
 
 
-def unknown_name_error(cls: type, name: str, what: str = "option") -> ValueError:
-    close = difflib.get_close_matches(name, list(flat_names(cls)), n=3)
-    hint = f"; did you mean {' or '.join(close)}?" if close else f"; known: {', '.join(flat_names(cls))}"
-    return ValueError(f"unknown {what} {name!r}{hint}")
+def unknown_name(name: str, known: list[str], fallback: str | None = None) -> str:
+    """The message for an unknown setting `name`: the closest `known` names, else `fallback` (default: all of them)."""
+    close = difflib.get_close_matches(name, known, n=3)
+    hint = f"did you mean {' or '.join(close)}?" if close else (fallback or f"known: {', '.join(known)}")
+    return f"unknown option {name!r}; {hint}"
 
 
 def replace_flat(config: Any, values: Mapping[str, Any]) -> Any:
@@ -93,7 +94,7 @@ def replace_flat(config: Any, values: Mapping[str, Any]) -> Any:
     nested: dict[tuple[str, ...], Any] = {}
     for name, value in values.items():
         if name not in by_name:
-            raise unknown_name_error(type(config), name)
+            raise ValueError(unknown_name(name, list(by_name)))
         nested[by_name[name].path] = value
     return _replace_paths(config, nested)
 
