@@ -13,7 +13,7 @@ values. Selection over random keys is arbitrary, so `--replay NAME` makes sparse
 blocks a real model selected (`bench/traces.py`, traces recorded by `bench/selection_trace.py` at the same
 budget); without it the miss pattern is that of random KV (say so).
 
-Memory: `--gpu-kv-budget` caps the GPU KV (pool + offload metadata + prefill scratch), emulating a smaller GPU;
+Memory: `--gpu-kv-budget` caps the GPU KV (pool + offload metadata), emulating a smaller GPU;
 the host pool holds every offloaded request's KV (checked against the machine's free RAM before a point runs:
 a point that would not fit is recorded as skipped, not run). Dense serving admits as many requests as its
 budget holds and queues the rest: "batch reached" is what actually decoded together.

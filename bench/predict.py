@@ -78,7 +78,7 @@ def admission(cfg, model_cfg, prompts: list[int], new: int, h2d: float) -> tuple
 
     from pulseinfer_jax.aot.catalogue import _Request
     from pulseinfer_jax.ioaa import Candidate, IOAAConfig, admit_batch
-    from pulseinfer_jax.offload import pool_sizes
+    from pulseinfer_jax.offload import offload_blocks, pool_sizes
     from pulseinfer_jax.scheduler import FixedStepTime
 
     reqs = [_Request(n, new) for n in prompts]
@@ -93,8 +93,8 @@ def admission(cfg, model_cfg, prompts: list[int], new: int, h2d: float) -> tuple
         else:
             p = sizes.plan
             block_bytes = 2 * cfg.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * 2
-            cands.append(Candidate(i, dense, p.gpu_blocks(r.need_tokens), float(p.middle_blocks * block_bytes
-                                                                                * p.sparse_layers)))
+            cands.append(Candidate(i, dense, offload_blocks(p, r), float(p.middle_blocks * block_bytes
+                                                                        * p.sparse_layers)))
     decisions = dict(admit_batch(cands, mode=cfg.mode, free_blocks=capacity, running=0, offloaded_recall_bytes=0.0,
                                  observed_step_time_s=None, cost=FixedStepTime(cfg.offload.ioaa_step_time_s),
                                  config=IOAAConfig(h2d_bytes_per_s=h2d, slack=cfg.offload.ioaa_slack),
@@ -160,7 +160,7 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
     placements, sizes = admission(cfg, model_cfg, prompts, new, h2d)
     dense_idx = [i for i, p in enumerate(placements) if p == "dense"]
     off_idx = [i for i, p in enumerate(placements) if p == "offload"]
-    nb = sizes.num_blocks + sizes.scratch
+    nb = sizes.num_blocks
     dense_calls, sparse_calls, misses, mbs = [], {}, [], 1
     if dense_idx:
         es = cat.EngineShapes.of(model_cfg, "bfloat16", cfg.with_settings(mode="dense"), **backends)

@@ -35,10 +35,15 @@ class BlockAllocator:
         # Pop from the end: low ids first, which keeps tests readable and allocation deterministic.
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))
         self._owner: dict[int, int] = {}
+        self.peak_used = 0  # high-water mark of blocks handed out at once
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._owner)
 
     @property
     def capacity(self) -> int:
@@ -55,6 +60,7 @@ class BlockAllocator:
         out = [self._free.pop() for _ in range(n)]
         for b in out:
             self._owner[b] = owner
+        self.peak_used = max(self.peak_used, len(self._owner))
         return out
 
     def free(self, blocks: list[int], owner: int) -> None:

@@ -12,6 +12,8 @@ aligned extents of that many rows.
 Transfers (all asynchronous: they return arrays whose copies may still be in flight):
   - `write_back(kv, gpu_blocks, rows)`: device -> host, sparse layers of whole GPU blocks into rows (a block
     leaving the GPU window, or a prompt spilled after prefill): one device gather, one device-to-host copy.
+  - `write_back_units(kv, units, rows, layer)`: device -> host, one pool layer of flat cache units (layer * NB +
+    block) into rows: a prompt's layer as the layer-segmented prefill computes it.
   - `gather_blocks(layer, rows)`: host -> device, coalesced whole blocks: a host gather into one contiguous
     staging buffer `[n, 2, bs, Hkv, hd]` (`stage_blocks`), then ONE host-to-device copy.
   - `gather_units(layer, rows, heads)`: host -> device, coalesced (block, head) units `[n, 2, bs, hd]`
@@ -130,6 +132,21 @@ class HostKVPool:
         self.d2h_bytes += len(rows) * self.shape[0] * self.layer_block_bytes
         self.pool = self.io.write_back(self.pool, kv, blocks, dst, len(rows))
 
+    def write_back_units(self, kv: Float[Array, "L NB 2 bs Hkv hd"], units: list[int], rows: list[int],
+                         layer: int) -> None:
+        """Copy flat units `units` (layer * NB + block) of the cache into host rows `rows` of pool layer `layer`
+        (asynchronous): one layer of a prompt as the layer-segmented prefill computes it."""
+        if not units:
+            return
+        if len(units) != len(rows) or NULL_ROW in rows:
+            raise ValueError(f"write_back_units needs one non-null row per unit, got {units=} {rows=}")
+        if not 0 <= layer < self.shape[0]:
+            raise ValueError(f"pool layer {layer} is outside [0, {self.shape[0]})")
+        src, dst = _pad_pow2(units, rows)
+        self.d2h_copies += 1
+        self.d2h_bytes += len(rows) * self.layer_block_bytes
+        self.pool = self.io.write_back_units(self.pool, kv, src, layer, dst, len(rows))
+
     def stage_blocks(self, layer: int, rows: list[int]):
         """The host half of `gather_blocks`: the blocks gathered into one host staging buffer, padded
         [n, 2, bs, Hkv, hd] (a jax array on pinned_host, or numpy); nothing is counted."""
@@ -209,15 +226,20 @@ def probe_host_io(device: jax.Device, *, block_size: int, num_kv_heads: int, hea
     try:
         pool = HostKVPool(num_rows=4, first_layer=1, num_layers=2, block_size=block_size,
                           num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device, io=io)
-        pool.write_back(jax.device_put(kv_np, device), [1, 3], [1, 3])
+        kv = jax.device_put(kv_np, device)
+        pool.write_back(kv, [1, 3], [1, 3])
         h = num_kv_heads - 1
         got = [np.asarray(pool.gather_blocks(0, [3, 1]))[:2], np.asarray(pool.gather_units(0, [1, 3], [h, 0]))[:2],
                np.asarray(pool.fragment_units(0, [3], [h]))[:1], pool.contents()[0, [1, 2, 3]]]
+        pool.write_back_units(kv, [2, 4 + 1], [2, 1], 0)  # flat units: layer 0 block 2, layer 1 block 1
+        got.append(pool.contents()[0, [1, 2, 3]])
     except Exception as e:  # noqa: BLE001 - any lowering / runtime failure of the backend on this device
         return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     want = [kv_np[1, [3, 1]], np.stack([kv_np[1, 1, :, :, h], kv_np[1, 3, :, :, 0]]), kv_np[1, 3, :, :, h][None],
-            np.stack([kv_np[1, 1], np.zeros_like(kv_np[1, 1]), kv_np[1, 3]])]
-    for name, g, w in zip(("gather_blocks", "gather_units", "fragment_units", "write_back"), got, want, strict=True):
+            np.stack([kv_np[1, 1], np.zeros_like(kv_np[1, 1]), kv_np[1, 3]]),
+            np.stack([kv_np[1, 1], kv_np[0, 2], kv_np[1, 3]])]
+    names = ("gather_blocks", "gather_units", "fragment_units", "write_back", "write_back_units")
+    for name, g, w in zip(names, got, want, strict=True):
         if g.shape != w.shape or g.tobytes() != w.tobytes():
             return f"{name} returned wrong values on {device.platform}"
     return None

@@ -3,9 +3,9 @@
 The fallback where the "xla" backend (pinned_host memory + XLA host computations) does not compile or run
 on a device: the same transfers, counted the same way, through the most portable JAX calls there are.
 
-  - write_back: one gather of the blocks on the device, `copy_to_host_async()` (one device-to-host copy),
-    queued; queued writes land in the numpy pool (numpy assignment) before the next read of the pool, so a
-    block written back this step can be recalled this step.
+  - write_back (and write_back_units, one layer's blocks read from flat units): one gather of the blocks on the
+    device, `copy_to_host_async()` (one device-to-host copy), queued; queued writes land in the numpy pool (numpy
+    assignment) before the next read of the pool, so a block written back this step can be recalled this step.
   - stage_blocks / stage_units: numpy fancy indexing gathers the selected blocks into one fresh contiguous
     staging array; `to_device`: ONE `jax.device_put` of it (PJRT copies pageable memory through its own
     pinned bounce buffer: expect a lower bandwidth than from pinned memory, which `bench/io_sweep.py
@@ -35,7 +35,8 @@ class NumpyHostIO:
     def __init__(self, device: jax.Device, first_layer: int):
         self.dev = device_sharding(device)
         self._stage_on_device = _device_gather(first_layer)
-        self._queued: list[tuple[jax.Array, np.ndarray, np.ndarray]] = []  # (staged [Ls, n, ...], rows, pool)
+        # (staged [Ls, n, ...] or [n, ...], rows, pool, pool layer: None = every sparse layer)
+        self._queued: list[tuple[jax.Array, np.ndarray, np.ndarray, int | None]] = []
 
     # ---- storage -------------------------------------------------------------------------------
     def zeros(self, shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -52,8 +53,11 @@ class NumpyHostIO:
     def land(self) -> None:
         """Write every queued write-back into its pool (waits for their device-to-host copies)."""
         queued, self._queued = self._queued, []
-        for staged, rows, pool in queued:
-            pool[:, rows] = np.asarray(staged)[:, : len(rows)]
+        for staged, rows, pool, layer in queued:
+            if layer is None:
+                pool[:, rows] = np.asarray(staged)[:, : len(rows)]
+            else:
+                pool[layer, rows] = np.asarray(staged)[: len(rows)]
 
     # ---- transfers -----------------------------------------------------------------------------
     def write_back(self, pool: Float[np.ndarray, "Ls R 2 bs Hkv hd"], kv: Float[Array, "L NB 2 bs Hkv hd"],
@@ -61,10 +65,21 @@ class NumpyHostIO:
         """blocks / rows: [n] int32 padded past `count` (padding is not written)."""
         staged = self._stage_on_device(kv, jnp.asarray(blocks))  # [Ls, n, 2, bs, Hkv, hd] on the device
         staged.copy_to_host_async()
-        self._queued.append((staged, np.array(rows[:count]), pool))
+        self._queue(staged, rows[:count], pool, None)
+        return pool
+
+    def write_back_units(self, pool: Float[np.ndarray, "Ls R 2 bs Hkv hd"], kv: Float[Array, "L NB 2 bs Hkv hd"],
+                         units: np.ndarray, layer: int, rows: np.ndarray, count: int) -> np.ndarray:
+        """One pool layer's blocks from flat units of the cache; units / rows padded past `count` (not written)."""
+        staged = _unit_gather(kv, jnp.asarray(units))  # [n, 2, bs, Hkv, hd] on the device
+        staged.copy_to_host_async()
+        self._queue(staged, rows[:count], pool, layer)
+        return pool
+
+    def _queue(self, staged: jax.Array, rows: np.ndarray, pool: np.ndarray, layer: int | None) -> None:
+        self._queued.append((staged, np.array(rows), pool, layer))
         if len(self._queued) >= MAX_QUEUED_WRITES:
             self.land()
-        return pool
 
     def stage_blocks(self, pool: np.ndarray, layer: int, rows: np.ndarray) -> np.ndarray:
         self.land()
@@ -85,6 +100,11 @@ class NumpyHostIO:
         if len(rows) > count:
             units += [jnp.zeros(pool.shape[2:4] + pool.shape[5:], pool.dtype, device=self.dev)] * (len(rows) - count)
         return jnp.stack(units)
+
+
+@jax.jit
+def _unit_gather(kv: Float[Array, "L NB 2 bs Hkv hd"], units: Array) -> Array:
+    return kv.reshape(kv.shape[0] * kv.shape[1], *kv.shape[2:])[units]
 
 
 @functools.cache

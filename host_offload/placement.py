@@ -16,12 +16,14 @@ A *sparse* request decodes with block selection. Its placement is either
         block's host row (kept by the engine, not here).
     When a block leaves the window it is written back to its host row (asynchronously), its metadata is
     computed, and its GPU block becomes the spare.
-    Prefill runs dense through the engine's *prefill scratch*: a run of GPU blocks outside the allocator,
-    sized to the longest prompt, used by one prefill at a time (the engine prefills requests one after
-    another). When the prompt is complete it is spilled: sparse layers to the host rows, dense layers into
-    the packs, resident blocks copied into the request's own blocks, metadata computed; the scratch is then
-    free for the next prompt. So admission reserves only the steady footprint (resident + slots + packs),
-    which is what lets IOAA offload a request when its dense KV no longer fits.
+    The prompt is prefilled layer by layer (pulseinfer_jax/segmented_prefill.py): all chunks of layer l write
+    their K/V into *prefill units* (flat units of the request's own slot blocks, every layer slice of them, empty
+    until decoding starts, plus `scratch_blocks` more GPU blocks when the slots hold fewer than one layer of the
+    prompt), then layer l is spilled: sparse layers to the host rows (with their key metadata), dense layers into
+    the packs, the resident blocks copied into the request's own blocks; layer l + 1 reuses the same units. So the
+    GPU never holds more than one layer of the prompt beyond the steady footprint, and admission reserves only the
+    steady footprint (resident + slots + packs) plus those few scratch blocks, returned when the prefill ends: this
+    is what lets IOAA offload a request whose dense KV does not fit, and a prompt be longer than the GPU holds.
   - "device" (sparse attention without offloading; an ablation and the test oracle for the I/O path): every
     block stays on the GPU like a dense request, selection and attention are the same, nothing is recalled.
     Host rows are still allocated: they index the metadata rows.
@@ -94,8 +96,18 @@ class SparsePlan:
     def pack_blocks(self, n_blocks: int) -> int:
         return -(-n_blocks * self.dense_layers // self.num_layers)
 
+    def scratch_blocks(self, prompt_tokens: int, total_tokens: int) -> int:
+        """GPU blocks a host-placed request holds beyond `gpu_blocks` while its prompt prefills: the prefill units
+        (one layer of the prompt, a unit per logical block) that its own slot blocks' L layer slices cannot hold."""
+        if self.placement == "device":
+            return 0
+        units = blocks_for(prompt_tokens, self.block_size)
+        have = self.slots_for(blocks_for(total_tokens, self.block_size)) * self.num_layers
+        return -(-max(0, units - have) // self.num_layers)
+
     def gpu_blocks(self, total_tokens: int) -> int:
-        """GPU blocks a request of prompt + max new tokens = `total_tokens` owns (the prefill scratch aside)."""
+        """GPU blocks a request of prompt + max new tokens = `total_tokens` owns after its prefill (while it
+        prefills, `scratch_blocks` more)."""
         n = blocks_for(total_tokens, self.block_size)
         if self.placement == "device":
             return n
@@ -134,7 +146,7 @@ class SparseKV:
         self.gpu_of: dict[int, int] = {}  # resident logical block -> GPU block
         self.gpu_arr = np.full(n_max, -1, np.int32)  # the same as an array: GPU block of logical j, -1 = not resident
         self.spare: list[int] = []
-        self.table: list[int] = []  # the prompt's GPU blocks during prefill
+        self.table: list[int] = []  # device placement: the request's GPU blocks (logical block j in table[j])
         slots = plan.slots_for(n_max)
         # the slot caches of every sparse layer and lane live on the device, one table row per request
         # (pulseinfer_jax/slot_plan.py; the engine hands out the rows). Device placement keeps them as bookkeeping
@@ -156,21 +168,29 @@ class SparseKV:
         self._pack_arr = np.asarray(self.packs, np.int32)
 
     # ---- prefill -------------------------------------------------------------------------------
-    def prefill_table(self, scratch: list[int], prompt_tokens: int) -> list[int]:
-        """GPU blocks the prompt is prefilled into: the engine's scratch (host placement) or its own blocks."""
-        if self.plan.placement == "host":
-            need = blocks_for(prompt_tokens, self.plan.block_size)
-            if need > len(scratch):
-                raise ValueError(f"request {self.owner}: a {prompt_tokens}-token prompt needs {need} prefill scratch "
-                                 f"blocks, the engine has {len(scratch)}")
-            self.table = list(scratch[:need])
+    def prefill_table(self) -> list[int]:
+        """Device placement: the GPU blocks the prompt is prefilled into (its own, as a dense request's)."""
+        if self.plan.placement != "device":
+            raise ValueError(f"request {self.owner}: host-placed prompts prefill layer by layer (prefill_units)")
         return self.table
 
+    def prefill_units(self, scratch: list[int], num_gpu_blocks: int, prompt_tokens: int) -> np.ndarray:
+        """Host placement: the flat unit (layer * NB + block) holding logical block j of the layer being prefilled,
+        j < blocks of the prompt: every layer slice of the slot blocks, then of `scratch` (the request's extra
+        prefill blocks, `SparsePlan.scratch_blocks` of them). Nothing else is written there before decoding starts."""
+        n = blocks_for(prompt_tokens, self.plan.block_size)
+        blocks = np.asarray(self.slot_blocks + list(scratch), np.int64)
+        units = (np.arange(self.plan.num_layers)[None, :] * num_gpu_blocks + blocks[:, None]).reshape(-1)
+        if len(units) < n:
+            raise ValueError(f"request {self.owner}: a {prompt_tokens}-token prompt needs {n} prefill units, its "
+                             f"{len(blocks)} slot and scratch blocks hold {len(units)}")
+        return units[:n].astype(np.int32)
+
     def prefill_done(self, prompt_tokens: int) -> tuple[list[int], list[int], list[tuple[int, int]]]:
-        """After the prompt's KV is in `prefill_table()`: returns (logical blocks to write to their host rows,
-        logical blocks whose metadata to compute (the full ones outside sinks and window), (prefill block,
-        own block) copies that move the resident blocks out of the scratch). The caller reads the prefill
-        blocks for all three before the scratch is reused."""
+        """The prompt's blocks take their roles: returns (logical blocks to write to their host rows, logical blocks
+        whose metadata to compute (the full ones outside sinks and window), (logical block, own GPU block) of the
+        resident blocks, which take a copy of the prompt's KV there). Host placement calls it before the prefill
+        (segmented_prefill.py spills each layer as it is computed); nothing here reads the KV."""
         p = self.plan
         n = blocks_for(prompt_tokens, p.block_size)
         self.num_blocks = n
@@ -182,7 +202,7 @@ class SparseKV:
         keep = [j for j in range(n) if j < p.sink_blocks or j >= n - p.window_blocks]
         self.gpu_of = {j: self.spare.pop() for j in keep}
         self.gpu_arr[keep] = [self.gpu_of[j] for j in keep]
-        return list(range(n)), middle, [(self.table[j], self.gpu_of[j]) for j in keep]
+        return list(range(n)), middle, [(j, self.gpu_of[j]) for j in keep]
 
     # ---- decode --------------------------------------------------------------------------------
     def advance(self, length: int) -> list[tuple[int, int]]:

@@ -7,7 +7,8 @@ check, pulseinfer_jax/aot; bench/RESULTS.md "Host offload on an H200"):
   - write_back: one device gather of the blocks, then per block one dynamic-update-slice of the host pool, which
     XLA issues as an asynchronous device-to-host copy into the block's row (`dynamic-update-slice-start/done`), in
     a loop of known trip count (padding entries write zeros into the null row). The pool is donated and updated in
-    place. (A host computation doing the update,
+    place. `write_back_units` does the same for one pool layer's blocks read from flat units of the cache (the
+    layer-segmented prefill of an offloaded prompt). (A host computation doing the update,
     `compute_on("device_host")`, compiled to a copy of the whole pool after it: the pool's size per write-back.)
   - stage_blocks / stage_units: a host computation (`compute_on("device_host")`: one `HostExecute`, XLA:CPU code)
     gathers the blocks into a pinned staging buffer (indices clipped: `fill` breaks with a memory-space mismatch);
@@ -39,8 +40,8 @@ class XlaHostIO:
 
     def __init__(self, device: jax.Device, first_layer: int):
         self.host, self.dev = host_sharding(device), device_sharding(device)
-        self._write, self._stage_blocks, self._stage_units, self._fragment = transfers(self.host, self.dev,
-                                                                                       first_layer)
+        (self._write, self._stage_blocks, self._stage_units, self._fragment,
+         self._write_units) = transfers(self.host, self.dev, first_layer)
         self._layers: dict[int, tuple[Array, Array]] = {}  # pool layer -> its index on the host and on the device
 
     def _layer(self, layer: int) -> tuple[Array, Array]:
@@ -66,6 +67,12 @@ class XlaHostIO:
         """blocks / rows: [n] int32 padded past `count` (padding writes zeros into the null row 0)."""
         return self._write(pool, kv, jnp.asarray(blocks), jnp.asarray(rows), jnp.int32(count))
 
+    def write_back_units(self, pool: Float[Array, "Ls R 2 bs Hkv hd"], kv: Float[Array, "L NB 2 bs Hkv hd"],
+                         units: np.ndarray, layer: int, rows: np.ndarray, count: int) -> Array:
+        """units / rows: [n] int32 padded past `count` (padding writes zeros into the null row 0)."""
+        return self._write_units(pool, kv, jnp.asarray(units), self._layer(layer)[1], jnp.asarray(rows),
+                                 jnp.int32(count))
+
     def stage_blocks(self, pool: Array, layer: int, rows: np.ndarray) -> Float[Array, "n 2 bs Hkv hd"]:
         return self._stage_blocks(pool, self._layer(layer)[0], rows)  # rows: numpy, put on the host by the call
 
@@ -83,10 +90,10 @@ class XlaHostIO:
 
 @functools.cache
 def transfers(host: jax.sharding.Sharding, dev: jax.sharding.Sharding, first_layer: int) -> tuple:
-    """The jitted transfers (write_back, stage_blocks, stage_units, fragment) between a device's HBM (`dev`) and its
-    pinned host memory (`host`) for pools whose layer 0 is GPU layer `first_layer`; shared by every pool there, so
-    engines reuse the compiles. The shardings place the calls' inputs and outputs; inside, memory spaces place
-    values (see the module docstring)."""
+    """The jitted transfers (write_back, stage_blocks, stage_units, fragment, write_back_units) between a device's
+    HBM (`dev`) and its pinned host memory (`host`) for pools whose layer 0 is GPU layer `first_layer`; shared by
+    every pool there, so engines reuse the compiles. The shardings place the calls' inputs and outputs; inside,
+    memory spaces place values (see the module docstring)."""
     on_host, on_device = jax.memory.Space.Host, jax.memory.Space.Device
 
     def write_back(pool: Array, kv: Array, blocks: Int[Array, " n"], rows: Int[Array, " n"],
@@ -99,6 +106,18 @@ def transfers(host: jax.sharding.Sharding, dev: jax.sharding.Sharding, first_lay
             return jax.lax.dynamic_update_slice(p, jax.device_put(blk, on_host), (0, rows[i], 0, 0, 0, 0))
 
         return jax.lax.fori_loop(0, blocks.shape[0], body, pool)
+
+    def write_back_units(pool: Array, kv: Array, units: Int[Array, " n"], layer: Int[Array, ""],
+                         rows: Int[Array, " n"], count: Int[Array, ""]) -> Array:
+        # one layer's blocks from flat units (layer * NB + block; the layer-segmented prefill), copied as write_back
+        staged = kv.reshape(kv.shape[0] * kv.shape[1], *kv.shape[2:])[units]  # [n, 2, bs, Hkv, hd]
+        pool = jax.device_put(pool, on_host)
+
+        def body(i, p):
+            blk = jnp.where(i < count, jax.lax.dynamic_slice_in_dim(staged, i, 1, axis=0), 0)[None]
+            return jax.lax.dynamic_update_slice(p, jax.device_put(blk, on_host), (layer, rows[i], 0, 0, 0, 0))
+
+        return jax.lax.fori_loop(0, units.shape[0], body, pool)
 
     @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
     @jax.jit
@@ -136,4 +155,5 @@ def transfers(host: jax.sharding.Sharding, dev: jax.sharding.Sharding, first_lay
     placed = (host, host, host)
     return (jax.jit(write_back, donate_argnums=0, out_shardings=host),
             jax.jit(stage_blocks_outer, in_shardings=placed, out_shardings=host),
-            jax.jit(stage_units_outer, in_shardings=placed, out_shardings=host), jax.jit(fragment, out_shardings=dev))
+            jax.jit(stage_units_outer, in_shardings=placed, out_shardings=host), jax.jit(fragment, out_shardings=dev),
+            jax.jit(write_back_units, donate_argnums=0, out_shardings=host))

@@ -116,6 +116,22 @@ def write_prefill_kv(
     return kv.at[layer, chunk_blocks, 1].set(v.reshape(nb, bs, hkv, hd).astype(kv.dtype))
 
 
+def write_prefill_units(
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    k: Float[Array, "C Hkv hd"],
+    v: Float[Array, "C Hkv hd"],
+    chunk_units: Int[Array, " nb"],
+) -> Array:
+    """`write_prefill_kv` into flat units (layer * NB + block, see layer_ops) instead of one layer's blocks: a chunk of
+    C = nb * bs tokens into units `chunk_units` (unit 0, layer 0's null block = drop)."""
+    c, hkv, hd = k.shape
+    bs, nblk = kv.shape[3], kv.shape[1]
+    nb = c // bs
+    li, bi = chunk_units // nblk, chunk_units % nblk
+    kv = kv.at[li, bi, 0].set(k.reshape(nb, bs, hkv, hd).astype(kv.dtype))
+    return kv.at[li, bi, 1].set(v.reshape(nb, bs, hkv, hd).astype(kv.dtype))
+
+
 def chunked_prefill_attention(
     q: Float[Array, "C Hq hd"],
     kv: Float[Array, "L NB 2 bs Hkv hd"],

@@ -1,7 +1,9 @@
 """The engine: owns the model, the paged KV pool and the scheduler; one `step()` = schedule, run, postprocess.
 
-Each step runs at most one prefill chunk (of the oldest admitted request) and one decode step over
-every running request, so long prompts prefill while the batch keeps decoding (chunked prefill).
+Each step runs at most one prefill chunk's worth of work (of the oldest admitted request) and one decode step over
+every running request, so long prompts prefill while the batch keeps decoding (chunked prefill). An offloaded
+prompt prefills layer by layer instead, its KV streamed to the host pool as each layer completes
+(`segmented_prefill.py`): the GPU never holds more than one layer of it.
 Dense requests decode in one jitted call over all layers (`runner.decode_step`); offloaded (sparse)
 requests decode layer by layer through `pipeline.SparseDecoder`, in the same step.
 """
@@ -20,13 +22,14 @@ import numpy as np
 from pulseinfer_jax.backends import ResolvedBackends, resolve_backends
 from pulseinfer_jax.compile_clock import compile_seconds
 from pulseinfer_jax.config import EngineConfig
-from pulseinfer_jax.host_offload.blocks import BlockAllocator, blocks_for, bucket
+from pulseinfer_jax.host_offload.blocks import BlockAllocator, bucket
 from pulseinfer_jax.ioaa import IOAAConfig
 from pulseinfer_jax.kv_cache import CacheSpec, bucket_blocks
 from pulseinfer_jax.models.loading import LoadedModel
 from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
 from pulseinfer_jax.sampling import SamplingParams, greedy_sample, sample
 from pulseinfer_jax.scheduler import FixedStepTime, Request, Scheduler, Status
+from pulseinfer_jax.segmented_prefill import SegmentedPrefiller, chunk_size
 from pulseinfer_jax.selector import Selector
 from pulseinfer_jax.sparse import BlockScoring
 
@@ -67,8 +70,9 @@ class Engine:
         self._layer_ids: list[jax.Array] | None = None
         self._bars: dict = {}
         self.host_pool = None  # host_offload.HostKVPool (modes offload / auto)
-        self.scratch: list[int] = []  # GPU blocks outside the allocator that offloaded prompts prefill into
         self.sparse = None  # pipeline.SparseDecoder
+        self.prefiller = None  # segmented_prefill.SegmentedPrefiller (offloaded prompts)
+        self._segments: dict[int, object] = {}  # request index -> its segmented_prefill.SegmentedPrefill
         self.selector = selector  # where sparse layers' middle blocks come from (None: the scorer; selector.py)
         self.h2d_bytes_per_s: float | None = config.offload.h2d_bytes_per_s
         self.eos_ids = frozenset(model.tokenizer.eos_token_ids if model.tokenizer else model.cfg.eos_token_ids)
@@ -142,18 +146,17 @@ class Engine:
         meta_item = self.scoring.metadata_dtype(self.model.dtype).itemsize if cfg.mode != "dense" else 1
         sizes = offload.pool_sizes(cfg, self.model.cfg, jnp.dtype(self.model.dtype).itemsize, meta_item, requests,
                                    self._kv_byte_cap())
-        plan, rows, num_blocks, scratch = sizes.plan, sizes.host_rows, sizes.num_blocks, sizes.scratch
-        # blocks num_blocks.. are the prefill scratch of offloaded prompts, outside the allocator
-        if self.spec is None or self.spec.num_blocks != num_blocks + scratch:
+        plan, rows, num_blocks = sizes.plan, sizes.host_rows, sizes.num_blocks
+        if self.spec is None or self.spec.num_blocks != num_blocks:
             self.kv = None  # free the old pool before allocating the new one
-            self.spec = self._spec(num_blocks + scratch)
+            self.spec = self._spec(num_blocks)
             self.kv = self.spec.allocate(self.device)
-        self.scratch = list(range(num_blocks, num_blocks + scratch))
         self.allocator = BlockAllocator(num_blocks)
+        self._segments = {}
         if plan is None:
             self.scheduler = Scheduler(self.allocator, bs, cfg.max_batch)
             return
-        self._ensure_offload(plan, rows, num_blocks + scratch)
+        self._ensure_offload(plan, rows, num_blocks)
         placer = offload.OffloadPlacer(plan, self.allocator, self.host_pool, bs)
         ioaa = IOAAConfig(h2d_bytes_per_s=self._h2d_bandwidth(), slack=cfg.offload.ioaa_slack)
         self.scheduler = Scheduler(self.allocator, bs, cfg.max_batch, mode=cfg.mode, placer=placer, ioaa=ioaa,
@@ -181,6 +184,9 @@ class Engine:
                                         self.host_pool, num_blocks, self.device,
                                         split_weights=lambda: self.layer_params, max_requests=cfg.max_batch,
                                         selector=self.selector)
+            self.prefiller = SegmentedPrefiller(self.transformer, self.model.params, lambda: self.layer_params,
+                                                self.sparse, key_chunk=cfg.key_chunk,
+                                                prefill_chunk=cfg.prefill_chunk)
 
     def _h2d_bandwidth(self) -> float:
         if self.h2d_bytes_per_s is None:
@@ -238,11 +244,14 @@ class Engine:
 
     def _prefill_chunk(self, req: Request) -> Iterator[TokenEvent]:
         t0, c0 = time.perf_counter(), compile_seconds()
-        blocks = req.sparse.prefill_table(self.scratch, len(req.prompt)) if req.sparse is not None else req.blocks
-        n, logits = self._prefill_compute(req, blocks)
-        req.prefilled += n
+        s = req.sparse
+        if s is not None and s.plan.placement == "host":  # layer by layer, streamed to the host pool
+            n, logits = self._prefill_segments(req)
+        else:  # dense, or sparse with its KV on the GPU: one chunk of every layer into the request's own blocks
+            n, logits = self._prefill_compute(req, s.prefill_table() if s is not None else req.blocks)
+            req.prefilled += n
         bar = self._progress_bar(req)
-        if req.prefilled < len(req.prompt):
+        if logits is None:
             jax.block_until_ready(self.kv)  # honest per-chunk timing / progress
             req.prefill_s += time.perf_counter() - t0
             req.compile_s += compile_seconds() - c0
@@ -254,22 +263,34 @@ class Engine:
             bar.close()
             del self._bars[req.index]
         token = self._sample(logits[None], [req])[0]
-        if req.sparse is not None:  # spill the prompt: host rows, metadata, dense-layer packs, resident blocks
-            self.kv = self.sparse.spill_prompt(self.kv, req.sparse, len(req.prompt))
+        if s is not None and s.plan.placement == "device":  # block roles and key bounds of the prompt
+            self.sparse.index_prompt(self.kv, s, len(req.prompt))
         req.prefill_s += time.perf_counter() - t0
         req.compile_s += compile_seconds() - c0
         req.t_first = time.perf_counter()
         self.scheduler.prefill_done(req)
         yield from self._accept([req], [token])
 
-    def _prefill_compute(self, req: Request, blocks: list[int]) -> tuple[int, jax.Array]:
+    def _prefill_segments(self, req: Request) -> tuple[float, jax.Array | None]:
+        """One step's share of an offloaded prompt's layer-by-layer prefill (as much work as one dense chunk);
+        returns (prompt-token equivalent of the work done, the logits of the last prompt token once it is done)."""
+        job = self._segments.get(req.index)
+        if job is None:
+            job = self.prefiller.start(req.sparse, req.prompt, self.scheduler.placer.prefill_blocks(req))
+            self._segments[req.index] = job
+        self.kv, logits, work = self.prefiller.advance(self.kv, job, self.model.cfg.num_layers)
+        req.prefilled = round(len(req.prompt) * (1 - job.pieces_left / (job.num_layers * len(job.chunks))))
+        if logits is not None:
+            del self._segments[req.index]
+        return work, logits
+
+    def _prefill_compute(self, req: Request, blocks: list[int]) -> tuple[int, jax.Array | None]:
         """Run the model over the next chunk of req's prompt, writing its KV into `blocks` (the request's
-        prefill blocks); returns (tokens consumed, logits [V] of the chunk's last position)."""
+        prefill blocks); returns (tokens consumed, logits [V] of the prompt's last position once it is done)."""
         cfg = self.config
         start = req.prefilled
         remaining = len(req.prompt) - start
-        bs = cfg.block_size
-        size = min(cfg.prefill_chunk, bs * bucket(blocks_for(remaining, bs)))
+        size = chunk_size(remaining, cfg.prefill_chunk, cfg.block_size)
         n = min(size, remaining)
         chunk = np.zeros(size, np.int32)
         chunk[:n] = req.prompt[start:start + n]
@@ -282,7 +303,7 @@ class Engine:
         else:
             self.kv, logits = prefill_step(self.transformer, self.model.stacked_params, *args,
                                            key_chunk=key_chunk)
-        return n, logits
+        return n, (logits if start + n == len(req.prompt) else None)
 
     def _progress_bar(self, req: Request):
         if req.index in self._bars:
@@ -376,6 +397,7 @@ class Engine:
         """Finish a request early (e.g. a stop string matched); frees its blocks."""
         if req.status is not Status.FINISHED:
             req.t_done = time.perf_counter()
+            self._segments.pop(req.index, None)  # an offloaded prefill in progress ends with it
             self.scheduler.finish(req, reason)
 
     @staticmethod

@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from pulseinfer_jax import slot_plan
 from pulseinfer_jax.kept_scores import kept_block_scores, kept_lens, with_kept_scores
+from pulseinfer_jax.layer_inputs import KeyBounds, ScoringBounds, SelectSpec, SparseLayerRefs, SparseRows
 from pulseinfer_jax.models.rope import rope_tables
 from pulseinfer_jax.models.transformer import Transformer
 from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, update_bounds
@@ -33,6 +34,7 @@ from pulseinfer_jax.pallas_kernels.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_reference,
 )
+from pulseinfer_jax.slot_plan import LayerPlan, SlotStep
 from pulseinfer_jax.sparse import BlockScoring, resident_mask, select_blocks, top_groups
 
 Partial = tuple[Array, Array, Array]  # (o [B, Hq, hd], m [B, Hq] f32, l [B, Hq] f32), see pallas_kernels/merge.py
@@ -118,99 +120,76 @@ def two_level_scores(score_fn, q, meta_min, meta_max, cand, cmeta_min, cmeta_max
     return out[:, :, :k]
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("model", "budget", "sink", "window", "mode", "solohead", "attention", "scoring", "coarse",
-                     "plan_mode", "override"),
-    donate_argnames=("kv", "slot_state"),
-)
+@functools.partial(jax.jit, static_argnames=("model", "spec"), donate_argnames=("kv", "slot_state"))
 def sparse_pre(
     model: Transformer,
     lp: dict,
     kv: Float[Array, "L NB 2 bs Hkv hd"],
-    meta_min: Float[Array, "Rm Hkv hd"],
-    meta_max: Float[Array, "Rm Hkv hd"],
-    meta_offset: Int[Array, ""],
-    unit_offset: Int[Array, ""],
     x: Float[Array, "B 1 D"],
-    positions: Int[Array, " B"],
-    newest: Int[Array, " B"],
-    cand_rows: Int[Array, "B K"],
-    num_blocks: Int[Array, " B"],
-    retrieval_head: Int[Array, ""],
-    kept_logical: Int[Array, "B KK"],
-    kept_blocks: Int[Array, "B KK"],
+    bounds: ScoringBounds,
     slot_state: tuple[Int[Array, "SL R S C"], Int[Array, "SL R S C"]],
-    step: dict,
-    sparse_layer: Int[Array, ""],
-    cmeta_min: Float[Array, "Rc Hkv hd"],
-    cmeta_max: Float[Array, "Rc Hkv hd"],
-    coarse_offset: Int[Array, ""],
-    cand_groups: Int[Array, "B KG"],
+    rows: SparseRows,
+    step: SlotStep,
+    layer: SparseLayerRefs,
     *,
-    budget: int,
-    sink: int,
-    window: int,
-    mode: str,
-    solohead: str,
-    attention: str,
-    scoring: BlockScoring = BlockScoring(),
-    coarse: int = 0,
-    plan_mode: str = "recall",
-    override: bool = False,
-) -> tuple[Array, Float[Array, "B Hq hd"], tuple[Array, Array], dict, Int[Array, "B S N"]]:
-    """A sparse layer up to attention: write the new token into its window block (GPU block `newest`, -1 for a
-    padding row: the null block), score every candidate block from its key bounds (metadata blocks
-    `meta_offset + cand_rows`, -1 = none; `scoring.sub_blocks` rows each) and, where `scoring.scores_kept`, the
-    always-kept logical blocks `kept_logical` from their resident keys in GPU blocks `kept_blocks` (-1 = none;
-    see kept_scores.py), and select. GPU block g of this layer is flat unit `unit_offset + g` (layer * NB + g);
-    the per-row arrays stay the same for every layer of a step, only the offsets and `sparse_layer` (device
-    scalars) change. Where `scoring.favours_resident`, the logical blocks in this layer's slot caches (the slot
-    state `(stamp, key)` of sparse layer `sparse_layer`, rows `step.rows`, see slot_plan.py) get the
-    resident-block bonus. Then the slot-cache plan of the selection (`slot_plan.layer_plan`, `plan_mode`), which
-    updates the slot state. With `override` (the throughput bench's replayed selections), the middle blocks
-    selected are `step.override[sparse_layer]` ([B, S, M], -1 padded) instead of the scorer's; sinks and window
-    stay the scorer's.
-    With `coarse` > 0 (two-level scoring, `BlockScoring.coarse_group`) the groups are scored first from their bounds
-    (coarse metadata rows `coarse_offset + cand_groups`, -1 = none) and only the best `coarse` groups' blocks from
-    their own (`two_level_scores`); else the coarse inputs are not read.
+    spec: SelectSpec,
+) -> tuple[Array, Float[Array, "B Hq hd"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
+    """A sparse layer up to attention: write the new token into its window block (GPU block `rows.newest`, -1 for a
+    padding row: the null block), score every candidate block from its key bounds (metadata rows
+    `layer.meta_offset + rows.candidates.rows`, -1 = none; `scoring.sub_blocks` rows each) and, where the variant
+    scores them (`spec.scores_kept`), the always-kept blocks `rows.kept` from their resident keys (kept_scores.py),
+    and select. GPU block g of this layer is flat unit `layer.unit_offset + g` (layer * NB + g); `rows` and `step` are
+    the same for every layer of a step, only `layer` (device scalars) changes. Where `spec.favours_resident`, the
+    logical blocks in this layer's slot caches (the slot state `(stamp, key)` of sparse layer `layer.index`, rows
+    `step.rows`, see slot_plan.py) get the resident-block bonus. Then the slot-cache plan of the selection
+    (`slot_plan.layer_plan`, `spec.plan_mode`), which updates the slot state. With `spec.override` (the throughput
+    bench's replayed selections), the middle blocks selected are `step.override[layer.index]` ([B, S, M], -1 padded)
+    instead of the scorer's; sinks and window stay the scorer's.
+    With `spec.coarse` > 0 (two-level scoring, `BlockScoring.coarse_group`) the groups are scored first from their
+    bounds (coarse rows `layer.coarse_offset + rows.candidates.groups`, -1 = none) and only the best `spec.coarse`
+    groups' blocks from their own (`two_level_scores`); else the coarse inputs are not read.
 
     Returns (kv, q, slot state, the layer's plan (slot_plan.layer_plan), selected logical blocks [B, S, budget]
     sorted, -1 padded; see sparse.select_blocks)."""
-    write_unit = jnp.where(newest >= 0, unit_offset + newest, 0)
-    kv, q = _qkv_and_write(model, lp, kv, x, positions, write_unit)
-    cand = jnp.where(cand_rows >= 0, cand_rows + meta_offset, -1)
-    score_fn = block_scores if attention == "pallas" else block_scores_reference
-    per_head = scoring.per_head(mode, solohead)
+    scoring, cands = spec.scoring, rows.candidates
+    write_unit = jnp.where(rows.newest >= 0, layer.unit_offset + rows.newest, 0)
+    kv, q = _qkv_and_write(model, lp, kv, x, rows.positions, write_unit)
+    cand = jnp.where(cands.rows >= 0, cands.rows + layer.meta_offset, -1)
+    score_fn = block_scores if spec.attention == "pallas" else block_scores_reference
+    per_head = spec.per_head
     c = model.cfg
     scale = default_scale(c.head_dim, c.group_size, per_head)
-    if coarse:
-        groups = jnp.where(cand_groups >= 0, cand_groups + coarse_offset, -1)
-        scores = two_level_scores(score_fn, q, meta_min, meta_max, cand, cmeta_min, cmeta_max, groups, keep=coarse,
-                                   scoring=scoring, per_head=per_head, scale=scale)  # [B, Hq or Hkv, K]
+    fine = bounds.fine
+    if spec.coarse:
+        groups = jnp.where(cands.groups >= 0, cands.groups + layer.coarse_offset, -1)
+        scores = two_level_scores(score_fn, q, fine.lo, fine.hi, cand, bounds.coarse.lo, bounds.coarse.hi, groups,
+                                  keep=spec.coarse, scoring=scoring, per_head=per_head,
+                                  scale=scale)  # [B, Hq or Hkv, K]
     else:
-        scores = score_fn(q, meta_min, meta_max, cand, per_head=per_head, beta=scoring.beta,
+        scores = score_fn(q, fine.lo, fine.hi, cand, per_head=per_head, beta=scoring.beta,
                           sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, K]
-    if scoring.scores_kept(mode, solohead):
-        lens = kept_lens(kept_logical, positions, kv.shape[3])
-        kept_units = jnp.where(kept_blocks >= 0, unit_offset + kept_blocks, -1)
-        kept = kept_block_scores(q, _flat(kv), kept_units, lens, per_head=per_head, beta=scoring.beta,
-                                 sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, KK]
-        scores = with_kept_scores(scores, kept, kept_logical)
+    if spec.scores_kept:
+        kept = rows.kept
+        lens = kept_lens(kept.logical, rows.positions, kv.shape[3])
+        kept_units = jnp.where(kept.gpu >= 0, layer.unit_offset + kept.gpu, -1)
+        kept_s = kept_block_scores(q, _flat(kv), kept_units, lens, per_head=per_head, beta=scoring.beta,
+                                   sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, KK]
+        scores = with_kept_scores(scores, kept_s, kept.logical)
     stamp, key = slot_state
     resident = None
-    if scoring.favours_resident(mode, solohead):
-        resident = resident_mask(key[sparse_layer, step.rows, 0], scores.shape[2])  # [B, C] -> [B, K]
-    sel = select_blocks(scores, num_blocks, budget_blocks=budget, sink_blocks=sink, window_blocks=window, mode=mode,
-                        solohead=solohead, retrieval_head=retrieval_head, score_scale=scale, resident=resident,
+    if spec.favours_resident:
+        resident = resident_mask(key[layer.index, step.rows, 0], scores.shape[2])  # [B, C] -> [B, K]
+    sel = select_blocks(scores, cands.num_blocks, budget_blocks=spec.budget, sink_blocks=spec.sink,
+                        window_blocks=spec.window, mode=spec.mode, solohead=spec.solohead,
+                        retrieval_head=layer.retrieval_head, score_scale=scale, resident=resident,
                         resident_bonus=scoring.resident_bonus)
-    if override:
-        sel = _with_middle(sel, jax.lax.dynamic_index_in_dim(step.override, sparse_layer, 0, keepdims=False),
-                           num_blocks, sink, window)
-    stamp, key, plan = slot_plan.layer_plan(stamp, key, sparse_layer, sel, step, unit_offset, block_size=kv.shape[3],
-                                            sink=sink, window=window, mode=plan_mode)
-    slot_state = (stamp, key)
-    return kv, q, slot_state, plan, sel
+    if spec.override:
+        sel = _with_middle(sel, jax.lax.dynamic_index_in_dim(step.override, layer.index, 0, keepdims=False),
+                           cands.num_blocks, spec.sink, spec.window)
+    stamp, key, plan = slot_plan.layer_plan(stamp, key, layer.index, sel, step, layer.unit_offset,
+                                            block_size=kv.shape[3], sink=spec.sink, window=spec.window,
+                                            mode=spec.plan_mode)
+    return kv, q, (stamp, key), plan, sel
 
 
 def _with_middle(sel: Int[Array, "B S N"], middle: Int[Array, "B S M"], num_blocks: Int[Array, " B"], sink: int,
@@ -244,7 +223,7 @@ def land_attend_finish(
     q: Float[Array, "B Hq hd"],
     kv: Float[Array, "L NB 2 bs Hkv hd"],
     layer: Int[Array, ""],
-    plan: dict,
+    plan: LayerPlan,
     staging: Float[Array, "n 2 bs Hkv hd"] | Float[Array, "n 2 bs hd"] | None,
     early: Partial | None,
     *,
@@ -288,42 +267,39 @@ def copy_units(kv: Float[Array, "L NB 2 bs Hkv hd"], src: Int[Array, " n"], dst:
     return kv.at[_unit_index(kv, dst)].set(kv[_unit_index(kv, src)])
 
 
-@functools.partial(jax.jit, static_argnames=("sub_blocks",), donate_argnames=("meta_min", "meta_max"))
+@functools.partial(jax.jit, static_argnames=("sub_blocks",), donate_argnames=("bounds",))
 def refresh_meta(
     kv: Float[Array, "L NB 2 bs Hkv hd"],
-    meta_min: Float[Array, "Rm Hkv hd"],
-    meta_max: Float[Array, "Rm Hkv hd"],
+    bounds: KeyBounds,
     units: Int[Array, " n"],
     lens: Int[Array, " n"],
     rows: Int[Array, " n"],
     *,
     sub_blocks: int = 1,
-) -> tuple[Array, Array]:
+) -> KeyBounds:
     """Key bounds of flat units `units` (first `lens` tokens) into metadata blocks `rows` (-1 = skip): block r
     owns rows r * sub_blocks + j, one per token slice j."""
     kmin, kmax = block_key_bounds(_flat(kv), units, lens, sub_blocks=sub_blocks)  # [n * m, Hkv, hd]
     m = sub_blocks
     dst = jnp.where(rows[:, None] >= 0, rows[:, None] * m + jnp.arange(m), -1).reshape(-1)
-    return update_bounds(meta_min, meta_max, dst, kmin, kmax)
+    return KeyBounds(*update_bounds(bounds.lo, bounds.hi, dst, kmin, kmax))
 
 
-@functools.partial(jax.jit, static_argnames=("sub_blocks",), donate_argnames=("cmeta_min", "cmeta_max"))
+@functools.partial(jax.jit, static_argnames=("sub_blocks",), donate_argnames=("coarse",))
 def refresh_coarse(
-    meta_min: Float[Array, "Rm Hkv hd"],
-    meta_max: Float[Array, "Rm Hkv hd"],
-    cmeta_min: Float[Array, "Rc Hkv hd"],
-    cmeta_max: Float[Array, "Rc Hkv hd"],
+    fine: KeyBounds,
+    coarse: KeyBounds,
     members: Int[Array, "n F"],
     rows: Int[Array, " n"],
     *,
     sub_blocks: int = 1,
-) -> tuple[Array, Array]:
+) -> KeyBounds:
     """Two-level scoring's group bounds: coarse row `rows[i]` (-1 = skip) = the element-wise min / max over the
     metadata blocks `members[i]` (-1 = not a member; `sub_blocks` rows each) of their bounds. Exact: the min / max of
     values stored in the metadata dtype is one of them."""
     m = sub_blocks
     idx = jnp.where(members >= 0, members, 0)[:, :, None] * m + jnp.arange(m)  # [n, F, m]
     member = (members >= 0)[:, :, None, None, None]
-    lo = jnp.where(member, meta_min[idx].astype(jnp.float32), jnp.inf).min(axis=(1, 2))  # [n, Hkv, hd]
-    hi = jnp.where(member, meta_max[idx].astype(jnp.float32), -jnp.inf).max(axis=(1, 2))
-    return update_bounds(cmeta_min, cmeta_max, rows, lo, hi)
+    lo = jnp.where(member, fine.lo[idx].astype(jnp.float32), jnp.inf).min(axis=(1, 2))  # [n, Hkv, hd]
+    hi = jnp.where(member, fine.hi[idx].astype(jnp.float32), -jnp.inf).max(axis=(1, 2))
+    return KeyBounds(*update_bounds(coarse.lo, coarse.hi, rows, lo, hi))

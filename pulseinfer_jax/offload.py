@@ -50,20 +50,21 @@ def metadata_bytes(plan: SparsePlan, host_rows: int, head_dim: int, itemsize: in
     return 2 * plan.sparse_layers * rows * plan.num_kv_heads * head_dim * itemsize
 
 
+def offload_blocks(plan: SparsePlan, req: Request) -> int:
+    """GPU blocks an offloaded request holds at its peak: its steady footprint plus, while its prompt prefills, the
+    prefill blocks its slot blocks cannot provide (`SparsePlan.scratch_blocks`)."""
+    return plan.gpu_blocks(req.need_tokens) + plan.scratch_blocks(len(req.prompt), req.need_tokens)
+
+
 def gpu_blocks_wanted(config: EngineConfig, plan: SparsePlan, requests: Sequence[Request]) -> int:
-    """Blocks that run every request at once in the configured mode (the pool is this, capped by the budget)."""
+    """Blocks that run every request at once in the configured mode (the pool is this, capped by the budget): mode
+    "auto" may run each either way."""
     total = 0
     for r in requests:
         dense = blocks_for(r.need_tokens, config.block_size)
-        total += plan.gpu_blocks(r.need_tokens) if config.mode == "offload" else dense
+        offloaded = offload_blocks(plan, r)
+        total += {"dense": dense, "offload": offloaded}.get(config.mode, max(dense, offloaded))
     return total
-
-
-def scratch_blocks_for(config: EngineConfig, plan: SparsePlan, requests: Sequence[Request]) -> int:
-    """Prefill scratch of offloaded prompts: the longest prompt (0 when sparse requests keep their KV)."""
-    if plan.placement != "host" or not requests:
-        return 0
-    return max(blocks_for(len(r.prompt), config.block_size) for r in requests)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,42 +72,92 @@ class PoolSizes:
     """How an engine sizes its pools for a set of requests (`pool_sizes`)."""
 
     num_blocks: int  # GPU blocks the allocator hands out, the null block included
-    scratch: int  # prefill scratch blocks after them (offloaded prompts prefill there)
     host_rows: int  # host pool rows (0 in dense mode)
     plan: SparsePlan | None  # the sparse plan (None in dense mode)
 
 
 def pool_sizes(config: EngineConfig, model_cfg, kv_itemsize: int, meta_itemsize: int, requests: Sequence[Request],
                cap_bytes: int) -> PoolSizes:
-    """The GPU KV pool (blocks + prefill scratch) and host pool (rows) an engine allocates for `requests` under a cap
-    of `cap_bytes` GPU bytes (pool + offload metadata + scratch): kv_cache_tokens if set, else what the requests
-    need in the configured mode, capped. `meta_itemsize`: bytes per key-bound element (the scoring's metadata
-    dtype). A pure function of its inputs (the engine's Engine.ensure_pool, the ahead-of-time check's layouts)."""
+    """The GPU KV pool (blocks) and host pool (rows) an engine allocates for `requests` under a cap of `cap_bytes`
+    GPU bytes (pool + offload metadata): kv_cache_tokens if set, else what the requests need in the configured mode,
+    capped. Nothing is set aside for prefills: an offloaded prompt prefills layer by layer in blocks its request
+    holds (`offload_blocks`). `meta_itemsize`: bytes per key-bound element (the scoring's metadata dtype). A pure
+    function of its inputs (the engine's Engine.ensure_pool, the ahead-of-time check's layouts).
+
+    Mode "auto" gives every request host rows (so IOAA may offload any of them) unless their key metadata, which
+    lives on the GPU, would cost a request the room that dense or offload mode alone would give it: then only the
+    requests that cannot run dense get rows (`_auto_sizes`)."""
     c, bs = model_cfg, config.block_size
     per_block = c.num_layers * 2 * c.num_kv_heads * bs * c.head_dim * kv_itemsize
-    plan, rows = None, 0
-    if config.mode != "dense":
-        plan = sparse_plan(config, c.num_layers, c.num_kv_heads)
+    if config.mode == "dense":
+        want = sum(blocks_for(r.need_tokens, bs) for r in requests)
+        return PoolSizes(_num_blocks(config, want, cap_bytes, per_block), 0, None)
+    plan = sparse_plan(config, c.num_layers, c.num_kv_heads)
+
+    def sized(with_rows: Sequence[Request], mode: str) -> PoolSizes | None:
+        """Rows for `with_rows`; the pool for every request in `mode`; None if the metadata leaves no pool."""
+        rows = max(2 * config.scoring.coarse_group, host_rows_for(config, with_rows))
+        left = cap_bytes - metadata_bytes(plan, rows, c.head_dim, meta_itemsize, config.scoring.sub_blocks,
+                                          config.scoring.coarse_group)
+        if left < 2 * per_block:
+            return None
+        want = gpu_blocks_wanted(config.with_settings(mode=mode), plan, requests)
+        return PoolSizes(_num_blocks(config, want, left, per_block), rows, plan)
+
+    full = sized(requests, config.mode)
+    if config.mode == "auto" and config.offload.host_kv_tokens is None:
+        dense_nb = _num_blocks(config, sum(blocks_for(r.need_tokens, bs) for r in requests), cap_bytes, per_block)
+        full = _auto_sizes(config, plan, requests, full, sized, dense_nb)
+    if full is None:
         rows = host_rows_for(config, requests)
-        cap_bytes -= metadata_bytes(plan, rows, c.head_dim, meta_itemsize, config.scoring.sub_blocks,
-                                    config.scoring.coarse_group)
-        if cap_bytes < 2 * per_block:
-            raise ValueError(f"gpu_kv_budget={config.gpu_kv_budget} does not even hold the key metadata of a "
-                             f"{rows}-block host pool; raise gpu_kv_budget or lower host_kv_tokens")
-    scratch = 0 if plan is None else scratch_blocks_for(config, plan, requests)
-    cap_bytes -= scratch * per_block
+        raise ValueError(f"gpu_kv_budget={config.gpu_kv_budget} does not even hold the key metadata of a "
+                         f"{rows}-block host pool; raise gpu_kv_budget or lower host_kv_tokens")
+    return full
+
+
+def _num_blocks(config: EngineConfig, want: int, cap_bytes: int, per_block: int) -> int:
+    """Pool blocks (the null block included): kv_cache_tokens, else `want` blocks capped by `cap_bytes`."""
     if config.kv_cache_tokens is not None:
-        num_blocks = blocks_for(config.kv_cache_tokens, bs) + 1
-    else:
-        if plan is None:
-            want = sum(blocks_for(r.need_tokens, bs) for r in requests) + 1
-        else:
-            want = gpu_blocks_wanted(config, plan, requests) + 1
-        if plan is not None and cap_bytes < 2 * per_block:
-            raise ValueError(f"gpu_kv_budget={config.gpu_kv_budget} cannot hold the offload metadata and the prefill "
-                             f"scratch ({scratch} blocks for the longest prompt); raise gpu_kv_budget")
-        num_blocks = max(2, min(want, cap_bytes // per_block))
-    return PoolSizes(num_blocks, scratch, rows, plan)
+        return blocks_for(config.kv_cache_tokens, config.block_size) + 1
+    return max(2, min(want + 1, cap_bytes // per_block))
+
+
+def _auto_sizes(config: EngineConfig, plan: SparsePlan, requests: Sequence[Request], full: PoolSizes | None, sized,
+                dense_nb: int) -> PoolSizes | None:
+    """Mode auto's pools: rows for every request (`full`) if every request that dense or offload mode alone would
+    admit can run under them; else rows only for the requests that need them (too large for dense, small enough
+    offloaded: iterated, since their metadata shrinks the pool), whichever split runs the most of those requests.
+    `dense_nb`: the pool mode dense would allocate."""
+    bs = config.block_size
+    off = sized(requests, "offload")
+
+    def runs(s: PoolSizes | None, r: Request, *, dense: bool = True) -> bool:
+        """Whether `r` runs under pools `s` (dense, when `dense`, or offloaded)."""
+        if s is None:
+            return False
+        cap = s.num_blocks - 1
+        rows = -(-blocks_for(r.need_tokens, bs) // config.scoring.coarse_group) * config.scoring.coarse_group
+        fits_off = offload_blocks(plan, r) <= cap and rows <= s.host_rows - config.scoring.coarse_group
+        return (dense and blocks_for(r.need_tokens, bs) <= cap) or fits_off
+
+    alone = [r for r in requests if blocks_for(r.need_tokens, bs) <= dense_nb - 1 or runs(off, r, dense=False)]
+    if all(runs(full, r) for r in alone):
+        return full
+    best, score = full, sum(runs(full, r) for r in alone)
+    must: list[Request] = []
+    for _ in range(8):  # rows for the requests that need them to run: those too large for dense that fit offloaded
+        s = sized(must, "auto")
+        got = sum(runs(s, r) for r in alone)
+        if got > score:
+            best, score = s, got
+        if s is None:
+            break
+        nxt = [r for r in requests if blocks_for(r.need_tokens, bs) > s.num_blocks - 1
+               and offload_blocks(plan, r) <= s.num_blocks - 1]
+        if [r.index for r in nxt] == [r.index for r in must]:
+            break
+        must = nxt
+    return best
 
 
 class OffloadPlacer:
@@ -125,7 +176,7 @@ class OffloadPlacer:
     def _sizes(self, req: Request) -> tuple[int, int, int]:
         dense = blocks_for(req.need_tokens, self.block_size)
         a = self.pool.row_align  # rows = one per logical block, in whole extents
-        return dense, self.plan.gpu_blocks(req.need_tokens), -(-dense // a) * a
+        return dense, offload_blocks(self.plan, req), -(-dense // a) * a
 
     def candidate(self, req: Request) -> Candidate:
         dense, peak, rows = self._sizes(req)
@@ -137,16 +188,22 @@ class OffloadPlacer:
         dense, peak, rows = self._sizes(req)
         gpu_cap, host_cap = self.allocator.capacity, self.pool.allocator.capacity
         dense_ok = dense <= gpu_cap
-        offload_ok = peak <= gpu_cap and rows <= host_cap
+        gpu_ok, host_ok = peak <= gpu_cap, rows <= host_cap
+        bs, row_bytes = self.block_size, self.pool.layer_block_bytes * self.plan.sparse_layers
+        host = (f"{rows} rows of the pinned host pool ({rows * bs} tokens, {rows * row_bytes / 2**20:.1f} MiB), which "
+                f"holds {host_cap} ({host_cap * bs} tokens, {host_cap * row_bytes / 2**20:.1f} MiB)")
         if mode == "dense" and not dense_ok:
             return (f"needs {req.need_tokens} tokens of KV ({dense} blocks) but the GPU KV pool holds {gpu_cap} "
                     f"blocks; raise gpu_kv_budget/kv_cache_tokens, lower max_new_tokens or use mode='offload'")
-        if mode == "offload" and not offload_ok:
-            return (f"offloaded it needs {peak} GPU blocks (of {gpu_cap}) and {rows} host rows (of {host_cap}); "
-                    "raise gpu_kv_budget/kv_cache_tokens or host_kv_tokens, or lower max_new_tokens")
-        if mode == "auto" and not (dense_ok or offload_ok):
-            return (f"fits neither dense ({dense} of {gpu_cap} GPU blocks) nor offloaded ({peak} GPU blocks, {rows} "
-                    f"of {host_cap} host rows); raise gpu_kv_budget or host_kv_tokens, or lower max_new_tokens")
+        if mode == "offload" and not gpu_ok:
+            return (f"offloaded it needs {peak} GPU blocks (of {gpu_cap}); raise gpu_kv_budget/kv_cache_tokens, or "
+                    "lower max_new_tokens or slot_cache_blocks")
+        if mode == "offload" and not host_ok:
+            return f"offloaded it needs {host}; raise host_kv_tokens or lower max_new_tokens"
+        if mode == "auto" and not (dense_ok or (gpu_ok and host_ok)):
+            why = f"{peak} of {gpu_cap} GPU blocks" if not gpu_ok else host
+            return (f"fits neither dense ({dense} of {gpu_cap} GPU blocks) nor offloaded ({why}); raise "
+                    "gpu_kv_budget or host_kv_tokens, or lower max_new_tokens")
         return None
 
     def setup(self, req: Request) -> None:
@@ -155,7 +212,12 @@ class OffloadPlacer:
             slot_row = self._slot_rows_free.pop()
         else:
             slot_row, self._slot_rows_next = self._slot_rows_next, self._slot_rows_next + 1
-        req.sparse = SparseKV(self.plan, req.index, req.need_tokens, req.blocks, rows, slot_row)
+        steady = self.plan.gpu_blocks(req.need_tokens)  # the rest of req.blocks: prefill blocks (prefill_blocks)
+        req.sparse = SparseKV(self.plan, req.index, req.need_tokens, req.blocks[:steady], rows, slot_row)
+
+    def prefill_blocks(self, req: Request) -> list[int]:
+        """The blocks an offloaded request holds only while its prompt prefills (see `offload_blocks`)."""
+        return req.blocks[self.plan.gpu_blocks(req.need_tokens):] if req.sparse is not None else []
 
     def release(self, req: Request) -> None:
         self._slot_rows_free.append(req.sparse.slot_row)

@@ -56,10 +56,11 @@ from jax.sharding import SingleDeviceSharding
 from pulseinfer_jax import layer_ops, slot_plan
 from pulseinfer_jax.backends import ResolvedBackends
 from pulseinfer_jax.config import OffloadConfig
-from pulseinfer_jax.host_offload.blocks import blocks_for, bucket
+from pulseinfer_jax.host_offload.blocks import bucket
 from pulseinfer_jax.host_offload.host_pool import HostKVPool
 from pulseinfer_jax.host_offload.memory import zeros_on
 from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
+from pulseinfer_jax.layer_inputs import KeyBounds, ScoringBounds, SelectSpec, SparseLayerRefs
 from pulseinfer_jax.models.transformer import Transformer, head_params, split_layers
 from pulseinfer_jax.selector import Selector
 from pulseinfer_jax.slot_plan import SlotStep
@@ -112,19 +113,16 @@ class SparseDecoder:
         # would give the calls reading it a second cache key (one more compile of each, measured)
         self.device = device
         on_device = SingleDeviceSharding(device)  # (no host copy either: the key bounds run to GiBs)
-        self.meta_min, self.meta_max = (zeros_on((rows, c.num_kv_heads, c.head_dim), meta_dtype, on_device)
-                                        for _ in "ab")
-        self.cmeta_min, self.cmeta_max = (zeros_on((crows, c.num_kv_heads, c.head_dim), meta_dtype, on_device)
-                                          for _ in "ab")
+        fine, coarse = (KeyBounds(*(zeros_on((n, c.num_kv_heads, c.head_dim), meta_dtype, on_device) for _ in "ab"))
+                        for n in (rows, crows))
+        self.bounds = ScoringBounds(fine, coarse)
         self.kv: jax.Array | None = None
-        # per sparse layer, on the device once: (metadata row offset, flat unit offset layer * NB, retrieval head,
-        # sparse layer index, coarse metadata row offset), so a decode step sends no per-layer scalars
+        # where each sparse layer's slices sit, on the device once (layer_inputs.SparseLayerRefs), so a decode step
+        # sends no per-layer scalars
         heads = ab.retrieval_heads or (0,) * plan.sparse_layers
-        self._layer_scalars = [
-            tuple(jax.device_put(np.int32(v), device)
-                  for v in (sl * pool.num_rows, (plan.dense_layers + sl) * num_gpu_blocks, heads[sl], sl,
-                            sl * self._group_rows))
-            for sl in range(plan.sparse_layers)]
+        self._layer_refs = [jax.device_put(SparseLayerRefs.of(plan, sl, pool.num_rows, num_gpu_blocks,
+                                                              self._group_rows, heads[sl]), device)
+                            for sl in range(plan.sparse_layers)]
         self._layer_ids = [jax.device_put(np.int32(layer), device) for layer in range(plan.num_layers)]
         # the slot caches of every sparse request, on the device (slot_plan.py): (stamp, key) [SL, R, lanes, C], one
         # row per concurrent request (`max_requests`) plus the padding rows' own, sized once so that no step
@@ -145,28 +143,42 @@ class SparseDecoder:
 
     @property
     def metadata_bytes(self) -> int:
-        return 2 * self.meta_min.nbytes + (2 * self.cmeta_min.nbytes if self.scoring.coarse_group > 1 else 0)
+        return self.bounds.fine.nbytes + (self.bounds.coarse.nbytes if self.scoring.coarse_group > 1 else 0)
 
-    # ---- prompt spill --------------------------------------------------------------------------
-    def spill_prompt(self, kv: jax.Array, s: SparseKV, prompt_tokens: int) -> jax.Array:
-        """After prefill: host rows, metadata, dense-layer packs and resident blocks of the prompt, all read
-        from the prefill blocks (the engine's scratch for host placement); returns kv."""
-        table = list(s.table)
-        spill, meta_blocks, resident = s.prefill_done(prompt_tokens)
-        if spill:
-            self.pool.write_back(kv, [table[j] for j in spill], [s.host_rows[j] for j in spill])
-        self._refresh_meta(kv, [(s, j, table[j]) for j in meta_blocks])
-        pairs = [(layer * self.nb + src, layer * self.nb + dst) for src, dst in resident
-                 for layer in range(s.plan.num_layers)]
-        if s.plan.placement == "host" and s.plan.dense_layers:
-            n = blocks_for(prompt_tokens, s.plan.block_size)
-            pairs += [(d * self.nb + table[j], s.dense_unit(j, d, self.nb)) for j in range(n)
-                      for d in range(s.plan.dense_layers)]
-        if pairs:
-            src, dst = (np.zeros(bucket(len(pairs)), np.int32) for _ in range(2))
-            src[: len(pairs)], dst[: len(pairs)] = zip(*pairs, strict=True)
-            kv = layer_ops.copy_units(kv, jnp.asarray(src), jnp.asarray(dst))
-        return kv
+    # ---- prompts -------------------------------------------------------------------------------
+    def spill_layer(self, kv: jax.Array, s: SparseKV, layer: int, units: np.ndarray) -> jax.Array:
+        """Layer `layer` of an offloaded prompt, computed into flat units `units` (logical block j at units[j];
+        segmented_prefill.py), leaves them: a sparse layer to its host rows (with the middle blocks' key bounds) and
+        its sinks and window to the request's resident blocks, a dense layer to its packs. Returns kv."""
+        p, nb = self.plan, self.nb
+        n = len(units)
+        if layer < p.dense_layers:
+            pairs = [(int(units[j]), s.dense_unit(j, layer, nb)) for j in range(n)]
+        else:
+            sl = layer - p.dense_layers
+            self.pool.write_back_units(kv, units.tolist(), s.host_rows[:n], sl)
+            middle = [j for j in range(n) if s.is_middle(j)]
+            self._refresh_meta_units(kv, [int(units[j]) for j in middle],
+                                     [sl * self.pool.num_rows + s.host_rows[j] for j in middle])
+            pairs = [(int(units[j]), layer * nb + g) for j, g in sorted(s.gpu_of.items())]
+        return self._copy_units(kv, pairs)
+
+    def prompt_indexed(self, s: SparseKV) -> None:
+        """Every sparse layer of the prompt has its key bounds: with two-level scoring, its groups' bounds too."""
+        self._refresh_groups([(s, j) for j in range(s.num_blocks) if s.is_middle(j)])
+
+    def index_prompt(self, kv: jax.Array, s: SparseKV, prompt_tokens: int) -> None:
+        """Device placement, after the prompt's dense prefill into the request's own blocks: its block roles and the
+        middle blocks' key bounds (nothing moves)."""
+        _, meta_blocks, _ = s.prefill_done(prompt_tokens)
+        self._refresh_meta(kv, [(s, j, s.table[j]) for j in meta_blocks])
+
+    def _copy_units(self, kv: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
+        if not pairs:
+            return kv
+        src, dst = (np.zeros(bucket(len(pairs)), np.int32) for _ in range(2))
+        src[: len(pairs)], dst[: len(pairs)] = zip(*pairs, strict=True)
+        return layer_ops.copy_units(kv, jnp.asarray(src), jnp.asarray(dst))
 
     def _refresh_meta(self, kv: jax.Array, blocks: list[tuple[SparseKV, int, int]]) -> None:
         """Key bounds of full GPU blocks into their metadata rows (the blocks' host rows), every sparse layer:
@@ -176,20 +188,31 @@ class SparseDecoder:
         p = self.plan
         units = [(p.dense_layers + sl) * self.nb + g for sl in range(p.sparse_layers) for _, _, g in blocks]
         rows = [sl * self.pool.num_rows + s.host_rows[j] for sl in range(p.sparse_layers) for s, j, _ in blocks]
+        self._refresh_meta_units(kv, units, rows)
+        self._refresh_groups([(s, j) for s, j, _ in blocks])
+
+    def _refresh_meta_units(self, kv: jax.Array, units: list[int], rows: list[int]) -> None:
+        """Key bounds of the whole blocks at flat units `units` into metadata rows `rows`."""
+        if not units:
+            return
         n = bucket(len(units))
         u = np.zeros(n, np.int32)
         r = np.full(n, -1, np.int32)
         lens = np.zeros(n, np.int32)
-        u[: len(units)], r[: len(rows)], lens[: len(units)] = units, rows, p.block_size
-        m = self.scoring.sub_blocks
-        self.meta_min, self.meta_max = layer_ops.refresh_meta(kv, self.meta_min, self.meta_max, jnp.asarray(u),
-                                                              jnp.asarray(lens), jnp.asarray(r), sub_blocks=m)
+        u[: len(units)], r[: len(rows)], lens[: len(units)] = units, rows, self.plan.block_size
+        fine = layer_ops.refresh_meta(kv, self.bounds.fine, jnp.asarray(u), jnp.asarray(lens), jnp.asarray(r),
+                                      sub_blocks=self.scoring.sub_blocks)
+        self.bounds = dataclasses.replace(self.bounds, fine=fine)
+
+    def _refresh_groups(self, blocks: list[tuple[SparseKV, int]]) -> None:
+        """Two-level scoring: the bounds of the groups of the (request, logical block)s `blocks`, every sparse layer,
+        from all of each group's blocks that have metadata (the middle ones): recomputed, not accumulated, so a group
+        row never carries a previous owner's bounds. Nothing without two-level scoring."""
         f = self.scoring.coarse_group
-        if f == 1:
+        if f == 1 or not blocks:
             return
-        # each touched group's bound from all of its blocks that have metadata (the middle ones): recomputed, not
-        # accumulated, so a group row never carries a previous owner's bounds
-        groups = {(id(s), j // f): s for s, j, _ in blocks}
+        p = self.plan
+        groups = {(id(s), j // f): s for s, j in blocks}
         members, dst = [], []
         for (_, g), s in groups.items():
             rows_g = [s.host_rows[i] for i in range(g * f, min(g * f + f, len(s.host_rows))) if s.is_middle(i)]
@@ -202,9 +225,9 @@ class SparseDecoder:
         for i, row in enumerate(members):
             mem[i, : len(row)] = row
         d[: len(dst)] = dst
-        self.cmeta_min, self.cmeta_max = layer_ops.refresh_coarse(self.meta_min, self.meta_max, self.cmeta_min,
-                                                                  self.cmeta_max, jnp.asarray(mem), jnp.asarray(d),
-                                                                  sub_blocks=m)
+        coarse = layer_ops.refresh_coarse(self.bounds.fine, self.bounds.coarse, jnp.asarray(mem), jnp.asarray(d),
+                                          sub_blocks=self.scoring.sub_blocks)
+        self.bounds = dataclasses.replace(self.bounds, coarse=coarse)
 
     # ---- decode --------------------------------------------------------------------------------
     def decode(self, kv: jax.Array, sparse: list[SparseKV], tokens: list[int], lengths: list[int]
@@ -277,30 +300,22 @@ class SparseDecoder:
         model, params = self.model, self.params
         mb = micro_batch_inputs(p, self.scoring, ab.solohead, nb, sparse, tokens, lengths)
         bp = mb.tokens.shape[0]
-        coarse = mb.coarse
-        positions_d, cand_d, nblk_d, newest_d, groups_d, kept_l_d, kept_gpu_d, tok_d, dense_lens = (
-            jnp.asarray(a) for a in (mb.positions, mb.cand, mb.num_blocks, mb.newest, mb.groups, mb.kept_logical,
-                                     mb.kept_gpu, mb.tokens, mb.dense_lens))
-        dense_ids = [jnp.asarray(a) for a in mb.dense_ids]
-        dense_write = [jnp.asarray(a) for a in mb.dense_write]
+        rows, dense = (jax.tree.map(jnp.asarray, t) for t in (mb.rows, mb.dense))
         step = self._step_inputs(sparse, mb.tables, bp)
+        spec = SelectSpec.of(p, ab.solohead, self.attention, self.scoring, coarse=mb.coarse,
+                             override=step.override is not None)
 
         head = head_params(params)  # embed / logits read no layer weights: do not pass them
-        x = layer_ops.embed(model, head, tok_d)
+        x = layer_ops.embed(model, head, jnp.asarray(mb.tokens))
         for layer in range(model.cfg.num_layers):
             lp = self.layer_params[layer]
             if layer < p.dense_layers:
-                self.kv, x = layer_ops.dense_layer(model, lp, self.kv, x, positions_d, dense_write[layer],
-                                                   dense_ids[layer], dense_lens, attention=self.attention)
+                self.kv, x = layer_ops.dense_layer(model, lp, self.kv, x, rows.positions, dense.write[layer],
+                                                   dense.ids[layer], dense.lens, attention=self.attention)
                 continue
             sl = layer - p.dense_layers
-            meta_offset, unit_offset, rh, sl_d, coarse_offset = self._layer_scalars[sl]
             self.kv, q, self.slot_state, plan, sel = layer_ops.sparse_pre(
-                model, lp, self.kv, self.meta_min, self.meta_max, meta_offset, unit_offset, x, positions_d,
-                newest_d, cand_d, nblk_d, rh, kept_l_d, kept_gpu_d, self.slot_state, step, sl_d, self.cmeta_min,
-                self.cmeta_max, coarse_offset, groups_d, budget=p.budget_blocks, sink=p.sink_blocks,
-                window=p.window_blocks, mode=p.selection, solohead=ab.solohead, attention=self.attention,
-                scoring=self.scoring, coarse=coarse, plan_mode=self._plan_mode, override=step.override is not None)
+                model, lp, self.kv, x, self.bounds, self.slot_state, rows, step, self._layer_refs[sl], spec=spec)
             # eager: the attention over the early entries is queued before the plan is read, so that the GPU works on
             # it while the host reads the plan and issues the recall (one more call on layers with nothing to recall)
             early = layer_ops.attend(q, self.kv, plan.early, attention=self.attention) if ab.recall == "eager" \
@@ -327,13 +342,6 @@ class SparseDecoder:
             self.kv, x = layer_ops.land_attend_finish(model, lp, x, q, self.kv, lid, plan, staging, early,
                                                       attention=self.attention, width=width, fan=fan)
         outs[key] = layer_ops.logits(model, head, x)
-
-    @property
-    def _plan_mode(self) -> str:
-        """slot_plan.layer_plan's mode for this engine's sparse requests."""
-        if self.plan.placement == "host":
-            return "recall"
-        return "bookkeep" if self.scoring.favours_resident(self.plan.selection, self.ablation.solohead) else "none"
 
     def _step_inputs(self, sparse: list[SparseKV], tables: StepTables, bp: int) -> SlotStep:
         """The device plan's per-step inputs (`slot_plan.layer_plan`'s `step`, step_inputs.slot_step_inputs) on the

@@ -30,6 +30,7 @@ from pulseinfer_jax.attention import (
     paged_decode_attention_pallas,
     write_decode_kv,
     write_prefill_kv,
+    write_prefill_units,
 )
 from pulseinfer_jax.models.rope import rope_tables
 from pulseinfer_jax.models.transformer import Transformer, head_params
@@ -165,6 +166,44 @@ def _prefill_layer(
                                                                          key_chunk), layer)
 
 
+def _prefill_attend_units(unit_table: Int[Array, " MB"], start: Int[Array, ""], c: int, kv_shape: tuple,
+                          key_chunk: int):
+    """`_prefill_attend` over flat units (layer * NB + block): the chunk's K/V go to its units of `unit_table` (unit 0,
+    the null block of layer 0, past the table) and it attends over the units read through the flat view of the cache
+    (a free reshape). The same arithmetic as `_prefill_attend`: only the addresses differ."""
+    n_layers, nblk, bs = kv_shape[0], kv_shape[1], kv_shape[3]
+    nb = c // bs
+    padded = jnp.concatenate([unit_table, jnp.zeros((nb,), unit_table.dtype)])
+    chunk_units = jax.lax.dynamic_slice(padded, (start // bs,), (nb,))
+
+    def attend(layer, q, k, v, cache):
+        cache = write_prefill_units(cache, k[0], v[0], chunk_units)
+        flat = cache.reshape(1, n_layers * nblk, *cache.shape[2:])
+        o = chunked_prefill_attention(q[0], flat, jnp.int32(0), unit_table, start, key_chunk=key_chunk)
+        return o[None], cache
+
+    return attend
+
+
+def _prefill_layer_units(
+    model: Transformer,
+    lp: dict,
+    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    x: Float[Array, "1 C D"],
+    start: Int[Array, ""],
+    unit_table: Int[Array, " MB"],
+    *,
+    key_chunk: int,
+) -> tuple[Array, Float[Array, "1 C D"]]:
+    """One layer (weights `lp`) of a prompt chunk whose K/V live in flat units `unit_table` (logical block j of the
+    prompt at unit `unit_table[j]`): the layer-segmented prefill of an offloaded prompt (segmented_prefill.py), which
+    keeps one layer of the prompt's KV on the GPU at a time, in units of any layer slice."""
+    c = x.shape[1]
+    positions = start + jnp.arange(c, dtype=jnp.int32)
+    attend = _prefill_attend_units(unit_table, start, c, kv.shape, key_chunk)
+    return _one_layer(model, lp, kv, x, positions[None], attend, jnp.int32(0))
+
+
 def _prefill_logits(model: Transformer, params: dict, x: Float[Array, "1 C D"], n_valid: Int[Array, ""]
                     ) -> Float[Array, " V"]:
     """Logits of the chunk's last valid token."""
@@ -218,6 +257,22 @@ def prefill_step_layerwise(model: Transformer, params: dict, layer_params: list[
     for lp, idx in zip(layer_params, layer_ids, strict=True):
         kv, x = layer(model, lp, kv, x, start, block_table, idx, key_chunk=key_chunk)
     return kv, _compiled(_prefill_logits, platform)(model, head, x, n_valid)
+
+
+def prefill_embed(model: Transformer, params: dict, tokens: jax.Array, platform: str) -> Array:
+    """A prefill chunk's embeddings [1, C, D] (the first step of `prefill_step_layerwise`)."""
+    return _compiled(_prefill_embed, platform)(model, head_params(params), tokens)
+
+
+def prefill_layer_units(model: Transformer, lp: dict, kv: jax.Array, x: jax.Array, start: jax.Array,
+                        unit_table: jax.Array, *, key_chunk: int) -> tuple[Array, Array]:
+    """See `_prefill_layer_units`; compiled for the platform the cache lives on."""
+    return _compiled(_prefill_layer_units, _platform(kv))(model, lp, kv, x, start, unit_table, key_chunk=key_chunk)
+
+
+def prefill_logits(model: Transformer, params: dict, x: jax.Array, n_valid: jax.Array) -> Array:
+    """Logits [V] of a prefill chunk's last valid token (the last step of `prefill_step_layerwise`)."""
+    return _compiled(_prefill_logits, _platform(x))(model, head_params(params), x, n_valid)
 
 
 def _platform(x: jax.Array) -> str:

@@ -1,8 +1,9 @@
 """Continuous batching over the paged KV pool (pure Python, testable without a model).
 
 Admission reserves every GPU block a request can ever need up front, FIFO, while the batch has room: for a
-dense request its whole KV (prompt + max_new_tokens), for an offloaded one its steady GPU footprint (see
-host_offload/placement.py; its prompt is prefilled through the engine's scratch). A running request
+dense request its whole KV (prompt + max_new_tokens), for an offloaded one its steady GPU footprint plus the few
+blocks its layer-by-layer prefill needs beyond its own, given back when the prefill ends (see
+host_offload/placement.py and pulseinfer_jax/segmented_prefill.py). A running request
 therefore never runs out of KV blocks and never has to be preempted: no KV is lost or recomputed. A
 finished request frees its blocks at once and the head of the queue joins the batch at the next step. A
 request that could never fit is rejected when added, so the queue can never wait forever.
@@ -83,6 +84,10 @@ class Placer(Protocol):
 
     def setup(self, req: Request) -> None:
         """Admitted offloaded: req.blocks holds its GPU blocks; allocate host rows, build req.sparse."""
+        ...
+
+    def prefill_blocks(self, req: Request) -> list[int]:
+        """Of an admitted offloaded request's req.blocks, those it holds only while its prompt prefills."""
         ...
 
     def release(self, req: Request) -> None:
@@ -180,6 +185,13 @@ class Scheduler:
         return self.prefilling[0] if self.prefilling else None
 
     def prefill_done(self, req: Request) -> None:
+        """The prompt is in the cache: the request decodes from the next step; blocks it held only for its prefill
+        go back to the pool."""
+        if req.placement == "offload":
+            extra = self.placer.prefill_blocks(req)
+            if extra:
+                self.allocator.free(extra, owner=req.index)
+                req.blocks = req.blocks[: len(req.blocks) - len(extra)]
         self.prefilling.remove(req)
         req.status = Status.RUNNING
         self.running.append(req)

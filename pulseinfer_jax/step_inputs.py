@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 from jaxtyping import Int
 
@@ -17,6 +18,7 @@ from pulseinfer_jax.host_offload.blocks import blocks_for, bucket
 from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.kept_scores import kept_logical
 from pulseinfer_jax.kv_cache import bucket_blocks
+from pulseinfer_jax.layer_inputs import Candidates, IntArray, KeptBlocks, SparseRows
 from pulseinfer_jax.slot_plan import SlotStep
 from pulseinfer_jax.sparse import BlockScoring
 
@@ -54,22 +56,24 @@ class StepTables:
         return n
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseRows:
+    """A step's inputs to the dense layers (`layer_ops.dense_layer`): each layer reads its own packs."""
+
+    lens: Int[IntArray, "bp 1 kc"]  # valid tokens per block (the same in every dense layer)
+    ids: tuple[Int[IntArray, "bp 1 kc"], ...]  # per dense layer: the flat unit of every logical block
+    write: tuple[Int[IntArray, " bp"], ...]  # per dense layer: the flat unit the new token goes to
+
+
 @dataclasses.dataclass(frozen=True)
 class MicroBatchInputs:
     """One micro-batch's per-step inputs (see the module docstring); `coarse` is static (two-level scoring's kept
     groups, 0 = off)."""
 
     tokens: Int[np.ndarray, " bp"]
-    positions: Int[np.ndarray, " bp"]  # position of each row's new token (its length - 1)
-    newest: Int[np.ndarray, " bp"]  # GPU block of each row's newest logical block (-1: padding row)
-    cand: Int[np.ndarray, "bp kc"]  # host row (= metadata row) of each middle block, -1 = not a candidate
-    num_blocks: Int[np.ndarray, " bp"]
-    groups: Int[np.ndarray, "bp G"]  # coarse metadata row of each group of blocks (two-level scoring), -1 = none
-    kept_logical: Int[np.ndarray, "bp KK"]  # the always-kept blocks scored from their keys, -1 = none
-    kept_gpu: Int[np.ndarray, "bp KK"]  # their GPU blocks
-    dense_lens: Int[np.ndarray, "bp 1 kc"]  # valid tokens per block (the same in every dense layer)
-    dense_ids: tuple[Int[np.ndarray, "bp 1 kc"], ...]  # per dense layer: the flat unit of every logical block
-    dense_write: tuple[Int[np.ndarray, " bp"], ...]  # per dense layer: the flat unit the new token goes to
+    rows: SparseRows  # what every sparse layer's selection call reads
+    dense: DenseRows
     coarse: int
     tables: StepTables
 
@@ -125,9 +129,11 @@ def micro_batch_inputs(plan: SparsePlan, scoring: BlockScoring, solohead: str, n
             write[b] = u[d, -1]
         dense_ids.append(ids)
         dense_write.append(write)
-    return MicroBatchInputs(tok, positions, newest, cand.astype(np.int32), nblk, groups, kept_l.astype(np.int32),
-                            kept_gpu.astype(np.int32), dense_lens, tuple(dense_ids), tuple(dense_write), coarse,
-                            tables)
+    rows = SparseRows(positions=positions, newest=newest,
+                      candidates=Candidates(rows=cand.astype(np.int32), num_blocks=nblk, groups=groups),
+                      kept=KeptBlocks(logical=kept_l.astype(np.int32), gpu=kept_gpu.astype(np.int32)))
+    dense = DenseRows(lens=dense_lens, ids=tuple(dense_ids), write=tuple(dense_write))
+    return MicroBatchInputs(tokens=tok, rows=rows, dense=dense, coarse=coarse, tables=tables)
 
 
 def slot_step_inputs(sparse: list[SparseKV], tables: StepTables, bp: int, table_rows: int, capacity: int,

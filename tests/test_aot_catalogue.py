@@ -97,7 +97,7 @@ def shardings(kind: str | None):
 def expected(model, config: EngineConfig, prompts: list[int]) -> set:
     """Every signature the catalogue's builders give for these requests: dense or offloaded decode at each batch
     the engine passes through (the first request alone, then all), every recall and write-back size up to the
-    largest, the prefills, the prompt spills and the allocations."""
+    largest, the prefills (layer by layer for offloaded prompts, with each layer's spill) and the allocations."""
     platform = "cpu"
     r = plan_backends(config, platform, is_moe=model.cfg.is_moe)
     es = cat.EngineShapes.of(model.cfg, model.dtype, config, attention=r.decode_attention, layer_loop=r.layer_loop,
@@ -124,8 +124,7 @@ def expected(model, config: EngineConfig, prompts: list[int]) -> set:
                                                                        shardings("device"))]
                 calls.append(cat.Call(cat.refresh_meta_program(es, layout, n * layout.plan.sparse_layers)))
         for n in prompts:
-            calls += cat.prefill(es, n, blocks_for(n, config.block_size), num_blocks=layout.num_gpu_blocks)
-            calls += cat.sparse_prompt(es, layout, n, shardings=shardings)
+            calls += cat.offloaded_prefill(es, layout, n, shardings=shardings)
         calls += cat.allocations(es, shardings, layout)
     return {c.program.signature for c in calls}
 

@@ -352,3 +352,27 @@ def test_moe_ffn_bench_times_every_strategy(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["moe_ffn.py", "--model", "tiny-llama"])
     with pytest.raises(SystemExit):
         moe_ffn.main()
+
+
+def test_capacity_accounting_counts_what_the_pools_hold(tiny4):
+    """bench/capacity.py's admission count: dense holds budget // blocks per request; offloaded, each request takes its
+    steady footprint (plus its prefill blocks while it prefills) and host rows, so more of them run; a pinned host
+    pool of one request's rows holds one."""
+    from bench.capacity import admit
+    from pulseinfer_jax.offload import offload_blocks, sparse_plan
+    from pulseinfer_jax.scheduler import Request
+
+    c = tiny4.cfg
+    per_block = c.num_layers * 2 * c.num_kv_heads * 4 * c.head_dim * 2  # bf16 in the accounting
+    cfg = EngineConfig.of(**{**BASE, "mode": "dense", "max_batch": 64})
+    need = blocks_for(100 + 128, 4)
+    budget = (3 * need + 1) * per_block + per_block // 2
+    assert admit(c, cfg, [100] * 5, budget, 1 << 40, 1e13).admitted == 3
+    # every layer sparse; 8 slot blocks x 4 layers hold a layer of the prompt (no extra prefill blocks)
+    off = cfg.with_settings(mode="offload", slot_cache_blocks=8, dense_layers=0)
+    plan = sparse_plan(off, c.num_layers, c.num_kv_heads)
+    steady = plan.gpu_blocks(100 + 128)
+    assert offload_blocks(plan, Request(0, [0] * 100, SamplingParams(), 128)) == steady
+    many = admit(c, off, [100] * 5, budget, 1 << 40, 1e13)
+    assert many.admitted == 5 and 5 * steady <= 3 * need + 1
+    assert admit(c, off, [100] * 5, budget, need * per_block, 1e13).admitted == 1  # a host row: every layer

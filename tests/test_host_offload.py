@@ -266,16 +266,23 @@ def test_sparse_kv_roles_window_rotation_and_packs():
     assert p.gpu_blocks(total) == p.resident_blocks + slots + 4
     gpu = list(range(1, p.gpu_blocks(total) + 1))
     s = SparseKV(p, 0, total, gpu, list(range(100, 110)))
-    scratch = [50, 51, 52, 53, 54, 55, 56]
-    assert s.prefill_table(scratch, prompt) == scratch[:6]
-    with pytest.raises(ValueError, match="prefill scratch"):
-        s.prefill_table(scratch[:5], prompt)
+    nb = 64  # GPU pool blocks
+    # the prompt's 6 blocks of a layer fit the slot blocks' 6 layer slices: no extra prefill block
+    assert p.scratch_blocks(prompt, total) == 0 and p.scratch_blocks(slots * 6 * 4 + 1, total) == 1
+    units = s.prefill_units([], nb, prompt)
+    assert len(set(units)) == 6 and {u % nb for u in units} <= set(s.slot_blocks)
+    with pytest.raises(ValueError, match="prefill units"):
+        s.prefill_units([], nb, slots * 6 * 4 + 1)
+    more = s.prefill_units([50], nb, slots * 6 * 4 + 1)  # one more block's layer slices
+    assert more[-1] % nb == 50 and len(set(more)) == len(more)
+    with pytest.raises(ValueError, match="layer by layer"):
+        s.prefill_table()
     spill, meta, resident = s.prefill_done(prompt)
     assert spill == list(range(6)) and meta == [1, 2, 3]  # middle = after the sink, before the 2-block window
     assert sorted(s.gpu_of) == [0, 4, 5] and len(s.spare) == 1
-    assert resident == [(scratch[j], s.gpu_of[j]) for j in (0, 4, 5)]  # copied out of the scratch
+    assert resident == [(j, s.gpu_of[j]) for j in (0, 4, 5)]  # take a copy of the prompt's KV
     owned = s.owned_gpu_blocks()
-    assert sorted(owned) == gpu and not set(owned) & set(scratch)
+    assert sorted(owned) == gpu
     # token 24 starts block 6: block 4 leaves the window, its GPU block becomes the spare
     assert s.advance(24) == []  # 24 tokens = blocks 0..5: no new block yet
     b4 = s.gpu_of[4]
@@ -283,7 +290,6 @@ def test_sparse_kv_roles_window_rotation_and_packs():
     assert exits == [(4, b4)] and sorted(s.gpu_of) == [0, 5, 6] and s.spare == [b4]
     assert s.advance(26) == []
     # dense-layer units: distinct for every (block, dense layer), inside the packs, never a resident block
-    nb = 64  # GPU pool blocks
     units = {s.dense_unit(j, d, nb) for j in range(10) for d in range(2)}
     assert len(units) == 20
     assert {u % nb for u in units} <= set(s.packs)
@@ -294,7 +300,7 @@ def test_sparse_kv_device_placement_keeps_everything():
     p = _plan(placement="device")
     assert p.gpu_blocks(40) == 10
     s = SparseKV(p, 0, 40, list(range(1, 11)), list(range(100, 110)))
-    assert s.prefill_table([50], 21) == list(range(1, 11))  # its own blocks, not the scratch
+    assert s.prefill_table() == list(range(1, 11))  # its own blocks
     spill, meta, resident = s.prefill_done(21)
     assert spill == [] and resident == [] and meta == [1, 2, 3]
     assert all(s.is_resident(j) for j in range(10))

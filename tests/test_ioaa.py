@@ -354,6 +354,9 @@ class FakePlacer:
     def setup(self, req):
         self.setups.append(req.index)
 
+    def prefill_blocks(self, req):
+        return []
+
     def release(self, req):
         self.releases.append(req.index)
 

@@ -47,7 +47,8 @@ def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extr
     worst = max(float(np.max(np.abs(seen[k] - dense_logits[k]))) for k in seen)
     scale = max(float(np.max(np.abs(v))) for v in dense_logits.values())
     assert worst <= 1e-5 * scale, (worst, scale)
-    assert all(np.array_equal(seen[k], dense_logits[k]) for k in seen if k[1] == 0)  # prefill: the same code
+    # (an offloaded prompt prefills layer by layer: bit for bit the layer-wise dense prefill, test_segmented_prefill.py;
+    # the scan engines here compile all layers as one program, whose rounding may differ in the last bits)
     for r in off:
         s = r.stats
         assert s["mode"] == "offload" and s["offloaded"] is True
@@ -198,7 +199,8 @@ def test_auto_mode_places_by_memory_and_pcie_and_stays_correct(tiny4):
     dense = generate_long(prompts, tiny4, max_new_tokens=12, ignore_eos=True, engine_config=EngineConfig.of(**kw))
     off = generate_long(prompts, tiny4, max_new_tokens=12, ignore_eos=True,
                         engine_config=EngineConfig.of(**kw, mode="offload"))
-    # dense: 28 blocks per request; offloaded: 4 resident + 5 slots + 7 dense-layer packs = 16
+    # dense: 28 blocks per request; offloaded: 4 resident + 5 slots + 7 dense-layer packs = 16, and while its prompt
+    # prefills layer by layer 2 more (its 5 slot blocks x 4 layers hold 20 of a layer's 25 blocks)
     c = tiny4.cfg
     # one offloaded request's prior recall: 25% of (5 middle blocks x one layer-block x 3 sparse layers)
     prior = 0.25 * 5 * (2 * 4 * c.num_kv_heads * c.head_dim * 4) * 3
@@ -216,14 +218,15 @@ def test_auto_mode_places_by_memory_and_pcie_and_stays_correct(tiny4):
 
     # two requests (56 blocks) fit dense: nothing to gain from offloading
     assert run(2, 16e9)[0] == ["dense", "dense"]
-    # four (112 blocks) do not: offloaded while the rest does not fit dense (free 72 -> 56 -> 40 -> 24 -> 8),
+    # four (112 blocks) do not: offloaded while the rest does not fit dense (free 72 -> 54 -> 36 -> 18 -> 0),
     # so all four run at once where greedy dense-first would run three
     modes, admitted = run(4, 16e9)
     assert modes == ["offload"] * 4 and admitted == [0, 0, 0, 0]
-    # PCIe for one offloaded request only (1.5 priors per step): offload, then dense, dense, and the fourth
-    # waits for memory (its placement then depends on the measured step time, which IOAA also uses)
+    # PCIe for one offloaded request only (1.5 priors per step): offload (72 -> 54), then dense (-> 26); the third
+    # goes dense once the first prompt's prefill has given its 2 blocks back (-> 28), the fourth waits for memory
+    # (its placement then depends on the measured step time, which IOAA also uses)
     modes, admitted = run(4, 1.5 * prior / hideable)
-    assert modes[:3] == ["offload", "dense", "dense"] and admitted[:3] == [0, 0, 0] and admitted[3] > 0
+    assert modes[:3] == ["offload", "dense", "dense"] and admitted[:2] == [0, 0] and 0 < admitted[2] < admitted[3]
 
 
 def test_host_pool_exhaustion_queues_then_runs(tiny4):
@@ -252,7 +255,7 @@ def test_bad_offload_configs(kw, match):
 
 def test_bad_offload_runtime_configs(tiny, tiny4):
     p = _prompts(tiny4.cfg.vocab_size, lengths=(40,))
-    with pytest.raises(ValueError, match="host rows"):  # host pool too small for the request
+    with pytest.raises(ValueError, match="rows of the pinned host pool .* which holds"):  # host pool too small
         generate_long(p, tiny4, max_new_tokens=8, engine_config=EngineConfig.of(
             **BASE, mode="offload", budget_tokens=24, host_kv_tokens=16))
     with pytest.raises(ValueError, match="leaves no sparse layer"):
@@ -393,15 +396,15 @@ def test_metadata_budgeted_as_allocated(tiny4, m, bounds, dtype):
     eng = Engine(tiny4, EngineConfig.of(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_sub_blocks=m,
                                      score_bounds_dtype=bounds))
     (req,) = _run_until_last_token(eng, _prompts(tiny4.cfg.vocab_size, lengths=(45,)), 4)
-    assert eng.sparse.meta_min.dtype == eng.sparse.meta_max.dtype == jnp.dtype(dtype)
-    itemsize = eng.sparse.meta_min.dtype.itemsize
+    assert eng.sparse.bounds.fine.lo.dtype == eng.sparse.bounds.fine.hi.dtype == jnp.dtype(dtype)
+    itemsize = eng.sparse.bounds.fine.lo.dtype.itemsize
     want = offload.metadata_bytes(eng.sparse.plan, eng.host_pool.num_rows, tiny4.cfg.head_dim, itemsize, m)
     assert eng.sparse.metadata_bytes == want
-    assert eng.sparse.meta_min.shape[0] == eng.sparse.plan.sparse_layers * eng.host_pool.num_rows * m
+    assert eng.sparse.bounds.fine.lo.shape[0] == eng.sparse.plan.sparse_layers * eng.host_pool.num_rows * m
     # every middle block's rows bound its keys (read back from the host pool), slice by slice
     s, rows, bs = req.sparse, eng.host_pool.num_rows, BASE["block_size"]
-    lo = np.asarray(eng.sparse.meta_min.astype(jnp.float32))
-    hi = np.asarray(eng.sparse.meta_max.astype(jnp.float32))
+    lo = np.asarray(eng.sparse.bounds.fine.lo.astype(jnp.float32))
+    hi = np.asarray(eng.sparse.bounds.fine.hi.astype(jnp.float32))
     checked = 0
     for j in range(1, 45 // bs - 2):  # whole prompt blocks past the sink, before the window
         for sl in range(s.plan.sparse_layers):
@@ -436,11 +439,11 @@ def test_two_level_scoring_scores_kept_groups_only(tiny4, monkeypatch):
     reqs = _run_until_last_token(eng, prompts, 8)
     dec = eng.sparse
     rows, sl_n = eng.host_pool.num_rows, dec.plan.sparse_layers
-    assert rows % f == 0 and dec.cmeta_min.shape[0] == sl_n * rows // f
-    want = offload.metadata_bytes(dec.plan, rows, tiny4.cfg.head_dim, dec.meta_min.dtype.itemsize, 1, f)
-    assert dec.metadata_bytes == want == 2 * (dec.meta_min.nbytes + dec.cmeta_min.nbytes)
-    lo, hi = (np.asarray(a.astype(jnp.float32)) for a in (dec.meta_min, dec.meta_max))
-    clo, chi = (np.asarray(a.astype(jnp.float32)) for a in (dec.cmeta_min, dec.cmeta_max))
+    assert rows % f == 0 and dec.bounds.coarse.lo.shape[0] == sl_n * rows // f
+    want = offload.metadata_bytes(dec.plan, rows, tiny4.cfg.head_dim, dec.bounds.fine.lo.dtype.itemsize, 1, f)
+    assert dec.metadata_bytes == want == 2 * (dec.bounds.fine.lo.nbytes + dec.bounds.coarse.lo.nbytes)
+    lo, hi = (np.asarray(a.astype(jnp.float32)) for a in (dec.bounds.fine.lo, dec.bounds.fine.hi))
+    clo, chi = (np.asarray(a.astype(jnp.float32)) for a in (dec.bounds.coarse.lo, dec.bounds.coarse.hi))
     checked = 0
     for r in reqs:
         s = r.sparse
@@ -459,8 +462,8 @@ def test_two_level_scoring_scores_kept_groups_only(tiny4, monkeypatch):
     # group scoring reads the coarse rows, block scoring keep * f candidates: fewer than the blocks it skips
     keep = EngineConfig.of(**kw).scoring.coarse_groups(6, 1, 2, 16)
     assert keep == 2
-    coarse_calls = [w for w in widths if w[0] == dec.cmeta_min.shape[0]]
-    fine_calls = [w for w in widths if w[0] == dec.meta_min.shape[0]]
+    coarse_calls = [w for w in widths if w[0] == dec.bounds.coarse.lo.shape[0]]
+    fine_calls = [w for w in widths if w[0] == dec.bounds.fine.lo.shape[0]]
     assert coarse_calls and {w[1] for w in fine_calls} == {keep * f}
     host = [r.output for r in reqs]
     pallas = _run_until_last_token(Engine(tiny4, EngineConfig.of(**kw, decode_attention="pallas")), prompts, 8)
@@ -562,7 +565,7 @@ def test_auto_kernels_fall_back_on_a_gpu_that_rejects_them(tiny4, monkeypatch, e
         got = generate_long(prompts, eng, max_new_tokens=5, ignore_eos=True)
         assert calls == ["float8_e4m3fn", "kv"]  # probed once (and the exact bounds once more), not per run
         assert eng.sparse_attention == attention and eng.scoring.bounds_dtype == bounds
-        assert eng.sparse.meta_min.dtype == eng.scoring.metadata_dtype(tiny4.dtype)
+        assert eng.sparse.bounds.fine.lo.dtype == eng.scoring.metadata_dtype(tiny4.dtype)
         assert got[0].stats["score_bounds_dtype"] == bounds and got[0].stats["decode_attention"] == attention
         want = generate_long(prompts, tiny4, max_new_tokens=5, ignore_eos=True, engine_config=EngineConfig.of(
             **kw, decode_attention=attention, score_bounds_dtype=bounds))

@@ -6,7 +6,8 @@ Each builder mirrors one path of the engine and returns `Call`s (program, runs p
   - `sparse_decode`: pipeline.SparseDecoder.decode (per micro-batch: embed, dense layers, per sparse layer
     sparse_pre / attend / land_attend_finish, logits; the recall's host programs; write-back and key bounds of the
     blocks leaving the window), at a given recall size per layer;
-  - `sparse_prompt`: the prompt spill after an offloaded prefill (write-back, key bounds, copies);
+  - `offloaded_prefill`: an offloaded prompt's layer-segmented prefill and the spill of each layer (write-back, key
+    bounds, copies);
   - `allocations`, `probes`: the zero-filled pools and the engine's start-up probes.
 Host-built inputs come from the same functions the engine uses (`pulseinfer_jax.step_inputs`, `offload`,
 `SparseKV`), so shapes cannot drift; `tests/test_aot_catalogue.py` checks on CPU that a tiny engine compiles
@@ -31,9 +32,11 @@ from pulseinfer_jax.host_offload import numpy_io, xla_io
 from pulseinfer_jax.host_offload.blocks import blocks_for, bucket
 from pulseinfer_jax.host_offload.placement import SparseKV
 from pulseinfer_jax.kv_cache import bucket_blocks
+from pulseinfer_jax.layer_inputs import KeyBounds, ScoringBounds, SelectSpec, SparseLayerRefs
 from pulseinfer_jax.models.moe import MoEOptions
 from pulseinfer_jax.models.transformer import Transformer
 from pulseinfer_jax.offload import pool_sizes
+from pulseinfer_jax.segmented_prefill import chunk_plan, chunk_size
 from pulseinfer_jax.step_inputs import micro_batch_inputs, slot_step_inputs
 
 I32 = jnp.int32
@@ -169,9 +172,8 @@ def dense_decode(es: EngineShapes, lengths: list[int], max_new_tokens: int, *, n
 
 def prefill(es: EngineShapes, prompt_tokens: int, table_blocks: int, *, num_blocks: int | None = None,
             group: str = "prefill") -> list[Call]:
-    """Every chunk of one prompt's prefill (engine._prefill_compute) into a table of `table_blocks` GPU blocks
-    (a dense request's reservation, or the prefill scratch of an offloaded one), then its first token's sampling.
-    Counts are per prompt."""
+    """Every chunk of one prompt's dense prefill (engine._prefill_compute) into a table of `table_blocks` GPU blocks
+    (a dense request's reservation), then its first token's sampling. Counts are per prompt."""
     cfg, model = es.config, es.model
     bs = cfg.block_size
     mb = bucket_blocks(table_blocks)
@@ -185,7 +187,7 @@ def prefill(es: EngineShapes, prompt_tokens: int, table_blocks: int, *, num_bloc
     start = 0
     while start < prompt_tokens:
         remaining = prompt_tokens - start
-        size = min(cfg.prefill_chunk, bs * bucket(blocks_for(remaining, bs)))
+        size = chunk_size(remaining, cfg.prefill_chunk, bs)
         kc = {"key_chunk": min(cfg.key_chunk, size)}
         args = (_vec(size), _scalar(), _scalar(), _vec(mb))
         if es.layer_loop == "scan":
@@ -207,8 +209,8 @@ def prefill(es: EngineShapes, prompt_tokens: int, table_blocks: int, *, num_bloc
 @dataclasses.dataclass
 class SparseLayout:
     """What an engine allocates for requests submitted together (Engine.ensure_pool: `offload.pool_sizes`) and the
-    SparseKVs of those it offloads, in their first decode step (`lengths` = prompt + 1 tokens): plan, GPU blocks
-    (the allocator's plus the prefill scratch), host rows, and the shapes of the pools built from them."""
+    SparseKVs of those it offloads, in their first decode step (`lengths` = prompt + 1 tokens): plan, GPU blocks,
+    host rows, and the shapes of the pools built from them."""
 
     es: EngineShapes
     plan: Any
@@ -227,8 +229,7 @@ class SparseLayout:
         cap = cap_bytes or cfg.gpu_kv_budget or 1 << 62
         meta_item = cfg.scoring.metadata_dtype(es.model.dtype).itemsize
         sizes = pool_sizes(cfg, c, jnp.dtype(es.model.dtype).itemsize, meta_item, reqs, cap)
-        plan, nb = sizes.plan, sizes.num_blocks + sizes.scratch
-        scratch_ids = list(range(sizes.num_blocks, nb))
+        plan, nb = sizes.plan, sizes.num_blocks
         align = cfg.scoring.coarse_group  # host rows go out in aligned extents (the first holds the null row)
         out, next_block, next_row = [], 1, align if align > 1 else 1
         for i in (range(len(reqs)) if offloaded is None else offloaded):
@@ -240,7 +241,6 @@ class SparseLayout:
             rows = list(range(next_row, next_row + blocks_for(r.need_tokens, cfg.block_size)))
             s = SparseKV(plan, i, r.need_tokens, list(range(next_block, next_block + own)), rows, slot_row=len(out))
             next_block, next_row = next_block + own, next_row + n_rows
-            s.prefill_table(scratch_ids, len(r.prompt))
             s.prefill_done(len(r.prompt))
             s.advance(len(r.prompt) + 1)
             out.append(s)
@@ -262,6 +262,12 @@ class SparseLayout:
         f = sc.coarse_group
         rows = self.plan.sparse_layers * (self.host_rows // f) if f > 1 else 1
         return spec((rows, c.num_kv_heads, c.head_dim), sc.metadata_dtype(es.model.dtype))
+
+    @property
+    def bounds(self) -> ScoringBounds:
+        """The sparse decoder's key bounds (SparseDecoder.bounds)."""
+        fine, coarse = self.meta, self.coarse_meta
+        return ScoringBounds(KeyBounds(fine, fine), KeyBounds(coarse, coarse))
 
     @property
     def pool(self) -> Spec:
@@ -295,7 +301,8 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
     bounds = np.linspace(0, len(reqs), k + 1).astype(int)
     groups = [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
     kv = es.kv(layout.num_gpu_blocks)
-    meta, cmeta, slots = layout.meta, layout.coarse_meta, layout.slot_state
+    slots = layout.slot_state
+    layer_refs = SparseLayerRefs(*(_scalar() for _ in dataclasses.fields(SparseLayerRefs)))
     calls: dict[str, Call] = {}
 
     def add(p: Program, n: float) -> None:
@@ -311,26 +318,21 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         bp = mb.tokens.shape[0]
         step = specs_of(slot_step_inputs(members, mb.tables, bp, slots[0].shape[1], slots[0].shape[3]))
         x = es.x(bp)
-        kc = mb.cand.shape[1]
-        n_blk = mb.num_blocks.astype(np.int64)
+        rows_spec = specs_of(mb.rows)
+        kc = mb.rows.candidates.rows.shape[1]
+        n_blk = mb.rows.candidates.num_blocks.astype(np.int64)
         dense_valid = ((ATTENTION[0], float(n_blk.sum()) / (bp * kc)),)  # the listed blocks holding tokens
         middle = np.clip(n_blk - plan.sink_blocks - plan.window_blocks, 0, None)
         scored = ((SCORING[0], float(middle.sum()) / (bp * kc)),)  # candidates that are blocks, not padding
         add(es.program("embed", group, layer_ops.embed, (model, es.head_params, specs_of(mb.tokens))), 1)
+        dense = specs_of(mb.dense)
         for d in range(plan.dense_layers):
             add(es.program("dense_layer", group, layer_ops.dense_layer,
-                           (model, es.layer_params, kv, x, specs_of(mb.positions), specs_of(mb.dense_write[d]),
-                            specs_of(mb.dense_ids[d]), specs_of(mb.dense_lens)), {"attention": es.attention},
-                           pallas=ATTENTION, valid=dense_valid), 1)
-        statics = dict(budget=plan.budget_blocks, sink=plan.sink_blocks, window=plan.window_blocks,
-                       mode=plan.selection, solohead=cfg.ablation.solohead, attention=es.attention, scoring=sc,
-                       coarse=mb.coarse, plan_mode="recall" if plan.placement == "host" else
-                       ("bookkeep" if sc.favours_resident(plan.selection, cfg.ablation.solohead) else "none"),
-                       override=False)
+                           (model, es.layer_params, kv, x, rows_spec.positions, dense.write[d], dense.ids[d],
+                            dense.lens), {"attention": es.attention}, pallas=ATTENTION, valid=dense_valid), 1)
+        select = SelectSpec.of(plan, cfg.ablation.solohead, es.attention, sc, coarse=mb.coarse)
         pre = es.program("sparse_pre", group, layer_ops.sparse_pre, (
-            model, es.layer_params, kv, meta, meta, _scalar(), _scalar(), x, specs_of(mb.positions),
-            specs_of(mb.newest), specs_of(mb.cand), specs_of(mb.num_blocks), _scalar(), specs_of(mb.kept_logical),
-            specs_of(mb.kept_gpu), slots, step, _scalar(), cmeta, cmeta, _scalar(), specs_of(mb.groups)), statics,
+            model, es.layer_params, kv, x, layout.bounds, slots, rows_spec, step, layer_refs), {"spec": select},
             pallas=SCORING, valid=scored)
         add(pre, sl_n)
         _, q, _, plan_out, _ = out_shapes(pre)
@@ -382,7 +384,7 @@ def _recall_calls(es: EngineShapes, layout: SparseLayout, recall: int, add, host
     if cfg.ablation.io == "coalesced":
         n = bucket(recall)
         if es.host_io == "xla":
-            _, stage_blocks, stage_units, _ = _io(es, plan.dense_layers, host_s, dev_s)
+            _, stage_blocks, stage_units, _, _ = _io(es, plan.dense_layers, host_s, dev_s)
             if solo:
                 add(es.program("stage_blocks_outer", "host_io", stage_blocks, (pool, _scalar(HOST), _vec(n, PLACED))),
                     sl_n)
@@ -414,7 +416,7 @@ def refresh_meta_program(es: EngineShapes, layout: SparseLayout, units: int, gro
     """SparseDecoder._refresh_meta's key-bounds call for `units` (layer, block) units."""
     n = bucket(units)
     return es.program("refresh_meta", group, layer_ops.refresh_meta,
-                   (es.kv(layout.num_gpu_blocks), layout.meta, layout.meta, _vec(n), _vec(n), _vec(n)),
+                   (es.kv(layout.num_gpu_blocks), layout.bounds.fine, _vec(n), _vec(n), _vec(n)),
                    {"sub_blocks": es.config.scoring.sub_blocks})
 
 
@@ -424,7 +426,7 @@ def refresh_coarse_program(es: EngineShapes, layout: SparseLayout, blocks: int, 
     f = es.config.scoring.coarse_group
     n = bucket(blocks * layout.plan.sparse_layers)
     return es.program("refresh_coarse", group, layer_ops.refresh_coarse,
-                   (layout.meta, layout.meta, layout.coarse_meta, layout.coarse_meta, spec((n, f), I32), _vec(n)),
+                   (layout.bounds.fine, layout.bounds.coarse, spec((n, f), I32), _vec(n)),
                    {"sub_blocks": es.config.scoring.sub_blocks})
 
 
@@ -445,26 +447,63 @@ def allocations(es: EngineShapes, shardings, layout: SparseLayout | None = None,
                             tag=f"zeros {a.aval}@{kind}"), 0.0) for a, kind in arrays]
 
 
-def sparse_prompt(es: EngineShapes, layout: SparseLayout, prompt_tokens: int, *, shardings=None,
-                  group: str = "sparse") -> list[Call]:
-    """The spill after one offloaded prompt's prefill (SparseDecoder.spill_prompt): write-back of every prompt
-    block, key bounds of the middle ones, copies of the resident blocks and dense-layer packs; per prompt. Also the
-    slot-table reset of its first decode step."""
-    plan = layout.plan
-    bs = es.config.block_size
+def offloaded_prefill(es: EngineShapes, layout: SparseLayout, prompt_tokens: int, *, shardings=None,
+                      group: str = "sparse") -> list[Call]:
+    """One offloaded prompt's layer-segmented prefill (segmented_prefill.py), per prompt: every (layer, chunk) piece,
+    and after each layer its spill (sparse layers: write-back of every block from its prefill units, key bounds of
+    the middle ones; the resident or dense-pack copies), the group bounds with two-level scoring, the logits and
+    the first token's sampling. Also the slot-table reset of its first decode step."""
+    cfg, model, plan = es.config, es.model, layout.plan
+    bs, nl = cfg.block_size, model.cfg.num_layers
     n = blocks_for(prompt_tokens, bs)
     middle = max(0, n - plan.sink_blocks - plan.window_blocks)
     keep = n - middle
-    pairs = keep * plan.num_layers + (n * plan.dense_layers if plan.placement == "host" else 0)
+    kv = es.kv(layout.num_gpu_blocks)
+    table = _vec(bucket_blocks(n))
+    calls: dict[str, Call] = {}
+
+    def add(p: Program, k: float = 1.0) -> None:
+        have = calls.get(p.key)
+        calls[p.key] = Call(p, k + (have.count if have else 0.0))
+
+    for ch in chunk_plan(prompt_tokens, cfg.prefill_chunk, bs):
+        x = es.x(1, ch.size)
+        add(es.program("_prefill_embed", group, runner._compiled(runner._prefill_embed, es.platform),
+                       (model, es.head_params, _vec(ch.size))))
+        add(es.program("_prefill_layer_units", group, runner._compiled(runner._prefill_layer_units, es.platform),
+                       (model, es.layer_params, kv, x, _scalar(), table), {"key_chunk": min(cfg.key_chunk, ch.size)}),
+            nl)
+    add(es.program("_prefill_logits", group, runner._compiled(runner._prefill_logits, es.platform),
+                   (model, es.head_params, es.x(1, ch.size), _scalar())))
     host_s = shardings(HOST) if shardings is not None else None
     dev_s = shardings("device") if shardings is not None else None
-    calls = [Call(p) for p in write_back_programs(es, layout, n, host_s, dev_s, group)]
-    calls.append(Call(refresh_meta_program(es, layout, plan.sparse_layers * middle, group)))
+    for p in write_back_unit_programs(es, layout, n, host_s, dev_s, group):
+        add(p, plan.sparse_layers)
+    if middle:
+        add(refresh_meta_program(es, layout, middle, group), plan.sparse_layers)
+    copies = _vec(bucket(keep))
+    add(es.program("copy_units", group, layer_ops.copy_units, (kv, copies, copies)), plan.sparse_layers)
+    if plan.dense_layers:
+        packs = _vec(bucket(n))
+        add(es.program("copy_units", group, layer_ops.copy_units, (kv, packs, packs)), plan.dense_layers)
+    f = cfg.scoring.coarse_group
+    if f > 1 and middle:
+        groups = len({j // f for j in range(plan.sink_blocks, n - plan.window_blocks)})
+        add(refresh_coarse_program(es, layout, groups, group))
+    add(reset_rows_program(layout, 1, group))
+    return list(calls.values()) + sample_calls(es, 1)
+
+
+def write_back_unit_programs(es: EngineShapes, layout: SparseLayout, units: int, host_s, dev_s,
+                             group: str = "sparse") -> list[Program]:
+    """HostKVPool.write_back_units of `units` flat units (padded to a power of two): one layer of a prompt."""
+    n = bucket(units)
     kv = es.kv(layout.num_gpu_blocks)
-    copies = _vec(bucket(pairs))
-    calls.append(Call(es.program("copy_units", group, layer_ops.copy_units, (kv, copies, copies))))
-    calls.append(Call(reset_rows_program(layout, 1, group)))
-    return calls
+    if es.host_io == "xla":
+        write = _io(es, layout.plan.dense_layers, host_s, dev_s)[4]
+        return [es.program("write_back_units", "host_io", write,
+                           (layout.pool, kv, _vec(n), _scalar(), _vec(n), _scalar()))]
+    return [es.program("_unit_gather", "host_io", numpy_io._unit_gather, (kv, _vec(n)))]
 
 
 def reset_rows_program(layout: SparseLayout, fresh: int, group: str = "sparse") -> Program:
@@ -473,4 +512,4 @@ def reset_rows_program(layout: SparseLayout, fresh: int, group: str = "sparse") 
 
 
 __all__ = ["EngineShapes", "SparseLayout", "dense_decode", "out_shapes", "prefill", "sample_calls", "sparse_decode",
-           "sparse_prompt", "write_back_programs", "refresh_meta_program"]
+           "offloaded_prefill", "write_back_programs", "refresh_meta_program"]

@@ -87,7 +87,7 @@ def prompt_for(cfg: ModelConfig, context: int, new: int = NEW_TOKENS) -> int:
 
 
 def kv_cap(cfg: ModelConfig, hbm: int) -> int:
-    """The GPU bytes an engine gives its KV (pool + offload metadata + prefill scratch) on a GPU of `hbm` bytes
+    """The GPU bytes an engine gives its KV (pool + offload metadata) on a GPU of `hbm` bytes
     holding the bf16 weights: 85% of what jax's client has left (Engine._kv_byte_cap)."""
     return int(HBM_FOR_KV * (CLIENT_MEMORY * hbm - 2 * cfg.num_parameters()))
 
@@ -154,8 +154,8 @@ def engine_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -> 
                                   cat.sparse_decode(sparse, layout, recall, shardings=shardings))
                     suite.add(f"{name}/offload/{ctx}x{b}/budget{budget}/alloc",
                               cat.allocations(sparse, shardings, layout))
-                    suite.add(f"{name}/offload/{ctx}x{b}/budget{budget}/spill",
-                              cat.sparse_prompt(sparse, layout, prompt, shardings=shardings))
+                    suite.add(f"{name}/offload/{ctx}x{b}/budget{budget}/prefill",
+                              cat.offloaded_prefill(sparse, layout, prompt, shardings=shardings))
 
 
 def ablation_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -> None:
@@ -172,7 +172,7 @@ def ablation_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -
         layout = offload_layout(es, [ctx] * b, hbm)
         suite.add(f"ablation/{name}/offload/{ctx}x{b}",
                   cat.sparse_decode(es, layout, typical, shardings=shardings, micro_batches=mbs))
-        suite.add(f"ablation/{name}/spill/{ctx}", cat.sparse_prompt(es, layout, ctx, shardings=shardings))
+        suite.add(f"ablation/{name}/prefill/{ctx}", cat.offloaded_prefill(es, layout, ctx, shardings=shardings))
     for loop, att in (("scan", "pallas"), ("scan", "jnp"), ("layerwise", "jnp")):
         es = ablation("llama-3.1-8b", ctx, EngineConfig(), attention=att, layer_loop=loop)
         suite.add(f"ablation/dense-{loop}-{att}/{ctx}x{b}", cat.dense_decode(es, [ctx] * b, NEW_TOKENS))
@@ -294,7 +294,7 @@ def _host_io_probe(hkv: int, hd: int, shardings) -> list[Call]:
     from pulseinfer_jax.host_offload import xla_io
 
     host, dev = shardings("pinned_host"), shardings("device")
-    write, stage_blocks, stage_units, fragment = xla_io.transfers(host, dev, 1)
+    write, stage_blocks, stage_units, fragment, write_units = xla_io.transfers(host, dev, 1)
     pool = spec((1, 4, 2, 16, hkv, hd), BF16, "pinned_host")
     kv = spec((2, 4, 2, 16, hkv, hd), BF16)
     v2, h = spec((2,), I32), "pinned_host"
@@ -303,7 +303,8 @@ def _host_io_probe(hkv: int, hd: int, shardings) -> list[Call]:
                          (pool, spec((), I32, h), spec((2,), I32, PLACED)))),
             Call(program("stage_units_outer", "probe", stage_units,
                          (pool, spec((), I32, h), spec((2, 2), I32, PLACED)))),
-            Call(program("fragment", "probe", fragment, (pool, spec((), I32), spec((1,), I32), spec((1,), I32))))]
+            Call(program("fragment", "probe", fragment, (pool, spec((), I32), spec((1,), I32), spec((1,), I32)))),
+            Call(program("write_back_units", "probe", write_units, (pool, kv, v2, spec((), I32), v2, spec((), I32))))]
 
 
 def build(*, shardings, hbm: int, quick: bool = False) -> Suite:
