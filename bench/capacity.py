@@ -1,6 +1,6 @@
 """How much context each system holds under a GPU KV budget, from the engine's own accounting (nothing is timed).
 
-    python bench/capacity.py [--model llama-3.1-8b] [--hbm-gb 141] [--host-gb 100] [--lengths 32768,131072]
+    python bench/capacity.py [--model llama-3.1-8b] [--hbm-gb 141] [--host-gb 100,1024] [--lengths 32768,131072]
     python bench/capacity.py --passkey [--tokens 7000]   # SmolLM2 on this machine, a quarter of its dense KV
 
 Accounting (default): for each system (dense, offload-headwise, PulseInfer offloading every request, PulseInfer with
@@ -15,7 +15,7 @@ IOAA admits offloaded requests while their predicted recall fits `ioaa_slack` of
 Passkey (`--passkey`): SmolLM2-135M-Instruct on this machine with a `--tokens`-token passkey document under a GPU KV
 budget of a quarter of its dense KV: the dense engine refuses it, the offloaded one runs it (budget 1,024 tokens),
 and the run records whether the passkey is found and the peak GPU KV (the allocator's high-water mark of blocks plus
-the key bounds) against the budget. Results: `bench/results/capacity.json` / `capacity_passkey_cpu.json`.
+the key bounds) against the budget. Results: `bench/results/capacity_<model>.json` / `capacity_passkey_cpu.json`.
 """
 
 from __future__ import annotations
@@ -130,23 +130,24 @@ def accounting(args) -> dict:
 
     cfg = ModelConfig.from_hf_dict(PRESETS[args.model], name=args.model)
     budget = kv_cap(cfg, int(args.hbm_gb * 1e9))
-    host = int(args.host_gb * 2**30)
     lengths = [int(x) for x in args.lengths.split(",")]
     rows, h2d = [], args.h2d_gbs * 1e9
-    for name, over in SYSTEMS.items():
-        config = EngineConfig.of(**over, max_batch=4096, budget_tokens=args.budget_tokens)
+    for host_gb in (float(x) for x in args.host_gb.split(",")):
+        host = int(host_gb * 2**30)
+        for name, over in SYSTEMS.items():
+            config = EngineConfig.of(**over, max_batch=4096, budget_tokens=args.budget_tokens)
 
-        def holds(prompts: list[int], config=config) -> bool:  # every request decoding at once
-            return not prompts or admit(cfg, config, prompts, budget, host, h2d).admitted == len(prompts)
+            def holds(prompts: list[int], config=config, host=host) -> bool:  # every request decoding at once
+                return not prompts or admit(cfg, config, prompts, budget, host, h2d).admitted == len(prompts)
 
-        longest = largest(lambda p: holds([p]), 1024, 1 << 26)
-        row = {"system": name, "config": over, "longest_prompt": longest, "concurrent": {}}
-        for n in lengths:
-            row["concurrent"][str(n)] = largest(lambda k, n=n: holds([n] * k), 0, 4096)
-        rows.append(row)
-        print(f"{name:20s} longest prompt {longest:>10,d} tokens; concurrent "
-              + ", ".join(f"{n // 1024}K: {row['concurrent'][str(n)]}" for n in lengths), flush=True)
-    return {"model": args.model, "gpu_kv_budget": budget, "hbm_gb": args.hbm_gb, "host_bytes": host,
+            longest = largest(lambda p: holds([p]), 1024, 1 << 26)
+            row = {"system": name, "config": over, "host_bytes": host, "longest_prompt": longest, "concurrent": {}}
+            for n in lengths:
+                row["concurrent"][str(n)] = largest(lambda k, n=n: holds([n] * k), 0, 4096)
+            rows.append(row)
+            print(f"host {host_gb:6.0f} GiB  {name:20s} longest prompt {longest:>10,d} tokens; concurrent "
+                  + ", ".join(f"{n // 1024}K: {row['concurrent'][str(n)]}" for n in lengths), flush=True)
+    return {"model": args.model, "gpu_kv_budget": budget, "hbm_gb": args.hbm_gb,
             "h2d_bytes_per_s": args.h2d_gbs * 1e9, "budget_tokens": args.budget_tokens, "new_tokens": NEW_TOKENS,
             "max_position_embeddings": cfg.max_position_embeddings, "rows": rows}
 
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b", help="a models/presets.py name (accounting)")
     ap.add_argument("--hbm-gb", type=float, default=141.0, help="GPU memory (H200: 141 GB)")
-    ap.add_argument("--host-gb", type=float, default=100.0, help="pinned host memory for the KV pool (GiB)")
+    ap.add_argument("--host-gb", default="100,1024", help="pinned host memory for the KV pool (GiB), a comma list")
     ap.add_argument("--h2d-gbs", type=float, default=50.0, help="host-to-device GB/s IOAA assumes")
     ap.add_argument("--lengths", default="32768,131072", help="request lengths (tokens) for the concurrency count")
     ap.add_argument("--budget-tokens", type=int, default=None, help="sparse attention budget (default: the engine's; "
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         path = write_result("capacity_passkey_cpu", passkey(args), args.out)
     else:
         args.budget_tokens = args.budget_tokens or 2048
-        path = write_result("capacity", accounting(args), args.out)
+        path = write_result(f"capacity_{args.model}", accounting(args), args.out)
     print(f"wrote {path}")
 
 

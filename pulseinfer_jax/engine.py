@@ -271,18 +271,20 @@ class Engine:
         self.scheduler.prefill_done(req)
         yield from self._accept([req], [token])
 
-    def _prefill_segments(self, req: Request) -> tuple[float, jax.Array | None]:
+    def _prefill_segments(self, req: Request) -> tuple[int, jax.Array | None]:
         """One step's share of an offloaded prompt's layer-by-layer prefill (as much work as one dense chunk);
-        returns (prompt-token equivalent of the work done, the logits of the last prompt token once it is done)."""
+        returns (prompt tokens' worth of work done: req.prefilled counts the prompt x layers done, divided by the
+        layers, the logits of the last prompt token once it is done)."""
         job = self._segments.get(req.index)
         if job is None:
             job = self.prefiller.start(req.sparse, req.prompt, self.scheduler.placer.prefill_blocks(req))
             self._segments[req.index] = job
-        self.kv, logits, work = self.prefiller.advance(self.kv, job, self.model.cfg.num_layers)
+        self.kv, logits = self.prefiller.advance(self.kv, job, self.model.cfg.num_layers)
+        before = req.prefilled
         req.prefilled = round(len(req.prompt) * (1 - job.pieces_left / (job.num_layers * len(job.chunks))))
         if logits is not None:
             del self._segments[req.index]
-        return work, logits
+        return req.prefilled - before, logits
 
     def _prefill_compute(self, req: Request, blocks: list[int]) -> tuple[int, jax.Array | None]:
         """Run the model over the next chunk of req's prompt, writing its KV into `blocks` (the request's

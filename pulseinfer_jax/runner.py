@@ -105,13 +105,19 @@ def _decode_layer(
     return _one_layer(model, lp, kv, x, positions[:, None], _paged_attend(attention, block_tables, positions), layer)
 
 
+def _chunk_entries(table: Int[Array, " MB"], start: Int[Array, ""], c: int, bs: int) -> Int[Array, " nb"]:
+    """The c // bs entries of `table` that a block-aligned c-token chunk at `start` writes (0, a null block, past the
+    table)."""
+    nb = c // bs
+    padded = jnp.concatenate([table, jnp.zeros((nb,), table.dtype)])
+    return jax.lax.dynamic_slice(padded, (start // bs,), (nb,))
+
+
 def _prefill_attend(block_table: Int[Array, " MB"], start: Int[Array, ""], c: int, bs: int, key_chunk: int):
     """The attention of a c-token prefill chunk starting at `start` (block aligned): attend(layer, q, k, v, cache)
     -> (o, cache) writes the chunk's K/V into its c // bs blocks (the null block past the table), then attends
     over the request's keys up to each query."""
-    nb = c // bs
-    padded = jnp.concatenate([block_table, jnp.zeros((nb,), block_table.dtype)])
-    chunk_blocks = jax.lax.dynamic_slice(padded, (start // bs,), (nb,))
+    chunk_blocks = _chunk_entries(block_table, start, c, bs)
 
     def attend(layer, q, k, v, cache):
         cache = write_prefill_kv(cache, layer, k[0], v[0], chunk_blocks)
@@ -171,10 +177,8 @@ def _prefill_attend_units(unit_table: Int[Array, " MB"], start: Int[Array, ""], 
     """`_prefill_attend` over flat units (layer * NB + block): the chunk's K/V go to its units of `unit_table` (unit 0,
     the null block of layer 0, past the table) and it attends over the units read through the flat view of the cache
     (a free reshape). The same arithmetic as `_prefill_attend`: only the addresses differ."""
-    n_layers, nblk, bs = kv_shape[0], kv_shape[1], kv_shape[3]
-    nb = c // bs
-    padded = jnp.concatenate([unit_table, jnp.zeros((nb,), unit_table.dtype)])
-    chunk_units = jax.lax.dynamic_slice(padded, (start // bs,), (nb,))
+    n_layers, nblk = kv_shape[0], kv_shape[1]
+    chunk_units = _chunk_entries(unit_table, start, c, kv_shape[3])
 
     def attend(layer, q, k, v, cache):
         cache = write_prefill_units(cache, k[0], v[0], chunk_units)

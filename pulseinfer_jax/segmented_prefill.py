@@ -117,14 +117,11 @@ class SegmentedPrefiller:
         chunks = chunk_plan(len(prompt), self.prefill_chunk, d.plan.block_size)
         return SegmentedPrefill(sparse, prompt, units, chunks, d.plan.num_layers)
 
-    def advance(self, kv: jax.Array, job: SegmentedPrefill, max_pieces: int) -> tuple[jax.Array, jax.Array | None,
-                                                                                       int]:
+    def advance(self, kv: jax.Array, job: SegmentedPrefill, max_pieces: int) -> tuple[jax.Array, jax.Array | None]:
         """Run up to `max_pieces` (layer, chunk) pieces of `job`, spilling each layer it completes. Returns (kv, the
-        logits [V] of the prompt's last token once the last layer is done else None, prompt tokens x layers done
-        in this call divided by layers: the prompt-token equivalent of the work, for progress)."""
+        logits [V] of the prompt's last token once the last layer is done, else None)."""
         model, d = self.model, self.decoder
         lps = self._layer_params()
-        work = 0.0
         for _ in range(max_pieces):
             if job.done:
                 break
@@ -137,15 +134,14 @@ class SegmentedPrefiller:
             key_chunk = min(self.key_chunk, ch.size)
             kv, job.hidden[job.chunk] = runner.prefill_layer_units(model, lps[job.layer], kv, x, jnp.int32(ch.start),
                                                                    job.table, key_chunk=key_chunk)
-            work += ch.valid / job.num_layers
             job.chunk += 1
             if job.chunk == len(job.chunks):  # layer complete: it leaves the GPU before the next one overwrites it
                 kv = d.spill_layer(kv, job.sparse, job.layer, job.units)
                 job.layer, job.chunk = job.layer + 1, 0
         if not job.done:
-            return kv, None, work
+            return kv, None
         d.prompt_indexed(job.sparse)
         last = job.chunks[-1]
         logits = runner.prefill_logits(model, self.params, job.hidden[-1], jnp.int32(last.valid))
         job.hidden = []
-        return kv, logits, work
+        return kv, logits

@@ -137,6 +137,7 @@ CONFIGS = {
     "offload-headwise-fragmented-sync": dict(OFFLOAD, selection="headwise", io="fragmented", recall="sync"),
     "offload-eager-numpy-io": dict(OFFLOAD, recall="eager", host_io="numpy", micro_batches=2),
     "offload-fragmented-solohead": dict(OFFLOAD, io="fragmented", layer_loop="layerwise"),
+    "offload-device-placement": dict(OFFLOAD, offload_placement="device"),
 }
 
 

@@ -458,6 +458,12 @@ def offloaded_prefill(es: EngineShapes, layout: SparseLayout, prompt_tokens: int
     n = blocks_for(prompt_tokens, bs)
     middle = max(0, n - plan.sink_blocks - plan.window_blocks)
     keep = n - middle
+    if plan.placement == "device":  # dense prefill into the request's own blocks, then its key bounds
+        own = max((len(s.table) for s in layout.requests), default=n)  # its blocks: prompt + new tokens
+        calls = prefill(es, prompt_tokens, own, num_blocks=layout.num_gpu_blocks, group=group)
+        if middle:
+            calls.append(Call(refresh_meta_program(es, layout, plan.sparse_layers * middle, group)))
+        return calls + [Call(reset_rows_program(layout, 1, group))]
     kv = es.kv(layout.num_gpu_blocks)
     table = _vec(bucket_blocks(n))
     calls: dict[str, Call] = {}

@@ -52,6 +52,8 @@ ABLATIONS = {
     "jnp-attention": ({}, {"attention": "jnp"}),
 }
 ABLATION_POINT = (32768, 8, 2048)  # context, batch, budget
+# the switches that change an offloaded prompt's prefill (placement, key bounds, host I/O); the others' is the default's
+PREFILL_ABLATIONS = ("device-placement", "sub-blocks-2", "two-level", "bounds-kv", "numpy-io")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +132,7 @@ def typical_recall(es: cat.EngineShapes, batch: int, micro_batches: int) -> tupl
 def engine_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -> None:
     """Default-configuration steps of every model at every (batch, context) bucket."""
     models = ["llama-3.1-8b"] if quick else list(MODELS)
+    prefilled: set[tuple[str, int]] = set()  # (model, context) whose offloaded prefill is in
     batches = (1, 8) if quick else BATCHES
     contexts = (4096, 32768) if quick else CONTEXTS
     for name in models:
@@ -154,12 +157,15 @@ def engine_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -> 
                                   cat.sparse_decode(sparse, layout, recall, shardings=shardings))
                     suite.add(f"{name}/offload/{ctx}x{b}/budget{budget}/alloc",
                               cat.allocations(sparse, shardings, layout))
-                    suite.add(f"{name}/offload/{ctx}x{b}/budget{budget}/prefill",
-                              cat.offloaded_prefill(sparse, layout, prompt, shardings=shardings))
+                    if (name, ctx) not in prefilled:  # (other layouts change only the pool's size)
+                        prefilled.add((name, ctx))
+                        suite.add(f"{name}/offload/{ctx}x{b}/budget{budget}/prefill",
+                                  cat.offloaded_prefill(sparse, layout, prompt, shardings=shardings))
 
 
 def ablation_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -> None:
-    """Every ABLATIONS switch at ABLATION_POINT (offloaded decode, its prompt spill), plus the dense step's other
+    """Every ABLATIONS switch at ABLATION_POINT (offloaded decode; the prompt's prefill where the switch changes it),
+    plus the dense step's other
     layer loop and attention, and the mixture-of-experts model's grouped expert kernels."""
     ctx, b, budget = ABLATION_POINT
     names = ["per-head-offloading", "numpy-io"] if quick else list(ABLATIONS)
@@ -172,7 +178,8 @@ def ablation_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -
         layout = offload_layout(es, [ctx] * b, hbm)
         suite.add(f"ablation/{name}/offload/{ctx}x{b}",
                   cat.sparse_decode(es, layout, typical, shardings=shardings, micro_batches=mbs))
-        suite.add(f"ablation/{name}/prefill/{ctx}", cat.offloaded_prefill(es, layout, ctx, shardings=shardings))
+        if name in PREFILL_ABLATIONS:
+            suite.add(f"ablation/{name}/prefill/{ctx}", cat.offloaded_prefill(es, layout, ctx, shardings=shardings))
     for loop, att in (("scan", "pallas"), ("scan", "jnp"), ("layerwise", "jnp")):
         es = ablation("llama-3.1-8b", ctx, EngineConfig(), attention=att, layer_loop=loop)
         suite.add(f"ablation/dense-{loop}-{att}/{ctx}x{b}", cat.dense_decode(es, [ctx] * b, NEW_TOKENS))
