@@ -3,8 +3,8 @@
 # check: OUT/h200_target_config.txtpb), the kernel and offload tests compiled for the GPU
 # (no interpret mode), bench/kernels.py, bench/io_sweep.py, one representative point of every system of
 # bench/decode_throughput.py (random Llama-3.1-8B, bf16, synthetic KV with a real model's selections replayed),
-# then a 128K-context point and the dense decode bench (scan vs layer-wise layer loop, jnp vs Pallas
-# attention) if time is left. On a GPU the engine probes its pinned-host transfers and Pallas kernels first
+# then a 128K-context point, the dense decode bench (scan vs layer-wise layer loop, jnp vs Pallas attention) and a
+# short serving point (bench/serving.py: the OpenAI-compatible server at 1 and 8 clients) if time is left. On a GPU the engine probes its pinned-host transfers and Pallas kernels first
 # and falls back (host_io numpy, jnp attention) with a warning in the logs. Two extra PulseInfer decode steps of
 # point A are profiled (jax.profiler: OUT/profile/.../perfetto_trace.json.gz, for ui.perfetto.dev). Every
 # step has its own timeout and every bench rewrites its JSON after each measurement, so a timeout keeps what
@@ -60,6 +60,7 @@ if [ "$MODE" = "--smoke" ]; then
     DENSE=(--smoke --layer-loop layerwise,scan)
     # CPU runs the smoke's 3K-token point B several times slower than the GPU's limits assume
     LONG_TIMEOUT=${LONG_TIMEOUT:-150}
+    SERVE=(--concurrency 1,2 --input-len 64 --output-len 4 --num-requests 2 --name serving_smoke)
 else
     TESTS=("${KERNEL_TESTS[@]}")
     TEST_TIMEOUT=${TEST_TIMEOUT:-110}
@@ -78,6 +79,9 @@ else
     DENSE=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8
            --max-kv-tokens 300000 --steps 8 --attention pallas,jnp --layer-loop layerwise,scan
            --engine-prompt 8192 --engine-batch 4)
+    # the OpenAI-compatible server under load: random Llama-3.1-8B, 2K-token prompts, 32 new tokens, 1 and 8 clients
+    SERVE=(--model random:llama-3.1-8b --dtype bfloat16 --concurrency 1,8 --input-len 2048 --output-len 32
+           --num-requests 16 --name gpu --gpu-kv-budget 17179869184)
 fi
 XDIST=()
 if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${TEST_WORKERS:-8}"); fi
@@ -98,5 +102,6 @@ fi
 step decode_throughput_a "${THROUGHPUT_TIMEOUT:-170}" "$PY" bench/decode_throughput.py "${DT_A[@]}" --out "$OUT"
 step decode_throughput_b "${LONG_TIMEOUT:-55}" "$PY" bench/decode_throughput.py "${DT_B[@]}" --out "$OUT"
 step dense_decode "${DENSE_TIMEOUT:-40}" "$PY" bench/dense_decode.py "${DENSE[@]}" --out "$OUT"
+step serving "${SERVING_TIMEOUT:-60}" "$PY" bench/serving.py --launch "${SERVE[@]}" --out "$OUT"
 "$PY" bench/tables.py "$OUT"/*.json --out "$OUT/tables.md" || true  # markdown tables for bench/RESULTS.md
 echo "suite took $(( $(date +%s) - t0 )) s"

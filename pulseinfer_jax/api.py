@@ -169,7 +169,7 @@ def _check_messages(i: int, messages: Sequence[Mapping]) -> None:
         raise ValueError(f"prompt {i} ends with an assistant message; end it with a user message to get a reply")
 
 
-def _encode(engine: Engine, i: int, prompt: Prompt, chat: bool | None) -> tuple[list[int], bool]:
+def encode_prompt(engine: Engine, i: int, prompt: Prompt, chat: bool | None) -> tuple[list[int], bool]:
     """Token ids of prompt `i`, and whether the chat template wrapped it."""
     tok, source = engine.model.tokenizer, engine.model.source
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
@@ -187,7 +187,7 @@ def _encode(engine: Engine, i: int, prompt: Prompt, chat: bool | None) -> tuple[
     return [int(t) for t in prompt], False
 
 
-class _TextTracker:
+class TextTracker:
     """Per-request detokenization with stop-string matching."""
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...]):
@@ -273,9 +273,9 @@ def stream_long(prompts: Sequence[Prompt], model: Any = None, *, options: Genera
     engine = _engine_for(model, opts, config)
     sampling = opts.sampling
     t_start = time.perf_counter()
-    encoded = [_encode(engine, i, p, opts.chat) for i, p in enumerate(prompts)]
+    encoded = [encode_prompt(engine, i, p, opts.chat) for i, p in enumerate(prompts)]
     reqs = [engine.make_request(i, ids, sampling) for i, (ids, _) in enumerate(encoded)]
-    trackers = [_TextTracker(engine.model.tokenizer, sampling.stop) for _ in reqs]
+    trackers = [TextTracker(engine.model.tokenizer, sampling.stop) for _ in reqs]
     for ev in engine.run(reqs, seed=opts.seed):
         req, tr = reqs[ev.index], trackers[ev.index]
         if tr.stopped:

@@ -1,4 +1,4 @@
-"""`pulseinfer` command line: generate, demo, info. Bad input prints one line and exits 2."""
+"""`pulseinfer` command line: generate, demo, serve, info. Bad input prints one line and exits 2."""
 
 from __future__ import annotations
 
@@ -25,14 +25,15 @@ SECTIONS = {(): "engine", ("offload",): "KV offloading", ("offload", "scoring"):
             ("offload", "ablation"): "KV offloading: ablations (baselines)", ("backends",): "backends"}
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, stats: bool = True) -> None:
     p.add_argument("--model", default=None,
                    help="HF directory, .gguf file or random:<preset> (random weights, no tokenizer: token ids only); "
                         "default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="weights and KV dtype (default: %(default)s; use bfloat16 on a GPU)")
-    p.add_argument("--stats", action="store_true",
-                   help="print per-request stats as JSON to stderr (timings, placement, backends, recall counters)")
+    if stats:
+        p.add_argument("--stats", action="store_true",
+                       help="print per-request stats as JSON to stderr (timings, placement, backends, recall counters)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -111,6 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="picks the passkey (decoding is greedy); default 0")
     _add_model_args(d)
     _add_engine_args(d)
+
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    v.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    v.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for admission before new ones get HTTP 429 (default: %(default)s)")
+    v.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: the model's file or directory name)")
+    v.add_argument("--seed", type=int, default=0, help="random stream of requests that give no seed (default 0)")
+    _add_model_args(v, stats=False)
+    _add_engine_args(v)
 
     i = sub.add_parser("info", help="model config, parameter count and KV bytes per token")
     i.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file, random:<preset>; default SmolLM2")
@@ -196,6 +208,28 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from pulseinfer_jax.engine import Engine
+
+    try:
+        from pulseinfer_jax.serving.app import serve
+        from pulseinfer_jax.serving.engine_loop import EngineLoop
+    except ImportError as e:
+        raise ValueError(f"the server needs its extra: pip install 'pulseinfer-jax[serve]' ({e})") from None
+    config = engine_config(args, progress=False)
+    engine = Engine(load_for(config, args.model, args.dtype), config)
+    if engine.model.tokenizer is None:
+        raise ValueError(f"{engine.model.source} has no tokenizer (random:<preset> models are for throughput and "
+                         "compile checks); serve a real model")
+    name = args.served_model_name or pathlib.Path(engine.model.source).stem
+    loop = EngineLoop(engine, max_queue=args.max_queue, seed=args.seed)
+    say(f"serving {name} on http://{args.host}:{args.port}/v1 (mode {config.mode}; GET /health, /metrics)")
+    serve(loop, name, host=args.host, port=args.port)
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -238,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        return {"generate": _generate, "demo": _demo, "info": _info}[args.cmd](args)
+        return {"generate": _generate, "demo": _demo, "serve": _serve, "info": _info}[args.cmd](args)
     except USER_ERRORS as e:
         print(f"pulseinfer: error: {e}", file=sys.stderr)
         return 2

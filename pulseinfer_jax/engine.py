@@ -11,6 +11,8 @@ requests decode layer by layer through `pipeline.SparseDecoder`, in the same ste
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -36,6 +38,8 @@ from pulseinfer_jax.sparse import BlockScoring
 CPU_NOMINAL_H2D = 16e9  # IOAA's bandwidth off-GPU, where "host to device" is a memcpy (meaningless for timing)
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
+SERVING_HOST_FACTOR = 4  # a server's default host pool: this many times the GPU pool's tokens (Engine.open)
+log = logging.getLogger("pulseinfer_jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +140,48 @@ class Engine:
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
         return int(0.85 * free) if free > 0 else CPU_DEFAULT_KV_BYTES
 
-    def ensure_pool(self, requests: Sequence[Request]) -> None:
-        """Size the KV pool for `requests` (or to kv_cache_tokens) and (re)allocate it if it changed; in the
-        offload modes also the host pool, the key metadata and the sparse decoder."""
+    def open(self, seed: int = 0) -> None:
+        """Pools for requests that arrive over time (a server: `submit` them, then `step` while `busy`): the GPU KV
+        pool takes the whole budget (gpu_kv_budget or kv_cache_tokens); in the offload modes the host pool is
+        host_kv_tokens, by default SERVING_HOST_FACTOR x the GPU pool's tokens within half the host's free memory
+        (resolved here, logged, and kept in `config`)."""
+        cfg = self.config
+        if cfg.mode != "dense" and cfg.offload.host_kv_tokens is None:
+            c, item = self.model.cfg, jnp.dtype(self.model.dtype).itemsize
+            per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * item
+            host_per_token = per_token * (c.num_layers - cfg.offload.dense_layers) // c.num_layers
+            gpu_tokens = (cfg.kv_cache_tokens or self._kv_byte_cap() // per_token)
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            tokens = max(cfg.block_size, min(SERVING_HOST_FACTOR * gpu_tokens, free // 2 // host_per_token))
+            self.config = cfg.with_settings(host_kv_tokens=tokens)
+            log.info("host KV pool for serving: %d tokens (%.1f GiB; %dx the GPU pool's %d tokens, at most half of "
+                     "the %.1f GiB of free host memory); set host_kv_tokens to choose", tokens,
+                     tokens * host_per_token / 2**30, SERVING_HOST_FACTOR, gpu_tokens, free / 2**30)
+        self.seed, self.steps = seed, 0
+        self.ensure_pool(None)
+
+    def submit(self, req: Request) -> None:
+        """Queue a request made by `make_request` (after `open`); ValueError if it could never fit the pools."""
+        self.scheduler.add(req)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is waiting, prefilling or decoding."""
+        return self.scheduler is not None and self.scheduler.has_work()
+
+    def check_drained(self) -> None:
+        """Every GPU block and host row is free and the allocators are consistent (nothing leaked); raises if not."""
+        self.allocator.check_integrity()
+        if self.allocator.num_free != self.allocator.capacity:
+            raise RuntimeError(f"KV blocks leaked: {self.allocator.capacity - self.allocator.num_free} still in use")
+        if self.host_pool is not None:
+            self.host_pool.check_integrity()
+            if self.host_pool.allocator.num_free != self.host_pool.allocator.capacity:
+                raise RuntimeError("host KV rows leaked after all requests finished")
+
+    def ensure_pool(self, requests: Sequence[Request] | None) -> None:
+        """Size the KV pool for `requests` (None: for a server, see `open`; or to kv_cache_tokens) and (re)allocate
+        it if it changed; in the offload modes also the host pool, the key metadata and the sparse decoder."""
         from pulseinfer_jax import offload
 
         cfg = self.config
@@ -219,13 +262,7 @@ class Engine:
             self.scheduler.add(r)
         while self.scheduler.has_work():
             yield from self.step()
-        self.allocator.check_integrity()
-        if self.allocator.num_free != self.allocator.capacity:
-            raise RuntimeError("KV blocks leaked after all requests finished")
-        if self.host_pool is not None:
-            self.host_pool.check_integrity()
-            if self.host_pool.allocator.num_free != self.host_pool.allocator.capacity:
-                raise RuntimeError("host KV rows leaked after all requests finished")
+        self.check_drained()
 
     def step(self) -> Iterator[TokenEvent]:
         sched = self.scheduler
@@ -376,7 +413,7 @@ class Engine:
             temps = np.array([s.temperature for s in sp] + [0.0] * pad, np.float32)
             top_k = np.array([s.top_k for s in sp] + [0] * pad, np.int32)
             top_p = np.array([s.top_p for s in sp] + [1.0] * pad, np.float32)
-            ids = np.array([r.index for r in reqs] + [0] * pad, np.int32)
+            ids = np.array([r.index if r.stream is None else r.stream for r in reqs] + [0] * pad, np.int32)
             steps = np.array([len(r.output) for r in reqs] + [0] * pad, np.int32)
             out = sample(logits, temps, top_k, top_p, jnp.uint32(self.seed), ids, steps)
         return [int(t) for t in np.asarray(out)[: len(reqs)]]

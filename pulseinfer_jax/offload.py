@@ -31,12 +31,15 @@ def sparse_plan(config: EngineConfig, num_layers: int, num_kv_heads: int) -> Spa
                       selection=o.ablation.selection, placement=o.ablation.placement)
 
 
-def host_rows_for(config: EngineConfig, requests: Sequence[Request]) -> int:
-    """Host pool rows (incl. the null row): host_kv_tokens, or what every request would need offloaded. With
-    two-level scoring rows go out in aligned extents of `score_coarse_group` rows (the first holds the null row), so
-    the count is a multiple of it and each request's rows are rounded up to whole extents."""
+def host_rows_for(config: EngineConfig, requests: Sequence[Request] | None) -> int:
+    """Host pool rows (incl. the null row): host_kv_tokens, or what every request would need offloaded (requests None,
+    a server's: host_kv_tokens must be set). With two-level scoring rows go out in aligned extents of
+    `score_coarse_group` rows (the first holds the null row), so the count is a multiple of it and each request's
+    rows are rounded up to whole extents."""
     bs, a = config.block_size, config.scoring.coarse_group  # (a = 1: one row per block plus the null row)
     host = config.offload.host_kv_tokens
+    if host is None and requests is None:
+        raise ValueError("a server's host pool needs host_kv_tokens (Engine.open sets a default)")
     tokens = [host] if host is not None else [r.need_tokens for r in requests]
     return a * (1 + sum(-(-blocks_for(t, bs) // a) for t in tokens))
 
@@ -56,9 +59,11 @@ def offload_blocks(plan: SparsePlan, req: Request) -> int:
     return plan.gpu_blocks(req.need_tokens) + plan.scratch_blocks(len(req.prompt), req.need_tokens)
 
 
-def gpu_blocks_wanted(config: EngineConfig, plan: SparsePlan, requests: Sequence[Request]) -> int:
+def gpu_blocks_wanted(config: EngineConfig, plan: SparsePlan, requests: Sequence[Request] | None) -> int:
     """Blocks that run every request at once in the configured mode (the pool is this, capped by the budget): mode
-    "auto" may run each either way."""
+    "auto" may run each either way. None (a server's requests, not known yet): no limit but the budget."""
+    if requests is None:
+        return 1 << 62
     total = 0
     for r in requests:
         dense = blocks_for(r.need_tokens, config.block_size)
@@ -76,13 +81,15 @@ class PoolSizes:
     plan: SparsePlan | None  # the sparse plan (None in dense mode)
 
 
-def pool_sizes(config: EngineConfig, model_cfg, kv_itemsize: int, meta_itemsize: int, requests: Sequence[Request],
-               cap_bytes: int) -> PoolSizes:
+def pool_sizes(config: EngineConfig, model_cfg, kv_itemsize: int, meta_itemsize: int,
+               requests: Sequence[Request] | None, cap_bytes: int) -> PoolSizes:
     """The GPU KV pool (blocks) and host pool (rows) an engine allocates for `requests` under a cap of `cap_bytes`
     GPU bytes (pool + offload metadata): kv_cache_tokens if set, else what the requests need in the configured mode,
     capped. Nothing is set aside for prefills: an offloaded prompt prefills layer by layer in blocks its request
     holds (`offload_blocks`). `meta_itemsize`: bytes per key-bound element (the scoring's metadata dtype). A pure
-    function of its inputs (the engine's Engine.ensure_pool, the ahead-of-time check's layouts).
+    function of its inputs (the engine's Engine.ensure_pool, the ahead-of-time check's layouts). `requests` None: a
+    server's pools, for requests that arrive later: the GPU pool takes the whole budget (or kv_cache_tokens), the host
+    pool host_kv_tokens.
 
     Mode "auto" gives every request host rows (so IOAA may offload any of them) unless their key metadata, which
     lives on the GPU, would cost a request the room that dense or offload mode alone would give it: then only the
@@ -90,11 +97,11 @@ def pool_sizes(config: EngineConfig, model_cfg, kv_itemsize: int, meta_itemsize:
     c, bs = model_cfg, config.block_size
     per_block = c.num_layers * 2 * c.num_kv_heads * bs * c.head_dim * kv_itemsize
     if config.mode == "dense":
-        want = sum(blocks_for(r.need_tokens, bs) for r in requests)
+        want = 1 << 62 if requests is None else sum(blocks_for(r.need_tokens, bs) for r in requests)
         return PoolSizes(_num_blocks(config, want, cap_bytes, per_block), 0, None)
     plan = sparse_plan(config, c.num_layers, c.num_kv_heads)
 
-    def sized(with_rows: Sequence[Request], mode: str) -> PoolSizes | None:
+    def sized(with_rows: Sequence[Request] | None, mode: str) -> PoolSizes | None:
         """Rows for `with_rows`; the pool for every request in `mode`; None if the metadata leaves no pool."""
         rows = max(2 * config.scoring.coarse_group, host_rows_for(config, with_rows))
         left = cap_bytes - metadata_bytes(plan, rows, c.head_dim, meta_itemsize, config.scoring.sub_blocks,
@@ -105,7 +112,7 @@ def pool_sizes(config: EngineConfig, model_cfg, kv_itemsize: int, meta_itemsize:
         return PoolSizes(_num_blocks(config, want, left, per_block), rows, plan)
 
     full = sized(requests, config.mode)
-    if config.mode == "auto" and config.offload.host_kv_tokens is None:
+    if config.mode == "auto" and config.offload.host_kv_tokens is None and requests is not None:
         dense_nb = _num_blocks(config, sum(blocks_for(r.need_tokens, bs) for r in requests), cap_bytes, per_block)
         full = _auto_sizes(config, plan, requests, full, sized, dense_nb)
     if full is None:
@@ -180,8 +187,11 @@ class OffloadPlacer:
 
     def candidate(self, req: Request) -> Candidate:
         dense, peak, rows = self._sizes(req)
-        if not self.pool.allocator.can_allocate(rows):
-            peak = self.allocator.capacity + 1  # the host pool is full right now: offloading must wait
+        never = self.allocator.capacity + 1
+        if not self.pool.allocator.can_allocate(rows) or req.mode == "dense":
+            peak = never  # the host pool is full right now (offloading must wait), or the request wants dense
+        if req.mode == "offload":
+            dense = never
         return Candidate(req.index, dense, peak, float(self.selection_bytes))
 
     def fits_ever(self, req: Request, mode: str) -> str | None:

@@ -129,8 +129,9 @@ class SparseDecoder:
         # recompiles for a larger table (it grows, by doubling, only if more requests ever decode at once)
         self.slot_state: tuple[jax.Array, jax.Array] | None = None
         self._ensure_slot_rows(max_requests + 1)
-        # per decode step: host-to-device copies and bytes issued, recall wait (bounded history)
+        # per decode step: host-to-device copies and bytes issued, recall wait (bounded history); steps logged in all
         self.step_log: collections.deque[dict] = collections.deque(maxlen=65536)
+        self.steps_logged = 0
 
     @property
     def layer_params(self) -> list[dict]:
@@ -262,6 +263,7 @@ class SparseDecoder:
         self.step_log.append({"batch": len(sparse), "micro_batches": k, "h2d_copies": self.pool.h2d_copies - copies0,
                               "h2d_bytes": self.pool.h2d_bytes - bytes0,
                               "recall_wait_s": waited})
+        self.steps_logged += 1
         logits = np.concatenate([np.asarray(outs[i])[: len(g)] for i, g in enumerate(groups)])
         self.selector.end_step(sparse)
         return kv, logits

@@ -59,6 +59,8 @@ class Request:
     admit_step: int = -1  # engine step at which the request was admitted (queueing, without clocks)
     placement: str = ""  # "dense" | "offload" once admitted
     sparse: Any = None  # host_offload.placement.SparseKV of a sparse request
+    mode: str | None = None  # a placement this request asks for ("dense" | "offload"), else the engine's mode decides
+    stream: int | None = None  # its sampling's random stream (None: its index; a server: the client's seed)
 
     @property
     def need_tokens(self) -> int:
@@ -124,8 +126,17 @@ class Scheduler:
         return blocks_for(req.need_tokens, self.block_size)
 
     def add(self, req: Request) -> None:
+        """Queue `req` (FIFO); ValueError if it could never run (`check`)."""
+        self.check(req)
+        self.waiting.append(req)
+
+    def check(self, req: Request) -> None:
+        """ValueError if `req` could never run in this engine, even alone (reads only the pools' sizes)."""
+        if req.mode is not None and req.mode != self.mode and self.mode != "auto":
+            raise ValueError(f"request {req.index} asks for mode={req.mode!r}, but this engine runs "
+                             f"mode={self.mode!r}; per-request placement needs an engine in mode 'auto'")
         if self.placer is not None:
-            why = self.placer.fits_ever(req, self.mode)
+            why = self.placer.fits_ever(req, req.mode or self.mode)
             if why is not None:
                 raise ValueError(f"request {req.index}: {why}")
         else:
@@ -136,7 +147,6 @@ class Scheduler:
                     f"but the KV cache holds {self.allocator.capacity} blocks; raise kv_cache_tokens/gpu_kv_budget "
                     f"or lower max_new_tokens"
                 )
-        self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -157,7 +167,8 @@ class Scheduler:
                                 offloaded_recall_bytes=self.estimator.total(),
                                 observed_step_time_s=self.estimator.step_time_s, cost=self.cost, config=self.ioaa,
                                 max_batch=self.max_batch,
-                                queued_dense_blocks=sum(c.dense_blocks for c in cands.values()))
+                                queued_dense_blocks=sum(c.dense_blocks for c in cands.values()
+                                                        if c.dense_blocks <= self.allocator.capacity))
         admitted = []
         for key, decision in decisions:
             if decision == "wait":
@@ -201,6 +212,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.PREFILLING:
             self.prefilling.remove(req)
+        elif req.status is Status.WAITING and req in self.waiting:  # cancelled before admission
+            self.waiting.remove(req)
         self.allocator.free(req.blocks, owner=req.index)
         req.blocks = []
         if req.placement == "offload":

@@ -135,6 +135,18 @@ def test_cli_help_lists_what_each_command_uses():
         assert (flag in gen and flag in demo) == leaf.field.metadata.get("cli", True), flag
 
 
+def test_cli_serve_takes_the_engine_options_and_refuses_models_without_a_tokenizer(capsys):
+    sub = build_parser()._subparsers._group_actions[0].choices
+    serve = sub["serve"].format_help()
+    for flag in ("--host", "--port", "--max-queue", "--served-model-name", "--mode", "--budget-tokens"):
+        assert flag in serve
+    assert "--temperature" not in serve and "--stats" not in serve  # sampling comes with each request
+    args = build_parser().parse_args(["serve", "--port", "9", "--mode", "auto", "--max-queue", "3"])
+    assert (args.port, args.mode, args.max_queue) == (9, "auto", 3)
+    assert main(["serve", "--model", "random:tiny-llama"]) == 2
+    assert "serve a real model" in capsys.readouterr().err
+
+
 def test_cli_options_reach_the_config():
     from pulseinfer_jax.cli import engine_config
 
