@@ -39,6 +39,8 @@ from pulseinfer_jax.host_offload.blocks import BlockAllocator, ExtentAllocator, 
 from pulseinfer_jax.host_offload.numpy_io import NumpyHostIO
 from pulseinfer_jax.host_offload.xla_io import XlaHostIO
 
+from pulseinfer_jax.parallel.layout import DeviceLayout
+
 NULL_ROW = 0
 HOST_IO = {"xla": XlaHostIO, "numpy": NumpyHostIO}
 
@@ -60,7 +62,7 @@ class HostKVPool:
     """
 
     def __init__(self, *, num_rows: int, first_layer: int, num_layers: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype, device: jax.Device, io: str = "xla", row_align: int = 1):
+                 head_dim: int, dtype, device: jax.Device | DeviceLayout, io: str = "xla", row_align: int = 1):
         if num_rows < 2:
             raise ValueError(f"host pool num_rows={num_rows} must be >= 2 (row 0 is the null row)")
         if io not in HOST_IO:
@@ -68,8 +70,11 @@ class HostKVPool:
         self.first_layer = first_layer  # GPU layer of pool layer 0
         self.shape = (num_layers - first_layer, num_rows, 2, block_size, num_kv_heads, head_dim)
         self.dtype = jnp.dtype(dtype)
-        self.device = device
-        self.io = HOST_IO[io](device, first_layer)
+        # under tensor parallelism (`device` a DeviceLayout over several devices) the pool is split by KV head, each
+        # device's heads in its own host memory, and every whole-block transfer runs on each device for its heads
+        self.layout = device if isinstance(device, DeviceLayout) else DeviceLayout.of(1, device)
+        self.device = self.layout.device
+        self.io = HOST_IO[io](self.layout, first_layer)
         self.row_align = row_align  # rows go out in aligned extents of this many (two-level scoring's groups)
         self.reset_allocator()
         # transfers issued (real entries only, padding excluded): the I/O accounting every path shares

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
-from pulseinfer_jax.host_offload.memory import device_sharding
+
+from pulseinfer_jax.parallel.layout import DeviceLayout
 
 MAX_QUEUED_WRITES = 64  # queued write-backs are landed at the latest after this many (bounds their memory)
 
@@ -32,8 +33,10 @@ MAX_QUEUED_WRITES = 64  # queued write-backs are landed at the latest after this
 class NumpyHostIO:
     name = "numpy"
 
-    def __init__(self, device: jax.Device, first_layer: int):
-        self.dev = device_sharding(device)
+    def __init__(self, device: jax.Device | DeviceLayout, first_layer: int):
+        layout = device if isinstance(device, DeviceLayout) else DeviceLayout.of(1, device)
+        self.dev = layout.kv_heads(5, "device")  # staging [n, 2, bs, Hkv, hd]: split by KV head under tensor parallel
+        self.unit_dev = layout.replicated("device")
         self._stage_on_device = _device_gather(first_layer)
         # (staged [Ls, n, ...] or [n, ...], rows, pool, pool layer: None = every sparse layer)
         self._queued: list[tuple[jax.Array, np.ndarray, np.ndarray, int | None]] = []
@@ -90,15 +93,16 @@ class NumpyHostIO:
         return pool[layer][rows, :, :, heads]  # [n, 2, bs, hd], a fresh contiguous array
 
     def to_device(self, staging: np.ndarray) -> Array:
-        return jax.device_put(staging, self.dev)
+        return jax.device_put(staging, self.dev if staging.ndim == 5 else self.unit_dev)
 
     def fragment_units(self, pool: np.ndarray, layer: int, rows: np.ndarray, heads: np.ndarray,
                        count: int) -> Float[Array, "n 2 bs hd"]:
         self.land()
-        units = [jax.device_put(np.array(pool[layer, r, :, :, h], copy=True), self.dev)
+        units = [jax.device_put(np.array(pool[layer, r, :, :, h], copy=True), self.unit_dev)
                  for r, h in zip(rows[:count], heads[:count], strict=True)]  # one copy per unit
         if len(rows) > count:
-            units += [jnp.zeros(pool.shape[2:4] + pool.shape[5:], pool.dtype, device=self.dev)] * (len(rows) - count)
+            units += [jnp.zeros(pool.shape[2:4] + pool.shape[5:], pool.dtype, device=self.unit_dev)] * (
+                len(rows) - count)
         return jnp.stack(units)
 
 

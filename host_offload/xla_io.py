@@ -31,29 +31,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
-from pulseinfer_jax.host_offload.memory import device_sharding, host_sharding, zeros_on
+from pulseinfer_jax.host_offload.memory import HOST_KIND, host_sharding, zeros_on
+
+from pulseinfer_jax.parallel.layout import TP, DeviceLayout
 
 
 class XlaHostIO:
     name = "xla"
 
-    def __init__(self, device: jax.Device, first_layer: int):
-        self.host, self.dev = host_sharding(device), device_sharding(device)
+    def __init__(self, device: jax.Device | DeviceLayout, first_layer: int):
+        layout = device if isinstance(device, DeviceLayout) else DeviceLayout.of(1, device)
+        host_sharding(layout.device)  # (a clear error where the backend has no pinned host memory)
+        self.mesh = layout.mesh
+        # the pool [Ls, R, 2, bs, Hkv, hd] and staging buffers [n, 2, bs, Hkv, hd] split by KV head under tensor
+        # parallelism (each device's heads in its own pinned host memory); scalars replicated
+        self.host, self.dev = layout.kv_heads(6, HOST_KIND), layout.kv_heads(5, "device")
+        self.host_scalar, self.dev_scalar = layout.replicated(HOST_KIND), layout.replicated("device")
         (self._write, self._stage_blocks, self._stage_units, self._fragment,
-         self._write_units) = transfers(self.host, self.dev, first_layer)
+         self._write_units) = transfers(self.host_scalar, self.dev_scalar, first_layer, self.mesh)
         self._layers: dict[int, tuple[Array, Array]] = {}  # pool layer -> its index on the host and on the device
 
     def _layer(self, layer: int) -> tuple[Array, Array]:
         """Pool layer `layer` as an int32 scalar on the host and on the device, made once (no copy per call)."""
         if layer not in self._layers:
             v = np.int32(layer)
-            self._layers[layer] = (jax.device_put(v, self.host), jax.device_put(v, self.dev))
+            self._layers[layer] = (jax.device_put(v, self.host_scalar), jax.device_put(v, self.dev_scalar))
         return self._layers[layer]
 
     # ---- storage -------------------------------------------------------------------------------
     def zeros(self, shape: tuple[int, ...], dtype) -> Array:
-        return zeros_on(shape, dtype, self.host)
+        """A pool [Ls, R, 2, bs, Hkv, hd] (split by KV head under tensor parallelism) or a plain buffer (replicated)."""
+        return zeros_on(shape, dtype, self.host if len(shape) == 6 else self.host_scalar)
 
     def load(self, data: np.ndarray) -> Array:
         return jax.block_until_ready(jax.device_put(data, self.host))
@@ -80,7 +91,8 @@ class XlaHostIO:
         return self._stage_units(pool, self._layer(layer)[0], np.stack([rows, heads]))
 
     def to_device(self, staging: Array) -> Array:
-        return jax.device_put(staging, self.dev)
+        """One host-to-device copy (per device, of its heads, under tensor parallelism)."""
+        return jax.device_put(staging, self.dev if staging.ndim == 5 else self.dev_scalar)
 
     def fragment_units(self, pool: Array, layer: int, rows: np.ndarray, heads: np.ndarray,
                        count: int) -> Float[Array, "n 2 bs hd"]:
@@ -89,11 +101,18 @@ class XlaHostIO:
 
 
 @functools.cache
-def transfers(host: jax.sharding.Sharding, dev: jax.sharding.Sharding, first_layer: int) -> tuple:
+def transfers(host: jax.sharding.Sharding, dev: jax.sharding.Sharding, first_layer: int,
+              mesh: jax.sharding.Mesh | None = None) -> tuple:
     """The jitted transfers (write_back, stage_blocks, stage_units, fragment, write_back_units) between a device's
     HBM (`dev`) and its pinned host memory (`host`) for pools whose layer 0 is GPU layer `first_layer`; shared by
     every pool there, so engines reuse the compiles. The shardings place the calls' inputs and outputs; inside,
-    memory spaces place values (see the module docstring)."""
+    memory spaces place values (see the module docstring).
+
+    With a tensor-parallel `mesh` (`host` / `dev` then its replicated shardings) the whole-block transfers run per
+    device inside `shard_map`, each on its own KV heads: its slice of the pool in its own pinned host memory, its slice
+    of the cache, the same block and row indices on every device, so a recalled block is still one gather and one
+    copy per device. The per-(block, head) transfers of the headwise baseline are single-device only (their units mix
+    the devices' heads); `host_pool.HostKVPool` refuses them under a mesh."""
     on_host, on_device = jax.memory.Space.Host, jax.memory.Space.Device
 
     def write_back(pool: Array, kv: Array, blocks: Int[Array, " n"], rows: Int[Array, " n"],
@@ -152,8 +171,28 @@ def transfers(host: jax.sharding.Sharding, dev: jax.sharding.Sharding, first_lay
 
     # the stage calls take their index arrays as numpy and place them in pinned host memory themselves
     # (in_shardings): one call per recall instead of a device_put and a call (~70 us less per recall on CPU)
-    placed = (host, host, host)
-    return (jax.jit(write_back, donate_argnums=0, out_shardings=host),
-            jax.jit(stage_blocks_outer, in_shardings=placed, out_shardings=host),
-            jax.jit(stage_units_outer, in_shardings=placed, out_shardings=host), jax.jit(fragment, out_shardings=dev),
-            jax.jit(write_back_units, donate_argnums=0, out_shardings=host))
+    if mesh is None:
+        placed = (host, host, host)
+        return (jax.jit(write_back, donate_argnums=0, out_shardings=host),
+                jax.jit(stage_blocks_outer, in_shardings=placed, out_shardings=host),
+                jax.jit(stage_units_outer, in_shardings=placed, out_shardings=host),
+                jax.jit(fragment, out_shardings=dev),
+                jax.jit(write_back_units, donate_argnums=0, out_shardings=host))
+    heads6, heads5, rep = P(None, None, None, None, TP, None), P(None, None, None, TP, None), P()
+    pool_s, staging_s = NamedSharding(mesh, heads6, memory_kind=HOST_KIND), NamedSharding(mesh, heads5,
+                                                                                          memory_kind=HOST_KIND)
+
+    def per_device(fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def single_device_only(*_):
+        raise ValueError("per-(block, head) host transfers (headwise selection's I/O) run on one device only; use "
+                         "selection='solohead' under tensor parallelism")
+
+    return (jax.jit(per_device(write_back, (heads6, heads6, rep, rep, rep), heads6), donate_argnums=0,
+                    out_shardings=pool_s),
+            jax.jit(per_device(stage_blocks_outer, (heads6, rep, rep), heads5), in_shardings=(pool_s, host, host),
+                    out_shardings=staging_s),
+            single_device_only, single_device_only,
+            jax.jit(per_device(write_back_units, (heads6, heads6, rep, rep, rep, rep), heads6), donate_argnums=0,
+                    out_shardings=pool_s))

@@ -22,6 +22,9 @@ from pulseinfer_jax.models.safetensors_dir import SafetensorsDir
 from pulseinfer_jax.models.transformer import Transformer, resolve_dtype, split_layers, stacked_layers
 from pulseinfer_jax.models.weights import CheckpointError, params_from_hf
 
+from pulseinfer_jax.parallel.layout import DeviceLayout
+from pulseinfer_jax.parallel.weights import WeightPlacement
+
 if TYPE_CHECKING:
     from pulseinfer_jax.models.tokenizer import Tokenizer
 
@@ -33,6 +36,11 @@ class LoadedModel:
     tokenizer: "Tokenizer | None"
     dtype: Any
     source: str
+    placement: WeightPlacement | None = None  # tensor parallelism: how the weights are split (None: one device)
+
+    @property
+    def tensor_parallel(self) -> int:
+        return 1 if self.placement is None else self.placement.tp
 
     @property
     def transformer(self) -> Transformer:
@@ -90,7 +98,8 @@ def _hf_weight_files(path: pathlib.Path) -> list[pathlib.Path]:
                           "convert them to safetensors)")
 
 
-def load_hf_dir(path: pathlib.Path, dtype: Any, device: Any = None, layout: str = "stacked") -> LoadedModel:
+def load_hf_dir(path: pathlib.Path, dtype: Any, device: Any = None, layout: str = "stacked",
+                devices: DeviceLayout | None = None) -> LoadedModel:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json: is it a Hugging Face model directory?")
@@ -104,66 +113,92 @@ def load_hf_dir(path: pathlib.Path, dtype: Any, device: Any = None, layout: str 
         if eos is not None:
             hf_cfg = {**hf_cfg, "eos_token_id": eos}
     cfg = ModelConfig.from_hf_dict(hf_cfg, name=path.name)
+    place = _placement(devices, cfg)
     tensors = SafetensorsDir(_hf_weight_files(path))
-    params = params_from_hf(cfg, tensors, dtype, source=str(path), device=device, layout=layout)
+    params = params_from_hf(cfg, tensors, dtype, source=str(path), device=device, layout=layout, placement=place)
     from pulseinfer_jax.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
-    return LoadedModel(cfg, params, tok, dtype, str(path))
+    return _loaded(cfg, params, tok, dtype, str(path), place)
 
 
-def load_gguf_file(path: pathlib.Path, dtype: Any, device: Any = None, layout: str = "stacked") -> LoadedModel:
+def _placement(devices: DeviceLayout | None, cfg: ModelConfig) -> WeightPlacement | None:
+    """Tensor parallelism's weight placement (None on one device); refuses a model the devices cannot split."""
+    if devices is None or devices.tp == 1:
+        return None
+    place = WeightPlacement(devices, cfg)
+    place.kv_repeat  # noqa: B018 - raises if tensor_parallel cannot split the model
+    return place
+
+
+def _loaded(cfg: ModelConfig, params: dict, tok: Any, dtype: Any, source: str,
+            place: WeightPlacement | None) -> LoadedModel:
+    return LoadedModel(cfg if place is None else place.cfg, params, tok, dtype, source, place)
+
+
+def load_gguf_file(path: pathlib.Path, dtype: Any, device: Any = None, layout: str = "stacked",
+                   devices: DeviceLayout | None = None) -> LoadedModel:
     from pulseinfer_jax.models.gguf import load_gguf
     from pulseinfer_jax.models.tokenizer import Tokenizer
 
     ckpt = load_gguf(path)
     cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=path.stem)
-    params = params_from_hf(cfg, ckpt.tensors, dtype, source=str(path), device=device, layout=layout)
-    return LoadedModel(cfg, params, Tokenizer.from_gguf(ckpt), dtype, str(path))
+    place = _placement(devices, cfg)
+    params = params_from_hf(cfg, ckpt.tensors, dtype, source=str(path), device=device, layout=layout, placement=place)
+    return _loaded(cfg, params, Tokenizer.from_gguf(ckpt), dtype, str(path), place)
 
 
-def random_model(name: str, dtype: Any, seed: int = 0, device: Any = None, layout: str = "stacked") -> LoadedModel:
+def random_model(name: str, dtype: Any, seed: int = 0, device: Any = None, layout: str = "stacked",
+                 devices: DeviceLayout | None = None) -> LoadedModel:
     """Random weights for a named real config, initialised by jitted functions directly on `device` (the same
-    values in either layout; layout "layers" builds them one layer at a time, so a model never exists twice)."""
+    values in either layout; layout "layers" builds them one layer at a time, so a model never exists twice). Under
+    tensor parallelism (`devices`) each is initialised in its shards (the same values as on one device)."""
     if name not in PRESETS:
         raise ValueError(f"unknown random-weight preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
     cfg = ModelConfig.from_hf_dict(PRESETS[name], name=name)
     model = Transformer(cfg, dtype)
-    on = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    place = _placement(devices, cfg)
     key = jax.random.key(seed)
+
+    def init(fn, *args):  # on the device, or (tensor parallel) each weight in its shards, KV heads repeated
+        if place is None:
+            return jax.jit(fn, out_shardings=jax.sharding.SingleDeviceSharding(device or jax.devices()[0]))(*args)
+        made = jax.jit(fn, out_shardings=place.source_shardings(jax.eval_shape(fn, *args)))(*args)
+        return place.place_tree(made)
+
     if layout == "stacked":
-        params = jax.jit(model.init, out_shardings=on)(key)
+        params = init(model.init, key)
     else:
         k_emb, k_layers = model.init_keys(key)
-        one_layer = jax.jit(model.init_layer, out_shardings=on)  # one compile for every layer
-        params = {"embedder": jax.jit(model.init_embedder, out_shardings=on)(k_emb),
-                  "layers": [one_layer(k_layers[i]) for i in range(cfg.num_layers)]}
-    return LoadedModel(cfg, params, None, dtype, f"random:{name}")
+        params = {"embedder": init(model.init_embedder, k_emb),
+                  "layers": [init(model.init_layer, k_layers[i]) for i in range(cfg.num_layers)]}
+    return _loaded(cfg, params, None, dtype, f"random:{name}", place)
 
 
 def load_model(spec: str | pathlib.Path | None = None, dtype: str | Any = "float32", device: Any = None,
-               seed: int = 0, layout: str = "stacked") -> LoadedModel:
+               seed: int = 0, layout: str = "stacked", devices: DeviceLayout | None = None) -> LoadedModel:
     """Load `spec` (see module docstring) with weights cast to `dtype` on `device` (default: first device).
     layout: "stacked" (the layer weights stacked on a layer axis; scan steps read them) or "layers" (one pytree
-    per layer, what layer-wise engines read: loaded that way, the weights never exist twice on the device)."""
+    per layer, what layer-wise engines read: loaded that way, the weights never exist twice on the device).
+    devices: a tensor-parallel `DeviceLayout` (parallel/layout.py): every weight loads straight into its shards."""
     if layout not in ("stacked", "layers"):
         raise ValueError(f"layout={layout!r} must be 'stacked' or 'layers'")
     jdtype = resolve_dtype(dtype)
     if spec is None:
         from pulseinfer_jax.models.default_model import default_model_path
 
-        return load_gguf_file(default_model_path(), jdtype, device, layout)
+        return load_gguf_file(default_model_path(), jdtype, device, layout, devices)
     spec_s = str(spec)
     if spec_s.startswith("random:"):
-        return random_model(spec_s.removeprefix("random:"), jdtype, seed, device, layout)
+        return random_model(spec_s.removeprefix("random:"), jdtype, seed, device, layout, devices)
     path = pathlib.Path(spec_s).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {spec_s!r} does not exist; pass a Hugging Face directory, a .gguf "
                                 f"file, 'random:<preset>' ({', '.join(sorted(PRESETS))}) or None for the default")
     if path.is_dir():
-        return load_hf_dir(path, jdtype, device, layout)
+        return load_hf_dir(path, jdtype, device, layout, devices)
     if path.suffix == ".gguf":
-        return load_gguf_file(path, jdtype, device, layout)
+        return load_gguf_file(path, jdtype, device, layout, devices)
     raise ValueError(f"model path {spec_s!r} is neither a directory nor a .gguf file")
 
 

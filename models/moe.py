@@ -40,9 +40,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 from pulseinfer_jax.pallas_kernels.common import next_pow2
 from pulseinfer_jax.pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
+
+from pulseinfer_jax.parallel.kernels import tp_size
+from pulseinfer_jax.parallel.layout import TP
 
 GROUPED_KERNELS = ("jnp", "pallas")
 MOE_STRATEGIES = ("auto", "dense", "gather", "grouped")
@@ -231,5 +235,25 @@ class MoEFeedForward(nn.Module):
         x = h.reshape(b * t, d)
         idx, weight = route(x, router, self.top_k, self.normalize, self.precision)
         strategy = self.options.resolve(b * t, self.top_k, self.num_experts)
-        return experts_ffn(x, idx, weight, gate_up, down, strategy, self.precision,
-                           self.options.grouped_kernel).reshape(b, t, d)
+        ffn = functools.partial(experts_ffn, strategy=strategy, precision=self.precision,
+                                grouped_kernel=self.options.grouped_kernel)
+        if tp_size() > 1:
+            return expert_parallel(ffn, x, idx, weight, gate_up, down).reshape(b, t, d)
+        return ffn(x, idx, weight, gate_up, down).reshape(b, t, d)
+
+
+def expert_parallel(ffn, x: Float[Array, "n d"], idx: Int[Array, "n k"], weight: Float[Array, "n k"],
+                    gate_up: Float[Array, "d E 2f"], down: Float[Array, "E f d"]) -> Float[Array, "n d"]:
+    """`ffn(x, idx, weight, gate_up, down)` with the experts split over the `tp` mesh axis (expert parallel): each
+    device runs its own experts on the (replicated) tokens, the picks of other devices' experts weighted zero, and
+    one all-reduce sums the devices' parts."""
+    def local(x, idx, weight, gate_up, down):
+        e_local = down.shape[0]
+        first = jax.lax.axis_index(TP) * e_local
+        mine = (idx >= first) & (idx < first + e_local)
+        y = ffn(x, jnp.where(mine, idx - first, 0), jnp.where(mine, weight, jnp.zeros((), weight.dtype)), gate_up,
+                down)
+        return jax.lax.psum(y, TP)
+
+    return jax.shard_map(local, in_specs=(P(), P(), P(), P(None, TP, None), P(TP, None, None)), out_specs=P(),
+                         check_vma=False)(x, idx, weight, gate_up, down)

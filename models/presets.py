@@ -14,6 +14,14 @@ PRESETS: dict[str, dict] = {
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192},
     },
+    "llama-3.1-70b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    },
     "qwen3-14b": {
         "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 17408,
         "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
@@ -37,6 +45,15 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 40960, "tie_word_embeddings": False, "bos_token_id": 151643,
         "eos_token_id": 151645,
     },
+    # Qwen3-235B-A22B: 128 routed experts per layer, 8 per token (22B of 235B parameters active); 64 query / 4 KV heads
+    "qwen3-235b-a22b": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+        "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1536, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960, "tie_word_embeddings": False, "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
     # the same past 32K tokens (its model card: YaRN, factor 4 over the native 32K)
     "qwen3-30b-a3b-128k": {
         "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
@@ -56,6 +73,13 @@ PRESETS: dict[str, dict] = {
     "tiny-llama": {
         "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 65536,
+        "tie_word_embeddings": False,
+    },
+    # 8 attention heads over 2 KV heads: tensor parallelism over 8 devices (KV heads repeated 4x) in tests
+    "tiny-llama-8h": {
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
         "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 65536,
         "tie_word_embeddings": False,
     },

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from pulseinfer_jax.models.config import ModelConfig
 
+from pulseinfer_jax.parallel.weights import WeightPlacement
+
 # our layer param path -> HF suffix under `model.layers.{i}.`; kernels are transposed [out,in] -> [in,out].
 _LAYER_KERNELS = {
     "wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
@@ -31,12 +33,14 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any, source: str = "checkpoint",
-                   device: Any = None, layout: str = "stacked") -> dict:
+                   device: Any = None, layout: str = "stacked", placement: WeightPlacement | None = None) -> dict:
     """Build the params pytree from HF-named arrays ([out, in] layout), cast to `dtype`, on `device`.
 
     `tensors` may be lazy (loaded on access). layout "stacked": each layer weight stacked on a leading layer axis;
     "layers": "layers" is a list of one pytree per layer (`models.transformer.unstack_layers`), put on the device
-    layer by layer (never stacked there). Raises CheckpointError naming the first missing tensor or wrong shape.
+    layer by layer (never stacked there). With `placement` (tensor parallelism, parallel/weights.py) each weight goes
+    straight into its shards on the mesh instead of onto `device`. Raises CheckpointError naming the first missing
+    tensor or wrong shape.
     """
     if layout not in ("stacked", "layers"):
         raise ValueError(f"layout={layout!r} must be 'stacked' or 'layers'")
@@ -50,8 +54,9 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any, sou
             raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {shape}")
         return arr
 
-    def put(arr: np.ndarray) -> jax.Array:
-        return jax.device_put(arr.astype(np_dtype, copy=False), device)
+    def put(arr: np.ndarray, *path: str) -> jax.Array:
+        arr = arr.astype(np_dtype, copy=False)
+        return jax.device_put(arr, device) if placement is None else placement.put(path, arr)
 
     def stacked(host: Callable[[int], np.ndarray]) -> np.ndarray:
         """[L, ...] in the model dtype, filled layer by layer: the host holds the stacked array plus one layer in
@@ -91,18 +96,18 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any, sou
         for i in range(cfg.num_layers):
             lp: dict[str, dict] = {}
             for ours, leaf, host in specs:
-                lp.setdefault(ours, {})[leaf] = put(host(i))
+                lp.setdefault(ours, {})[leaf] = put(host(i), ours, leaf)
             layers.append(lp)
     else:  # one tensor kind at a time over all layers: the host holds one stacked weight, not the whole model
         layers = {}
         for ours, leaf, host in specs:
-            layers.setdefault(ours, {})[leaf] = put(stacked(host))
+            layers.setdefault(ours, {})[leaf] = put(stacked(host), ours, leaf)
 
     v, d = cfg.vocab_size, cfg.hidden_size
-    emb = {"embed": {"embedding": put(get("model.embed_tokens.weight", (v, d)))},
-           "final_norm": {"weight": put(get("model.norm.weight", (d,)))}}
+    emb = {"embed": {"embedding": put(get("model.embed_tokens.weight", (v, d)), "embed", "embedding")},
+           "final_norm": {"weight": put(get("model.norm.weight", (d,)), "final_norm", "weight")}}
     if not cfg.tie_word_embeddings:
-        emb["lm_head"] = {"kernel": put(get("lm_head.weight", (v, d)).T)}
+        emb["lm_head"] = {"kernel": put(get("lm_head.weight", (v, d)).T, "lm_head", "kernel")}
     return {"embedder": emb, "layers": layers}
 
 

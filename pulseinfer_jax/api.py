@@ -14,13 +14,12 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import jax
-
 from pulseinfer_jax.backends import plan_backends
 from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.engine import Engine
 from pulseinfer_jax.models.loading import LoadedModel, load_model
 from pulseinfer_jax.options import flat_names, flatten, unknown_name
+from pulseinfer_jax.parallel.layout import DeviceLayout
 from pulseinfer_jax.sampling import SamplingParams
 from pulseinfer_jax.scheduler import Request
 
@@ -118,8 +117,15 @@ def _engine_for(model: Any, opts: GenerateOptions, config: EngineConfig | None) 
     if isinstance(model, LoadedModel):
         _check_dtype(opts, model)
         return Engine(model, config)
-    layout = plan_backends(config, jax.devices()[0].platform).weights_layout  # load as the engine will read them
-    return Engine(load_model(model, dtype=opts.dtype or "float32", layout=layout), config)
+    return Engine(load_for_engine(model, opts.dtype or "float32", config), config)
+
+
+def load_for_engine(model: Any, dtype: str, config: EngineConfig) -> LoadedModel:
+    """Load `model` as an engine with `config` reads it: its weights laid out for the engine's layer loop on this
+    machine's devices and, with tensor_parallel > 1, each straight into its shards over that many devices."""
+    devices = DeviceLayout.of(config.tensor_parallel)
+    layout = plan_backends(config, devices.platform).weights_layout
+    return load_model(model, dtype=dtype, layout=layout, devices=devices)
 
 
 def _check_dtype(opts: GenerateOptions, model: LoadedModel) -> None:

@@ -89,6 +89,7 @@ def paged_decode_attention_pallas(
     [L * NB, 2, bs, Hkv, hd] (a free reshape), so the layer's pool is never sliced out and copied.
     """
     from pulseinfer_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
+    from pulseinfer_jax.parallel import kernels as tp_kernels
     from pulseinfer_jax.sparse import selected_block_lens
 
     n_layers, nb, _, bs = kv.shape[:4]
@@ -97,7 +98,7 @@ def paged_decode_attention_pallas(
     lens = selected_block_lens(every_block, lengths, bs)  # [B, 1, MB] valid tokens per entry
     ids = jnp.where(lens > 0, block_tables[:, None] + layer * nb, -1).astype(jnp.int32)
     pool = kv.reshape(n_layers * nb, *kv.shape[2:])
-    o, _, _ = sparse_decode_attention(q, pool, ids, lens, interpret=interpret)
+    o, _, _ = tp_kernels.decode_attention(sparse_decode_attention, q, pool, ids, lens, interpret=interpret)
     return o
 
 

@@ -155,16 +155,15 @@ def load_for(config, model: str | None, dtype: str):
     """Load `model` laid out as an engine with `config` reads it on this machine's device, saying so."""
     import time
 
-    import jax
-
-    from pulseinfer_jax.backends import plan_backends
-    from pulseinfer_jax.models.loading import load_model
+    from pulseinfer_jax.api import load_for_engine
 
     say(f"loading {model or 'the embedded SmolLM2-135M-Instruct'} ({dtype}) ...")
     t0 = time.perf_counter()
-    m = load_model(model, dtype=dtype, layout=plan_backends(config, jax.devices()[0].platform).weights_layout)
+    m = load_for_engine(model, dtype, config)
     say(f"loaded {m.source}: {m.cfg.num_layers} layers, {m.cfg.num_parameters() / 1e6:.0f}M parameters, in "
         f"{time.perf_counter() - t0:.1f} s")
+    if m.placement is not None:
+        say(m.placement.describe())
     return m
 
 

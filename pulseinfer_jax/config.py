@@ -143,6 +143,8 @@ class EngineConfig:
                                          "by gpu_kv_budget")
     gpu_kv_budget: int | None = option(None, "cap on GPU KV bytes (pool + offload metadata); default 4 GiB on CPU, "
                                        "85% of free memory on a GPU. A small value emulates a smaller GPU")
+    tensor_parallel: int = option(1, "devices that split the model's heads, MLP and experts (a 1-D 'tp' mesh); the "
+                                  "model must be loaded for the same number")
     progress: bool | None = option(None, "progress bar over long prefills; default when stderr is a terminal",
                                    cli=False)
     progress_min_tokens: int = option(1024, "prompts at least this long get a progress bar", cli=False)
@@ -151,7 +153,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        for name in ("block_size", "max_batch", "prefill_chunk", "key_chunk", "progress_min_tokens"):
+        for name in ("block_size", "max_batch", "prefill_chunk", "key_chunk", "progress_min_tokens", "tensor_parallel"):
             _positive_int(name, getattr(self, name))
         bs = self.block_size
         if self.prefill_chunk % bs or self.key_chunk % bs:

@@ -28,6 +28,7 @@ from pulseinfer_jax.host_offload.blocks import BlockAllocator, bucket
 from pulseinfer_jax.ioaa import IOAAConfig
 from pulseinfer_jax.kv_cache import CacheSpec, bucket_blocks
 from pulseinfer_jax.models.loading import LoadedModel
+from pulseinfer_jax.parallel.layout import DeviceLayout
 from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
 from pulseinfer_jax.sampling import SamplingParams, greedy_sample, sample
 from pulseinfer_jax.scheduler import FixedStepTime, Request, Scheduler, Status
@@ -56,7 +57,13 @@ class Engine:
                  selector: Selector | None = None):
         self.model = model
         self.config = config
-        self.device = device or jax.devices()[0]
+        if config.tensor_parallel != model.tensor_parallel:
+            raise ValueError(f"tensor_parallel={config.tensor_parallel} but the model was loaded for "
+                             f"{model.tensor_parallel} device(s); load it with the same tensor_parallel "
+                             "(load_model(..., devices=DeviceLayout.of(n)), or generate_long / the CLI do it)")
+        # the devices and the shardings of every array (parallel/layout.py); one device unless tensor parallel
+        self.layout = model.placement.devices if model.placement is not None else DeviceLayout.of(1, device)
+        self.device = self.layout.device
         self.kv: jax.Array | None = None
         self.spec: CacheSpec | None = None
         self.allocator: BlockAllocator | None = None
@@ -65,6 +72,12 @@ class Engine:
         self.steps = 0  # engine steps taken in the current run
         # every "auto" backend resolved here, once (checked on the device first on a GPU), logged and reported
         self.backends: ResolvedBackends = resolve_backends(config, self.device, model)
+        ab = config.ablation
+        if self.layout.tp > 1 and self.backends.host_io == "xla" and (ab.selection == "headwise"
+                                                                      or ab.io == "fragmented"):
+            raise ValueError(f"selection={ab.selection!r} with io={ab.io!r} moves per-(block, head) units, which the "
+                             "'xla' host I/O runs on one device only; under tensor_parallel use selection='solohead' "
+                             "with io='coalesced', or host_io='numpy'")
         compile_seconds()  # start counting compile time (step stats leave compiling steps out of TPOT)
         # the jitted model: the loaded one with this engine's MoE options (how expert layers compute on its device)
         moe = self.backends.moe
@@ -123,7 +136,8 @@ class Engine:
     def layer_ids(self) -> list[jax.Array]:
         """Each layer's index as an int32 scalar on the engine's device (an argument of the layer-wise steps)."""
         if self._layer_ids is None:
-            self._layer_ids = [jax.device_put(np.int32(i), self.device) for i in range(self.model.cfg.num_layers)]
+            on = self.layout.replicated()
+            self._layer_ids = [jax.device_put(np.int32(i), on) for i in range(self.model.cfg.num_layers)]
         return self._layer_ids
 
     def _spec(self, num_blocks: int) -> CacheSpec:
@@ -132,13 +146,17 @@ class Engine:
                          jnp.dtype(self.model.dtype))
 
     def _kv_byte_cap(self) -> int:
+        """Bytes of KV (pool + offload metadata) the devices may hold together: tensor parallelism splits every block
+        evenly, so the fullest device decides (tp x its free memory)."""
         if self.config.gpu_kv_budget is not None:
             return self.config.gpu_kv_budget
         if self.device.platform == "cpu":
             return CPU_DEFAULT_KV_BYTES
-        stats = self.device.memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        return int(0.85 * free) if free > 0 else CPU_DEFAULT_KV_BYTES
+        free = []
+        for d in self.layout.devices:
+            stats = d.memory_stats() or {}
+            free.append(stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0))
+        return int(0.85 * min(free)) * self.layout.tp if min(free) > 0 else CPU_DEFAULT_KV_BYTES
 
     def open(self, seed: int = 0) -> None:
         """Pools for requests that arrive over time (a server: `submit` them, then `step` while `busy`): the GPU KV
@@ -193,7 +211,7 @@ class Engine:
         if self.spec is None or self.spec.num_blocks != num_blocks:
             self.kv = None  # free the old pool before allocating the new one
             self.spec = self._spec(num_blocks)
-            self.kv = self.spec.allocate(self.device)
+            self.kv = self.spec.allocate(self.layout.kv_heads(len(self.spec.shape)))
         self.allocator = BlockAllocator(num_blocks)
         self._segments = {}
         if plan is None:
@@ -219,12 +237,12 @@ class Engine:
             self.host_pool = None
             self.host_pool = HostKVPool(num_rows=rows, first_layer=plan.dense_layers, num_layers=c.num_layers,
                                         block_size=cfg.block_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                        dtype=self.model.dtype, device=self.device, io=io, row_align=align)
+                                        dtype=self.model.dtype, device=self.layout, io=io, row_align=align)
         else:
             self.host_pool.reset_allocator()
         if self.sparse is None or self.sparse.plan != plan or self.sparse.nb != num_blocks:
             self.sparse = SparseDecoder(self.transformer, self.model.params, plan, cfg.offload, self.backends,
-                                        self.host_pool, num_blocks, self.device,
+                                        self.host_pool, num_blocks, self.layout,
                                         split_weights=lambda: self.layer_params, max_requests=cfg.max_batch,
                                         selector=self.selector)
             self.prefiller = SegmentedPrefiller(self.transformer, self.model.params, lambda: self.layer_params,
@@ -265,6 +283,13 @@ class Engine:
         self.check_drained()
 
     def step(self) -> Iterator[TokenEvent]:
+        """One engine step; its tokens are yielded once the step's work is issued (the step traces under the devices'
+        mesh, a context that must not stay entered while the caller runs)."""
+        with self.layout.context():
+            events = list(self._step())
+        yield from events
+
+    def _step(self) -> Iterator[TokenEvent]:
         sched = self.scheduler
         now = time.perf_counter()
         for r in sched.admit():

@@ -54,10 +54,13 @@ class CacheSpec:
     def total_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
-    def allocate(self, device: jax.Device | None = None) -> jax.Array:
-        """Zero-filled cache array made on `device` and committed to it, as the donating step functions' outputs
-        are: an uncommitted first cache would give every step function one more compile (measured)."""
-        return zeros_on(self.shape, self.dtype, jax.sharding.SingleDeviceSharding(device or jax.devices()[0]))
+    def allocate(self, where: jax.Device | jax.sharding.Sharding | None = None) -> jax.Array:
+        """Zero-filled cache array made on device `where` (or in sharding `where`: tensor parallelism splits it by
+        KV head) and committed there, as the donating step functions' outputs are: an uncommitted first cache would
+        give every step function one more compile (measured)."""
+        if not isinstance(where, jax.sharding.Sharding):
+            where = jax.sharding.SingleDeviceSharding(where or jax.devices()[0])
+        return zeros_on(self.shape, self.dtype, where)
 
 
 TABLE_STEPS = 4  # block-table widths per doubling past 64 blocks

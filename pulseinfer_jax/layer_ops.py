@@ -34,6 +34,7 @@ from pulseinfer_jax.pallas_kernels.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_reference,
 )
+from pulseinfer_jax.parallel import kernels as tp_kernels
 from pulseinfer_jax.slot_plan import LayerPlan, SlotStep
 from pulseinfer_jax.sparse import BlockScoring, resident_mask, select_blocks, top_groups
 
@@ -45,8 +46,9 @@ def _flat(kv: Array) -> Array:
 
 
 def _attend(attention: str, q: Array, kv: Array, ids: Array, lens: Array) -> Partial:
-    fn = sparse_decode_attention if attention == "pallas" else sparse_decode_attention_reference
-    return fn(q, _flat(kv), ids, lens)
+    if attention == "pallas":  # (per device on its heads under tensor parallelism)
+        return tp_kernels.decode_attention(sparse_decode_attention, q, _flat(kv), ids, lens)
+    return sparse_decode_attention_reference(q, _flat(kv), ids, lens)
 
 
 def _unit_index(kv: Array, units: Array) -> tuple[Array, Array]:
@@ -155,7 +157,8 @@ def sparse_pre(
     write_unit = jnp.where(rows.newest >= 0, layer.unit_offset + rows.newest, 0)
     kv, q = _qkv_and_write(model, lp, kv, x, rows.positions, write_unit)
     cand = jnp.where(cands.rows >= 0, cands.rows + layer.meta_offset, -1)
-    score_fn = block_scores if spec.attention == "pallas" else block_scores_reference
+    pallas = spec.attention == "pallas"
+    score_fn = functools.partial(tp_kernels.block_scores, block_scores) if pallas else block_scores_reference
     per_head = spec.per_head
     c = model.cfg
     scale = default_scale(c.head_dim, c.group_size, per_head)

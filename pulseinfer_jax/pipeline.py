@@ -51,7 +51,6 @@ from collections.abc import Callable, Generator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from pulseinfer_jax import layer_ops, slot_plan
 from pulseinfer_jax.backends import ResolvedBackends
@@ -62,6 +61,7 @@ from pulseinfer_jax.host_offload.memory import zeros_on
 from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.layer_inputs import KeyBounds, ScoringBounds, SelectSpec, SparseLayerRefs
 from pulseinfer_jax.models.transformer import Transformer, head_params, split_layers
+from pulseinfer_jax.parallel.layout import DeviceLayout
 from pulseinfer_jax.selector import Selector
 from pulseinfer_jax.slot_plan import SlotStep
 from pulseinfer_jax.sparse import BlockScoring
@@ -74,7 +74,8 @@ class SparseDecoder:
     """Decode steps and prompt spills of sparse requests over the shared GPU cache (see module docstring)."""
 
     def __init__(self, model: Transformer, params: dict, plan: SparsePlan, offload: OffloadConfig,
-                 backends: ResolvedBackends, pool: HostKVPool, num_gpu_blocks: int, device: jax.Device,
+                 backends: ResolvedBackends, pool: HostKVPool, num_gpu_blocks: int,
+                 device: jax.Device | DeviceLayout,
                  split_weights: Callable[[], list[dict]] | None = None, max_requests: int = 8,
                  selector: Selector | None = None):
         c = model.cfg
@@ -111,19 +112,22 @@ class SparseDecoder:
         crows = plan.sparse_layers * self._group_rows if f > 1 else 1
         # committed to the device from the start, as the jitted updates' outputs are: an uncommitted first version
         # would give the calls reading it a second cache key (one more compile of each, measured)
-        self.device = device
-        on_device = SingleDeviceSharding(device)  # (no host copy either: the key bounds run to GiBs)
+        # (tensor parallelism: the key bounds split by KV head like the cache, so each device scores its own heads)
+        self.layout = device if isinstance(device, DeviceLayout) else DeviceLayout.of(1, device)
+        self.device = self.layout.device
+        on_device = self.layout.kv_heads(3)  # (no host copy either: the key bounds run to GiBs)
         fine, coarse = (KeyBounds(*(zeros_on((n, c.num_kv_heads, c.head_dim), meta_dtype, on_device) for _ in "ab"))
                         for n in (rows, crows))
+        rep = self.layout.replicated()
         self.bounds = ScoringBounds(fine, coarse)
         self.kv: jax.Array | None = None
         # where each sparse layer's slices sit, on the device once (layer_inputs.SparseLayerRefs), so a decode step
         # sends no per-layer scalars
         heads = ab.retrieval_heads or (0,) * plan.sparse_layers
         self._layer_refs = [jax.device_put(SparseLayerRefs.of(plan, sl, pool.num_rows, num_gpu_blocks,
-                                                              self._group_rows, heads[sl]), device)
+                                                              self._group_rows, heads[sl]), rep)
                             for sl in range(plan.sparse_layers)]
-        self._layer_ids = [jax.device_put(np.int32(layer), device) for layer in range(plan.num_layers)]
+        self._layer_ids = [jax.device_put(np.int32(layer), rep) for layer in range(plan.num_layers)]
         # the slot caches of every sparse request, on the device (slot_plan.py): (stamp, key) [SL, R, lanes, C], one
         # row per concurrent request (`max_requests`) plus the padding rows' own, sized once so that no step
         # recompiles for a larger table (it grows, by doubling, only if more requests ever decode at once)
@@ -351,7 +355,7 @@ class SparseDecoder:
         stamp = self.slot_state[0]
         step = slot_step_inputs(sparse, tables, bp, stamp.shape[1], stamp.shape[3],
                                 self.selector.override(sparse, tables.lengths, bp))
-        return step.on(self.device)
+        return step.on(self.layout.replicated())
 
     def _prepare_slots(self, sparse: list[SparseKV]) -> None:
         """Before a step's micro-batches: the device slot table holds every request's row plus the padding rows'
@@ -374,7 +378,7 @@ class SparseDecoder:
         new = slot_plan.init_state(p.sparse_layers, bucket(rows), p.lanes, p.slot_blocks)
         if self.slot_state is not None:  # real rows keep their state (the old padding row is reset at first use)
             new = tuple(n.at[:, :have].set(o) for n, o in zip(new, self.slot_state, strict=True))
-        self.slot_state = tuple(jax.device_put(a, self.device) for a in new)
+        self.slot_state = tuple(jax.device_put(a, self.layout.replicated()) for a in new)
 
 
     def _read_plan(self, info: np.ndarray, sparse: list[SparseKV], bp: int) -> PlanInfo:

@@ -40,7 +40,7 @@ class SlotStep:
     # the middle blocks a replayed trace selects instead of the scorer ([sparse layers, B, lanes, M], -1 padded)
     override: Int[IntArray, "SL B S M"] | None = None
 
-    def on(self, device: jax.Device) -> SlotStep:
+    def on(self, device: jax.Device | jax.sharding.Sharding) -> SlotStep:
         return jax.tree.map(lambda a: jax.device_put(a, device), self)
 
 

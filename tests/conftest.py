@@ -1,7 +1,12 @@
 import pathlib
 import sys
 
+import jax
 import pytest
+
+# 8 fake CPU devices for the tensor-parallel tests (test_tensor_parallel.py); set before any backend starts. Every
+# other test keeps using the first device alone.
+jax.config.update("jax_num_cpu_devices", 8)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

@@ -1,0 +1,61 @@
+"""Pallas kernels under tensor parallelism: each device runs the kernel on its own heads, inside `shard_map`.
+
+XLA's partitioner cannot split a Pallas custom call (it would gather every input onto each device), so where the
+tracing context holds a mesh with a `tp` axis of more than one device (`DeviceLayout.context()`), the calls below wrap
+the kernel in `jax.shard_map` over `tp`: queries, KV heads and key bounds come in split by head, each device's
+kernel sees exactly the single-device shapes with Hq / tp query and Hkv / tp KV heads (the same group size), and the
+outputs leave split by head. Anything that mixes heads (SoloHead's block scores summed over heads) stays outside,
+in plain jnp, where the partitioner adds the all-reduce. With no mesh (one device) the kernel is called directly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from pulseinfer_jax.parallel.layout import TP
+
+Partial = tuple[Array, Array, Array]
+
+
+def tp_size() -> int:
+    """Devices on the `tp` axis of the context mesh (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or TP not in mesh.axis_names:
+        return 1
+    return mesh.shape[TP]
+
+
+def _heads(ndim: int, axis: int) -> P:
+    spec = [None] * ndim
+    spec[axis] = TP
+    return P(*spec)
+
+
+def decode_attention(fn: Callable[..., Partial], q: Float[Array, "B Hq hd"], pool: Float[Array, "U 2 bs Hkv hd"],
+                     ids: Int[Array, "B S K"], lens: Int[Array, "B S K"], **kw) -> Partial:
+    """`fn(q, pool, ids, lens, **kw)` (the sparse decode kernel's contract) per device on its heads; the lanes of a
+    headwise selection (S = Hkv) split with their KV heads, SoloHead's single lane goes to every device."""
+    if tp_size() == 1:
+        return fn(q, pool, ids, lens, **kw)
+    lanes = _heads(3, 1) if ids.shape[1] > 1 else P()
+    mapped = jax.shard_map(functools.partial(fn, **kw), in_specs=(_heads(3, 1), _heads(pool.ndim, pool.ndim - 2),
+                                                                  lanes, lanes),
+                           out_specs=(_heads(3, 1), _heads(2, 1), _heads(2, 1)), check_vma=False)
+    return mapped(q, pool, ids, lens)
+
+
+def block_scores(fn: Callable[..., Array], q: Float[Array, "B Hq hd"], meta_min: Float[Array, "M Hkv hd"],
+                 meta_max: Float[Array, "M Hkv hd"], cand: Int[Array, "B K"], **kw) -> Float[Array, "B S K"]:
+    """`fn(q, meta_min, meta_max, cand, **kw)` (the block-scoring kernel's contract) per device on its heads: scores
+    [B, heads, K] split by head (per query head or per KV head, whichever `fn` returns)."""
+    if tp_size() == 1:
+        return fn(q, meta_min, meta_max, cand, **kw)
+    mapped = jax.shard_map(functools.partial(fn, **kw),
+                           in_specs=(_heads(3, 1), _heads(3, 1), _heads(3, 1), P()),
+                           out_specs=_heads(3, 1), check_vma=False)
+    return mapped(q, meta_min, meta_max, cand)

@@ -1,0 +1,142 @@
+"""Tensor parallelism on fake CPU devices (conftest starts jax with 8): the same greedy tokens as one device, dense and
+offloaded, every weight and KV array split as the layout says, clear refusals."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY, record_sampled_logits
+
+from pulseinfer_jax import Engine, EngineConfig, generate_long
+from pulseinfer_jax.api import load_for_engine
+from pulseinfer_jax.parallel.layout import TP, DeviceLayout
+from pulseinfer_jax.parallel.weights import check_sharded, kv_repeat
+
+BASE = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32)
+OFFLOAD = dict(mode="offload", window_tokens=8, sink_blocks=1, dense_layers=1)
+HEADS = (None, None, None, None, TP, None)  # the cache [L, NB, 2, bs, Hkv, hd] split by KV head
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake CPU) devices: see conftest")
+
+
+def _prompts(vocab, lengths=(45, 30, 61), seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def _spec(a) -> tuple:
+    """The array's partition spec, one entry per axis."""
+    s = tuple(a.sharding.spec)
+    return s + (None,) * (a.ndim - len(s))
+
+
+def _run(spec, tp, monkeypatch=None, max_new=16, **settings):
+    cfg = EngineConfig.of(**BASE, tensor_parallel=tp, **settings)
+    model = load_for_engine(spec, "float32", cfg)
+    eng = Engine(model, cfg)
+    seen = record_sampled_logits(monkeypatch) if monkeypatch is not None else None
+    res = generate_long(_prompts(model.cfg.vocab_size), eng, max_new_tokens=max_new, ignore_eos=True)
+    if monkeypatch is not None:
+        monkeypatch.undo()
+    return eng, [r.token_ids for r in res], seen
+
+
+def _assert_split(eng):
+    """Every weight and the KV cache split as the layout says: nothing that should be split is replicated."""
+    place = eng.model.placement
+    assert place is not None and place.tp == eng.layout.tp
+    assert check_sharded(eng.model.params, place) == []
+    assert _spec(eng.kv) == HEADS
+    assert eng.kv.sharding.mesh.shape[TP] == eng.layout.tp
+    for shard in eng.kv.addressable_shards:  # each device holds its own heads of every block
+        assert shard.data.shape[4] == eng.model.cfg.num_kv_heads // eng.layout.tp
+
+
+@pytest.mark.parametrize("family,tp", [("llama31", 4), ("qwen3", 2), ("qwen2", 2)])
+def test_dense_tokens_and_logits_match_one_device(monkeypatch, family, tp):
+    spec = TINY / family
+    _, one, one_logits = _run(spec, 1, monkeypatch)
+    one_logits = dict(one_logits)
+    eng, split, split_logits = _run(spec, tp, monkeypatch)
+    assert split == one
+    _assert_split(eng)
+    scale = max(float(np.max(np.abs(v))) for v in one_logits.values())
+    worst = max(float(np.max(np.abs(split_logits[k] - one_logits[k]))) for k in one_logits)
+    assert worst <= 1e-5 * scale, (worst, scale)  # f32: the all-reduces sum the heads' parts in another order
+
+
+def test_eight_devices_with_kv_heads_repeated():
+    """8 query / 2 KV heads over 8 devices: each KV head repeated 4x, one per device, the arithmetic unchanged."""
+    eng, split, _ = _run("random:tiny-llama-8h", 8)
+    assert eng.model.cfg.num_kv_heads == 8 and eng.model.placement.kv_repeat == 4
+    _assert_split(eng)
+    _, one, _ = _run("random:tiny-llama-8h", 1)
+    assert split == one
+
+
+@pytest.mark.parametrize("tp,settings", [
+    (2, dict(decode_attention="pallas", layer_loop="layerwise")),  # the Pallas kernel per device (interpret mode)
+    (4, dict(layer_loop="layerwise")),
+])
+def test_dense_backends_match_one_device(tp, settings):
+    _, one, _ = _run(TINY / "llama31", 1, max_new=8)
+    eng, split, _ = _run(TINY / "llama31", tp, max_new=8, **settings)
+    assert split == one
+    _assert_split(eng)
+
+
+@pytest.mark.parametrize("tp,settings", [
+    (2, dict(host_io="xla")),
+    (4, dict(host_io="numpy", decode_attention="pallas", layer_loop="layerwise")),
+])
+def test_full_budget_offload_under_tp_equals_dense(tp, settings):
+    """Lossless offloading under tensor parallelism: budget >= context gives the single-device dense tokens while the
+    KV lives in per-device host pools (each device's heads) and is recalled."""
+    _, dense, _ = _run(TINY / "llama31", 1, max_new=12)
+    eng, off, _ = _run(TINY / "llama31", tp, max_new=12, budget_tokens=512, **OFFLOAD, **settings)
+    assert off == dense
+    _assert_split(eng)
+    pool = eng.host_pool
+    assert pool.h2d_bytes > 0 and pool.d2h_bytes > 0
+    if settings["host_io"] == "xla":  # the pool split by KV head, each device's heads in its own pinned host memory
+        assert _spec(pool.pool) == HEADS and pool.pool.sharding.memory_kind == "pinned_host"
+    assert _spec(eng.sparse.bounds.fine.lo) == (None, TP, None)  # key bounds [rows, Hkv, hd] split like the cache
+    eng.check_drained()
+
+
+def test_sparse_offload_selects_the_same_blocks_on_two_devices():
+    """A budget that drops blocks: SoloHead's block scores summed over every device's heads give each device the
+    same selection as one device makes, so the tokens match too."""
+    kw = dict(budget_tokens=24, **OFFLOAD)  # 6 of the prompts' 8 to 16 blocks
+    e1, one, _ = _run(TINY / "llama31", 1, max_new=12, **kw)
+    e2, split, _ = _run(TINY / "llama31", 2, max_new=12, **kw)
+    assert split == one
+    assert e2.host_pool.h2d_bytes == e1.host_pool.h2d_bytes > 0  # the same blocks recalled (bytes of every head)
+    assert e2.host_pool.h2d_copies == e1.host_pool.h2d_copies  # one coalesced copy per layer and step, per device
+
+
+def test_moe_experts_split_across_devices():
+    """Qwen3-MoE: experts split over the devices (expert parallel), the same tokens as one device."""
+    eng, split, _ = _run(TINY / "qwen3_moe", 2, max_new=10)
+    _, one, _ = _run(TINY / "qwen3_moe", 1, max_new=10)
+    assert split == one
+    _assert_split(eng)
+    gate_up = eng.model.stacked_params["layers"]["moe"]["gate_up"]  # [L, d, E, 2f]
+    assert {s.data.shape[2] for s in gate_up.addressable_shards} == {eng.model.cfg.num_experts // 2}
+
+
+def test_refusals():
+    cfg = EngineConfig.of(**BASE, tensor_parallel=2)
+    with pytest.raises(ValueError, match="3 attention heads"):  # SmolLM2's tiny twin: 3 heads, 1 KV head
+        load_for_engine(TINY / "smollm2", "float32", cfg)
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        DeviceLayout.of(16)
+    one = load_for_engine(TINY / "llama31", "float32", EngineConfig())
+    with pytest.raises(ValueError, match="loaded for 1 device"):
+        Engine(one, cfg)
+    two = load_for_engine(TINY / "llama31", "float32", cfg)
+    with pytest.raises(ValueError, match="selection='solohead'"):
+        Engine(two, cfg.with_settings(mode="offload", selection="headwise", host_io="xla"))
+    with pytest.raises(ValueError, match="tensor_parallel=0"):
+        EngineConfig.of(tensor_parallel=0)
+    c = one.cfg
+    assert kv_repeat(c, 1) == 1 and kv_repeat(c, 2) == 1 and kv_repeat(c, 4) == 2
