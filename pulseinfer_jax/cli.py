@@ -31,6 +31,10 @@ def _add_model_args(p: argparse.ArgumentParser, stats: bool = True) -> None:
                         "default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="weights and KV dtype (default: %(default)s; use bfloat16 on a GPU)")
+    h = p.add_argument_group("several hosts (jax.distributed; every process runs the same command)")
+    h.add_argument("--coordinator", default=None, help="host:port of process 0's coordination service")
+    h.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    h.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. num-processes - 1")
     if stats:
         p.add_argument("--stats", action="store_true",
                        help="print per-request stats as JSON to stderr (timings, placement, backends, recall counters)")
@@ -271,6 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
+        from pulseinfer_jax.parallel.distributed import cluster_from_args
+
+        cluster = cluster_from_args(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
+                                    getattr(args, "process_id", None))
+        if cluster is not None:
+            cluster.initialize()
         return {"generate": _generate, "demo": _demo, "serve": _serve, "info": _info}[args.cmd](args)
     except USER_ERRORS as e:
         print(f"pulseinfer: error: {e}", file=sys.stderr)

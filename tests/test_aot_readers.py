@@ -113,3 +113,20 @@ def test_verdicts():
     assert verdict({**row, "default": False, "violations": ["k: no Triton kernel (Pallas interpret mode?)"]})
     assert verdict({**row, "status": "rejected", "error": "RESOURCE_EXHAUSTED"})
     assert verdict({**row, "must_reject": True}) and verdict({**row, "must_reject": True, "status": "rejected"}) is None
+
+
+def test_collectives_count_results_not_the_async_starts_operands():
+    from pulseinfer_jax.aot.tensor_parallel import collectives
+
+    text = """HloModule m
+
+ENTRY %main (p: f32[4,2560]) -> f32[4,2560] {
+  %p = f32[4,2560]{1,0} parameter(0)
+  %all-reduce-start = ((f32[4,2560]{1,0}), f32[4,2560]{1,0}) all-reduce-start(%p), channel_id=1, to_apply=%add
+  %all-reduce.1 = bf16[8,1,8192]{2,1,0} all-reduce(%p), channel_id=2, to_apply=%add
+  %all-gather = f32[8,2560]{1,0} all-gather(%p), channel_id=3, dimensions={0}
+  ROOT %all-reduce-done = f32[4,2560]{1,0} all-reduce-done(%all-reduce-start)
+}
+"""
+    assert collectives(text) == {"all-reduce": {"ops": 2, "bytes": 4 * 2560 * 4 + 8 * 8192 * 2},
+                                 "all-gather": {"ops": 1, "bytes": 8 * 2560 * 4}}

@@ -202,3 +202,22 @@ def test_slot_plan_compiles_to_a_few_kernels_without_sorts(compiler):
     assert row["cost"]["launches"] <= 24, names  # 21 (33 with sorts, scatters and a per-layer slice of the table)
     table = 4 * sl * r * s * c
     assert row["cost"]["bytes"] < 2 * table  # no copy of a state table (a copy alone reads and writes it: 2x)
+
+
+def test_tensor_parallel_steps_compile_with_megatron_all_reduces(target):
+    """Two compile-only H200s on a `tp` mesh: Llama-3.1-8B's dense and offloaded decode steps compile, the Pallas
+    kernels as Triton kernels per device, with the collectives tensor parallelism should need and nothing else: one
+    all-reduce of [B, 1, D] after attention and one after the MLP per layer, SoloHead's [B, K] score sum per sparse
+    layer, none inside the attention itself (no KV gathered)."""
+    from pulseinfer_jax.aot import tensor_parallel as tp_aot
+
+    report = tp_aot.run(target.config_text, 2, points=(("llama-3.1-8b", 4096, 1),))
+    rows = {(p["step"], r["function"]): r for p in report["points"] for r in p["programs"]}
+    assert all(r["status"] == "compiled" for r in rows.values()), [r.get("error") for r in rows.values()]
+    d = 4096 * 2  # one row of hidden states, bf16
+    assert rows["dense", "_decode_layer"]["collectives"] == {"all-reduce": {"ops": 2, "bytes": 2 * d}}
+    assert rows["dense", "_decode_layer"]["triton_kernels"] >= 1
+    assert rows["offload", "land_attend_finish"]["collectives"] == {"all-reduce": {"ops": 2, "bytes": 2 * d}}
+    pre = rows["offload", "sparse_pre"]["collectives"]
+    assert set(pre) == {"all-reduce"} and pre["all-reduce"]["ops"] == 1  # the block scores, summed over devices
+    assert rows["offload", "attend"]["collectives"] == {}
