@@ -64,6 +64,18 @@ def test_dense_tokens_and_logits_match_one_device(monkeypatch, family, tp):
     assert worst <= 1e-5 * scale, (worst, scale)  # f32: the all-reduces sum the heads' parts in another order
 
 
+def test_smollm2_on_three_devices():
+    """The embedded SmolLM2-135M (9 query / 3 KV heads, MLP 1,536, vocabulary 49,152): 3 devices, one KV head each,
+    the same greedy text as one device."""
+    outs = []
+    for tp in (1, 3):
+        cfg = EngineConfig.of(tensor_parallel=tp)
+        eng = Engine(load_for_engine(None, "float32", cfg), cfg)
+        outs.append(generate_long(["The capital of France is"], eng, max_new_tokens=8, chat=False)[0].text)
+    assert outs[1] == outs[0] and outs[0].strip()
+    _assert_split(eng)
+
+
 def test_eight_devices_with_kv_heads_repeated():
     """8 query / 2 KV heads over 8 devices: each KV head repeated 4x, one per device, the arithmetic unchanged."""
     eng, split, _ = _run("random:tiny-llama-8h", 8)
