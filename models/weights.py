@@ -98,10 +98,15 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any, sou
             for ours, leaf, host in specs:
                 lp.setdefault(ours, {})[leaf] = put(host(i), ours, leaf)
             layers.append(lp)
-    else:  # one tensor kind at a time over all layers: the host holds one stacked weight, not the whole model
+    elif placement is None:  # one tensor kind at a time over all layers: the host holds one stacked weight at most
         layers = {}
         for ours, leaf, host in specs:
             layers.setdefault(ours, {})[leaf] = put(stacked(host), ours, leaf)
+    else:  # tensor parallel: each device's shard of a stacked weight built on its own (1 / tp of it on the host)
+        layers = {}
+        for ours, leaf, host in specs:
+            layers.setdefault(ours, {})[leaf] = _stacked_shards(lambda i, h=host: h(i).astype(np_dtype, copy=False),
+                                                                cfg.num_layers, (ours, leaf), placement)
 
     v, d = cfg.vocab_size, cfg.hidden_size
     emb = {"embed": {"embedding": put(get("model.embed_tokens.weight", (v, d)), "embed", "embedding")},
@@ -109,6 +114,26 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype: Any, sou
     if not cfg.tie_word_embeddings:
         emb["lm_head"] = {"kernel": put(get("lm_head.weight", (v, d)).T, "lm_head", "kernel")}
     return {"embedder": emb, "layers": layers}
+
+
+def _stacked_shards(host: Callable[[int], np.ndarray], num_layers: int, path: tuple[str, ...],
+                    placement: WeightPlacement) -> jax.Array:
+    """A weight stacked over `num_layers` layers, laid out by `placement`, made shard by shard: each device's shard
+    [L, local...] is filled layer by layer from `host(i)` (the checkpoint's layer, memory-mapped or lazily read), so the
+    host never holds more than one device's shard of it."""
+    first = placement.prepare(path, host(0))
+    shape = (num_layers, *first.shape)
+    sharding = placement.sharding(path, len(shape))
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        layers = range(*index[0].indices(num_layers))
+        rest = index[1:]
+        out = np.empty((len(layers), *first[rest].shape), first.dtype)
+        for j, i in enumerate(layers):
+            out[j] = (first if i == 0 else placement.prepare(path, host(i)))[rest]
+        return out
+
+    return jax.make_array_from_callback(shape, sharding, shard)
 
 
 def _moe_specs(cfg: ModelConfig, tensors: Mapping[str, Any],

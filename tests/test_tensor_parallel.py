@@ -152,3 +152,40 @@ def test_refusals():
         EngineConfig.of(tensor_parallel=0)
     c = one.cfg
     assert kv_repeat(c, 1) == 1 and kv_repeat(c, 2) == 1 and kv_repeat(c, 4) == 2
+
+
+@pytest.mark.parametrize("layout", ["stacked", "layers"])
+def test_weights_load_into_their_shards_bit_for_bit(monkeypatch, layout):
+    """A checkpoint loads straight into its shards, in either layout, with the single device's values (KV heads
+    repeated where devices outnumber them); a stacked weight is built one device's shard at a time on the host."""
+    from pulseinfer_jax.models.loading import load_model
+
+    from pulseinfer_jax.parallel.weights import repeat_kv_heads
+
+    built = []
+    real = jax.make_array_from_callback
+
+    def spy(shape, sharding, callback, *a, **kw):
+        def recorded(index):
+            out = callback(index)
+            built.append((shape, out.shape))
+            return out
+        return real(shape, sharding, recorded, *a, **kw)
+
+    monkeypatch.setattr(jax, "make_array_from_callback", spy)
+    one = load_model(TINY / "llama31", layout=layout)
+    four = load_model(TINY / "llama31", layout=layout, devices=DeviceLayout.of(4))
+    assert check_sharded(four.params, four.placement) == []
+    hd, rep = one.cfg.head_dim, four.placement.kv_repeat
+    for path, leaf in jax.tree_util.tree_leaves_with_path(one.params):
+        names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        got = four.params
+        for k in path:
+            got = got[getattr(k, "key", getattr(k, "idx", None))]
+        want = np.asarray(leaf)
+        if {"wk", "wv"} & set(names):
+            want = repeat_kv_heads(want, rep, hd)
+        assert np.array_equal(np.asarray(got), want), names
+    if layout == "stacked":  # every split weight's host array: one device's shard
+        split = [(s, o) for s, o in built if int(np.prod(o)) < int(np.prod(s))]
+        assert split and all(int(np.prod(o)) * 4 == int(np.prod(s)) for s, o in split)
