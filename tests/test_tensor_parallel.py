@@ -115,10 +115,12 @@ def test_full_budget_offload_under_tp_equals_dense(tp, settings):
     eng.check_drained()
 
 
-def test_sparse_offload_selects_the_same_blocks_on_two_devices():
+@pytest.mark.parametrize("settings", [dict(), dict(selection="headwise", host_io="numpy")])
+def test_sparse_offload_selects_the_same_blocks_on_two_devices(settings):
     """A budget that drops blocks: SoloHead's block scores summed over every device's heads give each device the
-    same selection as one device makes, so the tokens match too."""
-    kw = dict(budget_tokens=24, **OFFLOAD)  # 6 of the prompts' 8 to 16 blocks
+    same selection as one device makes, so the tokens match too; the headwise baseline selects per KV head, each
+    device for its own (its per-(block, head) copies through the numpy host I/O)."""
+    kw = dict(budget_tokens=24, **OFFLOAD, **settings)  # 6 of the prompts' 8 to 16 blocks
     e1, one, _ = _run(TINY / "llama31", 1, max_new=12, **kw)
     e2, split, _ = _run(TINY / "llama31", 2, max_new=12, **kw)
     assert split == one
