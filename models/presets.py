@@ -79,7 +79,7 @@ PRESETS: dict[str, dict] = {
     # 8 attention heads over 2 KV heads: tensor parallelism over 8 devices (KV heads repeated 4x) in tests
     "tiny-llama-8h": {
         "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
         "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 65536,
         "tie_word_embeddings": False,
     },

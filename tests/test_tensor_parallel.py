@@ -77,12 +77,15 @@ def test_smollm2_on_three_devices():
 
 
 def test_eight_devices_with_kv_heads_repeated():
-    """8 query / 2 KV heads over 8 devices: each KV head repeated 4x, one per device, the arithmetic unchanged."""
-    eng, split, _ = _run("random:tiny-llama-8h", 8)
+    """8 query / 2 KV heads over 8 devices: each KV head repeated 4x, one per device, the arithmetic unchanged: the
+    single device's tokens, dense and offloaded at full budget."""
+    eng, split, _ = _run("random:tiny-llama-8h", 8, max_new=12)
     assert eng.model.cfg.num_kv_heads == 8 and eng.model.placement.kv_repeat == 4
     _assert_split(eng)
-    _, one, _ = _run("random:tiny-llama-8h", 1)
+    _, one, _ = _run("random:tiny-llama-8h", 1, max_new=12)
     assert split == one
+    off, offloaded, _ = _run("random:tiny-llama-8h", 8, max_new=12, budget_tokens=512, **OFFLOAD)
+    assert offloaded == one and off.host_pool.h2d_bytes > 0
 
 
 @pytest.mark.parametrize("tp,settings", [
