@@ -49,6 +49,13 @@ def _assert_split(eng):
     assert eng.kv.sharding.mesh.shape[TP] == eng.layout.tp
     for shard in eng.kv.addressable_shards:  # each device holds its own heads of every block
         assert shard.data.shape[4] == eng.model.cfg.num_kv_heads // eng.layout.tp
+    layers = eng.model.params["layers"]
+    lp = layers[0] if isinstance(layers, list) else layers
+    split = {"wq": -1, "wk": -1, "wv": -1, "wo": -2, "w_gate": -1, "w_up": -1, "w_down": -2}
+    for name, axis in split.items():  # the placement's own rules: each device holds 1 / tp of every projection
+        if name in lp:
+            a = lp[name]["kernel"]
+            assert {sh.data.shape[axis] for sh in a.addressable_shards} == {a.shape[axis] // eng.layout.tp}, name
 
 
 @pytest.mark.parametrize("family,tp", [("llama31", 4), ("qwen3", 2), ("qwen2", 2)])
