@@ -1,0 +1,91 @@
+"""float8 KV quantisation (pulseinfer_jax/kv_quant.py): error bounds per granularity, zeros, outliers, shapes."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pulseinfer_jax.kv_quant import FP8, FP8_MAX, dequantize, quantize
+
+
+def _kv(seed=0, shape=(3, 16, 2, 64)):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("granularity,scale_shape", [("token", (3, 16, 2, 1)), ("block", (3, 1, 2, 1))])
+def test_round_trip_within_half_a_step(granularity, scale_shape):
+    x = _kv()
+    q, s = quantize(jnp.asarray(x), granularity)
+    assert q.dtype == FP8 and s.shape == scale_shape and s.dtype == jnp.float32
+    back = np.asarray(dequantize(q, s))
+    # e4m3: 3 mantissa bits -> relative step 2^-3 for normals (half of it after rounding); subnormals below 2^-6
+    # step by 2^-9 of the scale
+    bound = np.maximum(np.abs(x) * 2.0 ** -4, np.asarray(s) * 2.0 ** -10)
+    assert np.all(np.abs(back - x) <= bound * (1 + 1e-6))
+    # the group's amax lands on float8's largest value exactly
+    amax_axes = (-1,) if granularity == "token" else (-3, -1)
+    assert np.allclose(np.max(np.abs(np.asarray(q, np.float32)), axis=amax_axes), FP8_MAX)
+
+
+def test_zero_groups_stay_zero_and_finite():
+    x = _kv()
+    x[1] = 0.0  # a whole block of zeros (its block scale and every token scale of it: amax 0)
+    x[0, 3, 1] = 0.0  # one (token, head)
+    for g in ("token", "block"):
+        q, s = quantize(jnp.asarray(x), g)
+        back = np.asarray(dequantize(q, s))
+        assert np.all(np.isfinite(back)) and np.all(np.isfinite(np.asarray(s)))
+        assert np.all(back[1] == 0.0) and np.all(back[0, 3, 1] == 0.0)
+
+
+@pytest.mark.parametrize("factor,block_worse", [(100.0, False), (1e5, True)])
+def test_an_outlier_costs_a_block_scale_only_past_floats_range(factor, block_worse):
+    """float8 is a float: under a block scale a 100x outlier leaves the other tokens their 3 mantissa bits (the same
+    error as per-token scales); only values below amax / 2^15 fall into e4m3's subnormals and lose them."""
+    x = _kv(1)
+    x[0, 5] *= factor
+    err = {}
+    for g in ("token", "block"):
+        q, s = quantize(jnp.asarray(x), g)
+        back = np.asarray(dequantize(q, s))
+        others = np.delete(np.arange(16), 5)
+        err[g] = float(np.abs(back[0, others] - x[0, others]).max())
+    if block_worse:
+        assert err["token"] < err["block"] / 4, err
+    else:
+        assert err["block"] < 2 * err["token"], err
+
+
+def test_appending_a_token_leaves_the_others_bit_for_bit_with_token_scales():
+    x = _kv(2)
+    q1, s1 = quantize(jnp.asarray(x[:, :8]), "token")
+    q2, s2 = quantize(jnp.asarray(x), "token")
+    assert np.array_equal(np.asarray(q1).view(np.uint8), np.asarray(q2)[:, :8].view(np.uint8))
+    assert np.array_equal(np.asarray(s1), np.asarray(s2)[:, :8])
+
+
+def test_dtype_and_bad_granularity():
+    x = jnp.asarray(_kv(), jnp.bfloat16)
+    q, s = quantize(x)
+    assert dequantize(q, s, jnp.bfloat16).dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="granularity"):
+        quantize(x, "head")
+
+
+def test_the_fp8_bench_runs_on_a_real_checkpoint(tmp_path):
+    """bench/kv_fp8.py end to end on the tiny SmolLM2 twin: every layer's errors finite, K / V within float8's step."""
+    import json
+
+    from conftest import TINY
+
+    from bench.kv_fp8 import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    assert main(["--model", str(TINY / "smollm2"), "--text", str(text), "--tokens", "64", "--queries", "8",
+                 "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "kv_fp8_cpu.json").read_text())
+    for g in ("token", "block"):
+        rows = r["per_layer"][g]
+        assert len(rows) == 2 and all(np.isfinite(list(row.values())).all() for row in rows)
+        assert all(row["k_rel_err"] < 2.0 ** -4 and row["v_rel_err"] < 2.0 ** -4 for row in rows)
+    assert r["summary"]["token"]["bytes_per_kv_element"] > r["summary"]["block"]["bytes_per_kv_element"] > 1
