@@ -221,3 +221,21 @@ def test_tensor_parallel_steps_compile_with_megatron_all_reduces(target):
     pre = rows["offload", "sparse_pre"]["collectives"]
     assert set(pre) == {"all-reduce"} and pre["all-reduce"]["ops"] == 1  # the block scores, summed over devices
     assert rows["offload", "attend"]["collectives"] == {}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_float8_tiles_load_and_dequantise_in_a_triton_kernel(target, dtype):
+    """What a float8 KV cache needs of Pallas on an H200: a float8 tile loaded, converted to float32, scaled per row
+    and used in a dot, compiled as a Triton kernel (no uint8 bitcast workaround needed)."""
+    from jax.experimental import pallas as pl
+
+    def kernel(q_ref, x_ref, s_ref, o_ref):
+        k = x_ref[...].astype(jnp.float32) * s_ref[...]
+        o_ref[...] = jax.lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    def fn(q, x, s):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 64), jnp.float32), interpret=False)(q, x, s)
+
+    args = (target.struct((16, 64), jnp.float32), target.struct((64, 64), dtype), target.struct((64, 1), jnp.float32))
+    text = target.compile(target.lower(fn, *args)).as_text()
+    assert 'custom_call_target="__gpu$xla.gpu.triton"' in text
