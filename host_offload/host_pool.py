@@ -72,7 +72,7 @@ class HostKVPool:
         self.dtype = jnp.dtype(dtype)
         # under tensor parallelism (`device` a DeviceLayout over several devices) the pool is split by KV head, each
         # device's heads in its own host memory, and every whole-block transfer runs on each device for its heads
-        self.layout = device if isinstance(device, DeviceLayout) else DeviceLayout.of(1, device)
+        self.layout = DeviceLayout.on(device)
         self.device = self.layout.device
         self.io = HOST_IO[io](self.layout, first_layer)
         self.row_align = row_align  # rows go out in aligned extents of this many (two-level scoring's groups)

@@ -34,7 +34,7 @@ class NumpyHostIO:
     name = "numpy"
 
     def __init__(self, device: jax.Device | DeviceLayout, first_layer: int):
-        layout = device if isinstance(device, DeviceLayout) else DeviceLayout.of(1, device)
+        layout = DeviceLayout.on(device)
         self.dev = layout.kv_heads(5, "device")  # staging [n, 2, bs, Hkv, hd]: split by KV head under tensor parallel
         self.unit_dev = layout.replicated("device")
         self._stage_on_device = _device_gather(first_layer)

@@ -36,14 +36,14 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 from pulseinfer_jax.host_offload.memory import HOST_KIND, host_sharding, zeros_on
 
-from pulseinfer_jax.parallel.layout import TP, DeviceLayout
+from pulseinfer_jax.parallel.layout import DeviceLayout, split_spec
 
 
 class XlaHostIO:
     name = "xla"
 
     def __init__(self, device: jax.Device | DeviceLayout, first_layer: int):
-        layout = device if isinstance(device, DeviceLayout) else DeviceLayout.of(1, device)
+        layout = DeviceLayout.on(device)
         host_sharding(layout.device)  # (a clear error where the backend has no pinned host memory)
         self.mesh = layout.mesh
         # the pool [Ls, R, 2, bs, Hkv, hd] and staging buffers [n, 2, bs, Hkv, hd] split by KV head under tensor
@@ -112,7 +112,7 @@ def transfers(host: jax.sharding.Sharding, dev: jax.sharding.Sharding, first_lay
     device inside `shard_map`, each on its own KV heads: its slice of the pool in its own pinned host memory, its slice
     of the cache, the same block and row indices on every device, so a recalled block is still one gather and one
     copy per device. The per-(block, head) transfers of the headwise baseline are single-device only (their units mix
-    the devices' heads); `host_pool.HostKVPool` refuses them under a mesh."""
+    the devices' heads): the engine refuses them under a mesh, and here they raise."""
     on_host, on_device = jax.memory.Space.Host, jax.memory.Space.Device
 
     def write_back(pool: Array, kv: Array, blocks: Int[Array, " n"], rows: Int[Array, " n"],
@@ -178,7 +178,7 @@ def transfers(host: jax.sharding.Sharding, dev: jax.sharding.Sharding, first_lay
                 jax.jit(stage_units_outer, in_shardings=placed, out_shardings=host),
                 jax.jit(fragment, out_shardings=dev),
                 jax.jit(write_back_units, donate_argnums=0, out_shardings=host))
-    heads6, heads5, rep = P(None, None, None, None, TP, None), P(None, None, None, TP, None), P()
+    heads6, heads5, rep = split_spec(6, 4), split_spec(5, 3), P()
     pool_s, staging_s = NamedSharding(mesh, heads6, memory_kind=HOST_KIND), NamedSharding(mesh, heads5,
                                                                                           memory_kind=HOST_KIND)
 

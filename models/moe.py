@@ -46,7 +46,7 @@ from pulseinfer_jax.pallas_kernels.common import next_pow2
 from pulseinfer_jax.pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 
 from pulseinfer_jax.parallel.kernels import tp_size
-from pulseinfer_jax.parallel.layout import TP
+from pulseinfer_jax.parallel.layout import TP, split_spec
 
 GROUPED_KERNELS = ("jnp", "pallas")
 MOE_STRATEGIES = ("auto", "dense", "gather", "grouped")
@@ -255,5 +255,5 @@ def expert_parallel(ffn, x: Float[Array, "n d"], idx: Int[Array, "n k"], weight:
                 down)
         return jax.lax.psum(y, TP)
 
-    return jax.shard_map(local, in_specs=(P(), P(), P(), P(None, TP, None), P(TP, None, None)), out_specs=P(),
+    return jax.shard_map(local, in_specs=(P(), P(), P(), split_spec(3, 1), split_spec(3, 0)), out_specs=P(),
                          check_vma=False)(x, idx, weight, gate_up, down)

@@ -113,7 +113,7 @@ class SparseDecoder:
         # committed to the device from the start, as the jitted updates' outputs are: an uncommitted first version
         # would give the calls reading it a second cache key (one more compile of each, measured)
         # (tensor parallelism: the key bounds split by KV head like the cache, so each device scores its own heads)
-        self.layout = device if isinstance(device, DeviceLayout) else DeviceLayout.of(1, device)
+        self.layout = DeviceLayout.on(device)
         self.device = self.layout.device
         on_device = self.layout.kv_heads(3)  # (no host copy either: the key bounds run to GiBs)
         fine, coarse = (KeyBounds(*(zeros_on((n, c.num_kv_heads, c.head_dim), meta_dtype, on_device) for _ in "ab"))

@@ -36,7 +36,7 @@ from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.models.config import ModelConfig
 from pulseinfer_jax.models.presets import PRESETS
 from pulseinfer_jax.parallel.layout import TP, DeviceLayout
-from pulseinfer_jax.parallel.weights import WeightPlacement
+from pulseinfer_jax.parallel.weights import WeightPlacement, path_names
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 HEAD_SPLIT = ("kv", "staging", "bounds")  # arguments split on their KV-head axis (the second to last)
@@ -54,10 +54,6 @@ def tp_layout(config_text: str, tp: int) -> DeviceLayout:
     return DeviceLayout(devices, Mesh(np.array(devices), (TP,), axis_types=(AxisType.Auto,)))
 
 
-def _names(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def abstract_args(p: Program, layout: DeviceLayout, place: WeightPlacement) -> tuple:
     """`p`'s arguments as ShapeDtypeStructs sharded as a tensor-parallel engine holds them (module docstring)."""
     fn = getattr(p.fn, "__wrapped__", p.fn)
@@ -65,7 +61,7 @@ def abstract_args(p: Program, layout: DeviceLayout, place: WeightPlacement) -> t
 
     def struct(arg_name: str, path, s: Spec) -> jax.ShapeDtypeStruct:
         if arg_name in PARAMS:
-            sharding = place.sharding(_names(path), len(s.shape))
+            sharding = place.sharding(path_names(path), len(s.shape))
         elif arg_name in HEAD_SPLIT and len(s.shape) >= 3:
             sharding = layout.kv_heads(len(s.shape))
         elif arg_name in Q_SPLIT and len(s.shape) >= 2:

@@ -17,7 +17,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from pulseinfer_jax.parallel.layout import TP
+from pulseinfer_jax.parallel.layout import TP, split_spec
 
 Partial = tuple[Array, Array, Array]
 
@@ -30,22 +30,16 @@ def tp_size() -> int:
     return mesh.shape[TP]
 
 
-def _heads(ndim: int, axis: int) -> P:
-    spec = [None] * ndim
-    spec[axis] = TP
-    return P(*spec)
-
-
 def decode_attention(fn: Callable[..., Partial], q: Float[Array, "B Hq hd"], pool: Float[Array, "U 2 bs Hkv hd"],
                      ids: Int[Array, "B S K"], lens: Int[Array, "B S K"], **kw) -> Partial:
     """`fn(q, pool, ids, lens, **kw)` (the sparse decode kernel's contract) per device on its heads; the lanes of a
     headwise selection (S = Hkv) split with their KV heads, SoloHead's single lane goes to every device."""
     if tp_size() == 1:
         return fn(q, pool, ids, lens, **kw)
-    lanes = _heads(3, 1) if ids.shape[1] > 1 else P()
-    mapped = jax.shard_map(functools.partial(fn, **kw), in_specs=(_heads(3, 1), _heads(pool.ndim, pool.ndim - 2),
-                                                                  lanes, lanes),
-                           out_specs=(_heads(3, 1), _heads(2, 1), _heads(2, 1)), check_vma=False)
+    heads = split_spec(3, 1)
+    lanes = heads if ids.shape[1] > 1 else P()
+    mapped = jax.shard_map(functools.partial(fn, **kw), in_specs=(heads, split_spec(pool.ndim, -2), lanes, lanes),
+                           out_specs=(heads, split_spec(2, 1), split_spec(2, 1)), check_vma=False)
     return mapped(q, pool, ids, lens)
 
 
@@ -56,6 +50,6 @@ def block_scores(fn: Callable[..., Array], q: Float[Array, "B Hq hd"], meta_min:
     if tp_size() == 1:
         return fn(q, meta_min, meta_max, cand, **kw)
     mapped = jax.shard_map(functools.partial(fn, **kw),
-                           in_specs=(_heads(3, 1), _heads(3, 1), _heads(3, 1), P()),
-                           out_specs=_heads(3, 1), check_vma=False)
+                           in_specs=(split_spec(3, 1), split_spec(3, 1), split_spec(3, 1), P()),
+                           out_specs=split_spec(3, 1), check_vma=False)
     return mapped(q, meta_min, meta_max, cand)

@@ -27,6 +27,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDev
 TP = "tp"  # the mesh axis that splits heads, MLP columns and experts
 
 
+def split_spec(ndim: int, axis: int) -> PartitionSpec:
+    """The spec of an `ndim`-D array split over `tp` on `axis` (negative: from the end), every other axis whole."""
+    spec: list[str | None] = [None] * ndim
+    spec[axis] = TP
+    return PartitionSpec(*spec)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceLayout:
     """The devices of an engine and the shardings of its arrays (see the module docstring)."""
@@ -53,6 +60,12 @@ class DeviceLayout:
         mesh = Mesh(chosen, (TP,), axis_types=(AxisType.Auto,))
         return cls(chosen, mesh)
 
+    @classmethod
+    def on(cls, where: jax.Device | DeviceLayout) -> DeviceLayout:
+        """`where` itself if it is a layout, else the layout of that one device (what the host pool, its I/O backends
+        and the sparse decoder accept)."""
+        return where if isinstance(where, DeviceLayout) else cls.of(1, where)
+
     @property
     def tp(self) -> int:
         return len(self.devices)
@@ -66,25 +79,19 @@ class DeviceLayout:
     def platform(self) -> str:
         return self.device.platform
 
-    def replicated(self, memory_kind: str | None = None) -> jax.sharding.Sharding:
-        """Every device holds the whole array (one device: that device)."""
-        if self.mesh is None:
-            return SingleDeviceSharding(self.device, memory_kind=memory_kind)
-        return NamedSharding(self.mesh, PartitionSpec(), memory_kind=memory_kind)
-
-    def split(self, ndim: int, axis: int, memory_kind: str | None = None) -> jax.sharding.Sharding:
-        """An `ndim`-D array split over `tp` on `axis` (one device: that device)."""
-        if self.mesh is None:
-            return SingleDeviceSharding(self.device, memory_kind=memory_kind)
-        spec = [None] * ndim
-        spec[axis] = TP
-        return NamedSharding(self.mesh, PartitionSpec(*spec), memory_kind=memory_kind)
-
     def spec(self, spec: PartitionSpec, memory_kind: str | None = None) -> jax.sharding.Sharding:
         """`spec` on this layout's mesh (one device: that device)."""
         if self.mesh is None:
             return SingleDeviceSharding(self.device, memory_kind=memory_kind)
         return NamedSharding(self.mesh, spec, memory_kind=memory_kind)
+
+    def replicated(self, memory_kind: str | None = None) -> jax.sharding.Sharding:
+        """Every device holds the whole array (one device: that device)."""
+        return self.spec(PartitionSpec(), memory_kind)
+
+    def split(self, ndim: int, axis: int, memory_kind: str | None = None) -> jax.sharding.Sharding:
+        """An `ndim`-D array split over `tp` on `axis` (one device: that device)."""
+        return self.spec(split_spec(ndim, axis), memory_kind)
 
     def kv_heads(self, ndim: int, memory_kind: str | None = None) -> jax.sharding.Sharding:
         """A KV array whose KV-head axis is the second to last (the cache, the host pool, the key bounds), split by

@@ -82,8 +82,9 @@ def repeat_kv_heads(arr: Any, repeat: int, head_dim: int) -> Any:
     return out.reshape(*lead, heads * repeat * head_dim)
 
 
-def _names(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+def path_names(path) -> tuple[str, ...]:
+    """A pytree path (dict keys, list indices, dataclass fields) as the names `partition_spec` reads."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +110,6 @@ class WeightPlacement:
         return c if r == 1 else dataclasses.replace(c, num_kv_heads=c.num_kv_heads * r)
 
     def sharding(self, path: tuple[str, ...], ndim: int) -> jax.sharding.Sharding:
-        if self.devices.mesh is None:
-            return self.devices.replicated()
         return self.devices.spec(partition_spec(path, ndim, self.tp, self.source_cfg.vocab_size))
 
     def prepare(self, path: tuple[str, ...], arr: Any) -> Any:
@@ -126,13 +125,13 @@ class WeightPlacement:
 
     def shardings(self, params: Any) -> Any:
         """The sharding of every leaf of a params pytree laid out for the engine's config."""
-        return jax.tree_util.tree_map_with_path(lambda p, a: self.sharding(_names(p), a.ndim), params)
+        return jax.tree_util.tree_map_with_path(lambda p, a: self.sharding(path_names(p), a.ndim), params)
 
     def source_shardings(self, params: Any) -> Any:
         """`shardings` for a params pytree of the checkpoint's config (before `place_tree`): the k / v projections
         replicated when their heads are to be repeated (fewer heads than devices)."""
         def one(p, a):
-            names = _names(p)
+            names = path_names(p)
             if self.kv_repeat > 1 and set(names) & set(KV):
                 return self.devices.replicated()
             return self.sharding(names, a.ndim)
@@ -143,7 +142,7 @@ class WeightPlacement:
         """A params pytree of the checkpoint's config (e.g. random weights) laid out for the engine: KV heads
         repeated, every leaf in its shards (one jitted program: nothing gathered on one device)."""
         def prepare(p):
-            return jax.tree_util.tree_map_with_path(lambda q, a: self.prepare(_names(q), a), p)
+            return jax.tree_util.tree_map_with_path(lambda q, a: self.prepare(path_names(q), a), p)
 
         return jax.jit(prepare, out_shardings=self.shardings(jax.eval_shape(prepare, params)))(params)
 
@@ -158,7 +157,7 @@ def check_sharded(params: Any, placement: WeightPlacement) -> list[str]:
     """The leaves whose sharding is not what `placement` says (tests: nothing that should be split is replicated)."""
     bad = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        want = placement.sharding(_names(path), leaf.ndim)
+        want = placement.sharding(path_names(path), leaf.ndim)
         if not leaf.sharding.is_equivalent_to(want, leaf.ndim):
-            bad.append(f"{'/'.join(_names(path))}: {leaf.sharding} (want {want})")
+            bad.append(f"{'/'.join(path_names(path))}: {leaf.sharding} (want {want})")
     return bad
