@@ -19,6 +19,8 @@ from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.ioaa import Candidate
 from pulseinfer_jax.scheduler import Request
 
+UNLIMITED = 1 << 62  # blocks wanted when the requests are not known yet (a server): only the budget caps the pool
+
 
 def sparse_plan(config: EngineConfig, num_layers: int, num_kv_heads: int) -> SparsePlan:
     o = config.offload
@@ -63,7 +65,7 @@ def gpu_blocks_wanted(config: EngineConfig, plan: SparsePlan, requests: Sequence
     """Blocks that run every request at once in the configured mode (the pool is this, capped by the budget): mode
     "auto" may run each either way. None (a server's requests, not known yet): no limit but the budget."""
     if requests is None:
-        return 1 << 62
+        return UNLIMITED
     total = 0
     for r in requests:
         dense = blocks_for(r.need_tokens, config.block_size)
@@ -97,7 +99,7 @@ def pool_sizes(config: EngineConfig, model_cfg, kv_itemsize: int, meta_itemsize:
     c, bs = model_cfg, config.block_size
     per_block = c.num_layers * 2 * c.num_kv_heads * bs * c.head_dim * kv_itemsize
     if config.mode == "dense":
-        want = 1 << 62 if requests is None else sum(blocks_for(r.need_tokens, bs) for r in requests)
+        want = UNLIMITED if requests is None else sum(blocks_for(r.need_tokens, bs) for r in requests)
         return PoolSizes(_num_blocks(config, want, cap_bytes, per_block), 0, None)
     plan = sparse_plan(config, c.num_layers, c.num_kv_heads)
 

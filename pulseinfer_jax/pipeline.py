@@ -118,7 +118,7 @@ class SparseDecoder:
         on_device = self.layout.kv_heads(3)  # (no host copy either: the key bounds run to GiBs)
         fine, coarse = (KeyBounds(*(zeros_on((n, c.num_kv_heads, c.head_dim), meta_dtype, on_device) for _ in "ab"))
                         for n in (rows, crows))
-        rep = self.layout.replicated()
+        self.replicated = rep = self.layout.replicated()  # (made once: per-step inputs go here)
         self.bounds = ScoringBounds(fine, coarse)
         self.kv: jax.Array | None = None
         # where each sparse layer's slices sit, on the device once (layer_inputs.SparseLayerRefs), so a decode step
@@ -355,7 +355,7 @@ class SparseDecoder:
         stamp = self.slot_state[0]
         step = slot_step_inputs(sparse, tables, bp, stamp.shape[1], stamp.shape[3],
                                 self.selector.override(sparse, tables.lengths, bp))
-        return step.on(self.layout.replicated())
+        return step.on(self.replicated)
 
     def _prepare_slots(self, sparse: list[SparseKV]) -> None:
         """Before a step's micro-batches: the device slot table holds every request's row plus the padding rows'
@@ -378,7 +378,7 @@ class SparseDecoder:
         new = slot_plan.init_state(p.sparse_layers, bucket(rows), p.lanes, p.slot_blocks)
         if self.slot_state is not None:  # real rows keep their state (the old padding row is reset at first use)
             new = tuple(n.at[:, :have].set(o) for n, o in zip(new, self.slot_state, strict=True))
-        self.slot_state = tuple(jax.device_put(a, self.layout.replicated()) for a in new)
+        self.slot_state = tuple(jax.device_put(a, self.replicated) for a in new)
 
 
     def _read_plan(self, info: np.ndarray, sparse: list[SparseKV], bp: int) -> PlanInfo:
