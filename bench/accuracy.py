@@ -9,7 +9,8 @@ Variants: dense, `headwise`, SoloHead `normalized_sum` and SoloHead `retrieval_h
 end), each sparse one at every budget. All sparse runs are offloaded
 (the I/O path is exact, tests/test_offload.py), by default block size 16, 1 sink block, 64-token window, 2 dense
 layers (`--block-size`, `--sink-blocks`, `--window-tokens`, `--dense-layers`, `--score-beta` for the block
-scores' key-range weight; `--no-passkey` runs the teacher-forced part only).
+scores' key-range weight; `--no-passkey` runs the teacher-forced part only). `--kv-dtypes auto,float8_e4m3fn` runs
+the grid once per KV cache dtype; agreement is always against the first dtype's dense run.
 - passkey: the haystack of `pulseinfer_jax.demo.passkey_prompt` at each length and depth, greedy, 12 new
   tokens; found = the passkey's digits appear in the answer.
 - teacher-forced: `--tf-context` tokens of real text as the prompt, then the next `--tf-tokens` tokens fed
@@ -129,6 +130,8 @@ def main() -> int:
                     help="EngineConfig.score_coarse_group (two-level scoring; default: 1 = off)")
     ap.add_argument("--score-coarse-keep", type=float, default=None,
                     help="EngineConfig.score_coarse_keep (default: the engine's)")
+    ap.add_argument("--kv-dtypes", default="auto",
+                    help="EngineConfig.kv_dtype values, each a dense run plus the sparse grid (default: auto)")
     ap.add_argument("--no-passkey", action="store_true", help="teacher-forced agreement only (quick exploration)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="accuracy_cpu", help="result file name (bench/results/NAME.json)")
@@ -176,27 +179,29 @@ def main() -> int:
     if args.score_coarse_keep is not None:
         base["score_coarse_keep"] = args.score_coarse_keep
 
-    runs = [("dense", None)] + [(v, int(b)) for b in args.budgets.split(",") for v in args.variants.split(",")]
+    grid = [("dense", None)] + [(v, int(b)) for b in args.budgets.split(",") for v in args.variants.split(",")]
+    runs = [(kv, v, b) for kv in args.kv_dtypes.split(",") for v, b in grid]
     rows, dense_logits = [], None
-    for variant, budget in runs:
+    for kv_dtype, variant, budget in runs:
         t0 = time.perf_counter()
         heads = None
+        kv_base = dict(base, kv_dtype=kv_dtype)
         if variant == "retrieval_head":
-            heads = calibrate_retrieval_heads(model, calib, engine_config("normalized_sum", budget, None, base))
-        cfg = engine_config(variant, budget, heads, base)
+            heads = calibrate_retrieval_heads(model, calib, engine_config("normalized_sum", budget, None, kv_base))
+        cfg = engine_config(variant, budget, heads, kv_base)
         pk = {} if args.no_passkey else passkey(model, cfg, lengths, depths)
         logits = teacher_forced_logits(model, cfg, prefix, targets)
-        if variant == "dense":
+        if dense_logits is None:  # the first dtype's dense run is the reference
             dense_logits = logits
         top1, kl = agreement(dense_logits, logits)
-        row = {"variant": variant, "budget_tokens": budget, "retrieval_heads": heads,
+        row = {"variant": variant, "kv_dtype": kv_dtype, "budget_tokens": budget, "retrieval_heads": heads,
                "passkey": {str(n): found for n, found in pk.items()},
                "passkey_accuracy": statistics.mean(x for v in pk.values() for x in v) if pk else None,
                "tf_top1_agreement": top1, "tf_mean_kl": kl,
                "tf_disagreement_dense_margins": disagreement_margins(dense_logits, logits),
                "seconds": time.perf_counter() - t0}
         rows.append(row)
-        print(f"{variant:15s} budget {budget or '-':>5}: passkey {row['passkey_accuracy'] or 0:.2f} "
+        print(f"{variant:15s} kv {kv_dtype:13s} budget {budget or '-':>5}: passkey {row['passkey_accuracy'] or 0:.2f} "
               f"{ {n: sum(f) for n, f in pk.items()} }, teacher-forced top-1 {top1:.4f}, KL {kl:.5f} "
               f"({row['seconds']:.0f} s)", flush=True)
         name = "accuracy_smoke" if args.smoke else args.name

@@ -81,7 +81,7 @@ def admit(model_cfg, config, prompts: list[int], gpu_budget: int, host_bytes: in
     if config.mode != "dense" and wanted > host_bytes:  # the host pool: what they need, within the pinned memory
         config = config.with_settings(host_kv_tokens=max(bs, host_bytes // row_bytes * bs))
     try:
-        sizes = pool_sizes(config, c, 2, config.scoring.metadata_dtype("bfloat16").itemsize, reqs, gpu_budget)
+        sizes = pool_sizes(config, c, "bfloat16", config.scoring.metadata_dtype("bfloat16").itemsize, reqs, gpu_budget)
     except ValueError:
         return Run(0, len(prompts), 0, 0)
     alloc = BlockAllocator(sizes.num_blocks)

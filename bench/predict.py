@@ -83,7 +83,7 @@ def admission(cfg, model_cfg, prompts: list[int], new: int, h2d: float) -> tuple
 
     reqs = [_Request(n, new) for n in prompts]
     meta_item = cfg.scoring.metadata_dtype("bfloat16").itemsize
-    sizes = pool_sizes(cfg, model_cfg, 2, meta_item, reqs, cfg.gpu_kv_budget)
+    sizes = pool_sizes(cfg, model_cfg, "bfloat16", meta_item, reqs, cfg.gpu_kv_budget)
     capacity = sizes.num_blocks - 1
     cands = []
     for i, r in enumerate(reqs):

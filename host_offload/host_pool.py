@@ -4,6 +4,8 @@ Layout (the GPU cache's, minus the dense layers):
 
     pool: [Ls, R, 2, bs, Hkv, hd]   in host memory;  Ls = num_layers - dense_layers (the sparse layers)
 
+(float8 KV, kv_quant.py: bs + 1 rows, the last holding the scale codes, moved with the block bit for bit.)
+
 Row 0 is the null row (never allocated): padded entries of a transfer read it, so transfers keep a few
 bucketed shapes without masking. Rows are handed out by a `BlockAllocator`, one row per logical block of an
 offloaded request (all Ls layers of it); with `row_align` > 1 (two-level scoring) by an `ExtentAllocator`, in
@@ -39,6 +41,7 @@ from pulseinfer_jax.host_offload.blocks import BlockAllocator, ExtentAllocator, 
 from pulseinfer_jax.host_offload.numpy_io import NumpyHostIO
 from pulseinfer_jax.host_offload.xla_io import XlaHostIO
 
+from pulseinfer_jax.kv_quant import block_rows
 from pulseinfer_jax.parallel.layout import DeviceLayout
 
 NULL_ROW = 0
@@ -68,7 +71,8 @@ class HostKVPool:
         if io not in HOST_IO:
             raise ValueError(f"host pool io={io!r}; use one of {', '.join(HOST_IO)}")
         self.first_layer = first_layer  # GPU layer of pool layer 0
-        self.shape = (num_layers - first_layer, num_rows, 2, block_size, num_kv_heads, head_dim)
+        rows = block_rows(block_size, head_dim, dtype)  # (float8: one more, the scale codes)
+        self.shape = (num_layers - first_layer, num_rows, 2, rows, num_kv_heads, head_dim)
         self.dtype = jnp.dtype(dtype)
         # under tensor parallelism (`device` a DeviceLayout over several devices) the pool is split by KV head, each
         # device's heads in its own host memory, and every whole-block transfer runs on each device for its heads
@@ -226,7 +230,7 @@ def probe_host_io(device: jax.Device, *, block_size: int, num_kv_heads: int, hea
                   io: str = "xla") -> str | None:
     """Run every transfer of backend `io` once on `device` with a tiny pool of the real block shape and
     dtype, checked bit for bit against numpy. None if all of it works, else what failed (one line)."""
-    shape = (2, 4, 2, block_size, num_kv_heads, head_dim)  # [L, NB, 2, bs, Hkv, hd]: layer 0 dense, 1 sparse
+    shape = (2, 4, 2, block_rows(block_size, head_dim, dtype), num_kv_heads, head_dim)  # layer 0 dense, 1 sparse
     kv_np = np.random.default_rng(0).standard_normal(shape, np.float32).astype(jnp.dtype(dtype))
     try:
         pool = HostKVPool(num_rows=4, first_layer=1, num_layers=2, block_size=block_size,

@@ -15,6 +15,10 @@ step.
 With m = `sub_blocks` > 1 each block has m rows, the bounds of its m equal token slices (finer bounds,
 m times the bytes; `block_scoring` combines them).
 
+A float8 pool (`kv_quant`: float8_e4m3fn values plus a scale-code row, [NB, 2, bs + 1, Hkv, hd]) is read
+through its codes: the bounds are those of the dequantised keys (float8 x power-of-two scale, exact in
+float32), i.e. exactly the keys attention reads, so they bound its scores as they do for any other dtype.
+
 No Pallas kernel here, on purpose: the op is a gather of `n` blocks followed by a masked min/max over
 the token axis. XLA fuses the gather, the mask and the reduction into one pass that reads each listed
 key exactly once (the same traffic a kernel would have), and the op runs once per filled block (once
@@ -30,13 +34,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pulseinfer_jax import kv_quant
+
 
 def _check_inputs(pool: Array, block_ids: Array, block_lens: Array, full_cache: bool = False) -> None:
     if full_cache and (pool.ndim != 6 or pool.shape[2] != 2):
-        raise ValueError(f"with layer=..., pool must be the full [L, NB, 2, bs, Hkv, hd] cache, got {pool.shape}")
+        raise ValueError(f"with layer=..., pool must be the full [L, NB, 2, rows, Hkv, hd] cache, got {pool.shape}")
     if not full_cache and (pool.ndim != 5 or pool.shape[1] != 2):
-        raise ValueError(f"pool must be one layer's [NB, 2, bs, Hkv, hd] K|V pool, got shape {pool.shape}; "
-                         "pass kv[layer], or the full [L, NB, 2, bs, Hkv, hd] cache together with layer=")
+        raise ValueError(f"pool must be one layer's [NB, 2, rows, Hkv, hd] K|V pool, got shape {pool.shape}; "
+                         "pass kv[layer], or the full [L, NB, 2, rows, Hkv, hd] cache together with layer=")
     if block_ids.ndim != 1 or block_lens.shape != block_ids.shape:
         raise ValueError(f"block_ids {block_ids.shape} and block_lens {block_lens.shape} must both be [n]")
     if not jnp.issubdtype(block_ids.dtype, jnp.integer) or not jnp.issubdtype(block_lens.dtype, jnp.integer):
@@ -45,7 +51,7 @@ def _check_inputs(pool: Array, block_ids: Array, block_lens: Array, full_cache: 
 
 @functools.partial(jax.jit, static_argnames=("sub_blocks",))
 def block_key_bounds(
-    pool: Float[Array, "NB 2 bs Hkv hd"] | Float[Array, "L NB 2 bs Hkv hd"],
+    pool: Float[Array, "NB 2 rows Hkv hd"] | Float[Array, "L NB 2 rows Hkv hd"],
     block_ids: Int[Array, " n"],
     block_lens: Int[Array, " n"],
     *,
@@ -54,8 +60,9 @@ def block_key_bounds(
 ) -> tuple[Float[Array, "nm Hkv hd"], Float[Array, "nm Hkv hd"]]:
     """Element-wise (min, max) of the keys over the first `block_lens[i]` tokens of block `block_ids[i]`.
 
-    pool: one layer's [NB, 2, bs, Hkv, hd] pool, or (with `layer`, a possibly traced index) the full
-      [L, NB, 2, bs, Hkv, hd] cache: then only the listed blocks of that layer are read, no layer copy.
+    pool: one layer's [NB, 2, rows, Hkv, hd] pool, or (with `layer`, a possibly traced index) the full
+      [L, NB, 2, rows, Hkv, hd] cache: then only the listed blocks of that layer are read, no layer copy.
+      rows = bs, or bs + 1 for float8_e4m3fn with scale codes: then the bounds are the dequantised keys'.
     block_ids: physical block ids in [0, NB) (out-of-range ids are clamped: keep them in range).
     block_lens: valid tokens per listed block, in [0, bs] (clamped). Slots at or beyond the length are
       never read into the result, whatever they hold (NaN included).
@@ -66,15 +73,16 @@ def block_key_bounds(
     0 * inf = NaN in `block_scores`).
     """
     _check_inputs(pool, block_ids, block_lens, full_cache=layer is not None)
-    bs = pool.shape[-3]
+    bs = kv_quant.tokens_per_block(pool)
     if isinstance(sub_blocks, bool) or not isinstance(sub_blocks, int) or sub_blocks < 1 or bs % sub_blocks:
         raise ValueError(f"sub_blocks={sub_blocks!r} must be a positive int dividing the block size {bs}")
     if layer is None:
-        keys = pool[block_ids, 0]  # [n, bs, Hkv, hd]
+        blocks = pool[block_ids, 0]  # [n, rows, Hkv, hd]
     else:
-        keys = pool[layer, block_ids, 0]
+        blocks = pool[layer, block_ids, 0]
+    keys = kv_quant.unpack_blocks(blocks, jnp.float32)  # [n, bs, Hkv, hd]: float8 dequantised after the gather
     n, m, sb = keys.shape[0], sub_blocks, bs // sub_blocks
-    keys = keys.astype(jnp.float32).reshape(n * m, sb, *keys.shape[2:])  # [n*m, bs/m, Hkv, hd]: slices in order
+    keys = keys.reshape(n * m, sb, *keys.shape[2:])  # [n*m, bs/m, Hkv, hd]: slices in order
     lens = jnp.clip(jnp.clip(block_lens, 0, bs)[:, None] - jnp.arange(m) * sb, 0, sb).reshape(n * m)
     valid = (jnp.arange(sb)[None, :] < lens[:, None])[:, :, None, None]  # [n*m, bs/m, 1, 1]
     kmin = jnp.min(jnp.where(valid, keys, jnp.inf), axis=1)
@@ -84,7 +92,7 @@ def block_key_bounds(
 
 
 def block_key_bounds_reference(
-    pool: Float[Array, "NB 2 bs Hkv hd"],
+    pool: Float[Array, "NB 2 rows Hkv hd"],
     block_ids: Int[Array, " n"],
     block_lens: Int[Array, " n"],
     *,
@@ -94,17 +102,18 @@ def block_key_bounds_reference(
     so `block_ids`/`block_lens` must be concrete). Same contract as `block_key_bounds`."""
     _check_inputs(pool, block_ids, block_lens)
     hkv, hd = pool.shape[3], pool.shape[4]
-    sb = pool.shape[2] // sub_blocks
+    bs = kv_quant.tokens_per_block(pool)
+    sb = bs // sub_blocks
     kmins, kmaxs = [], []
     for b, n in zip(jax.device_get(block_ids).tolist(), jax.device_get(block_lens).tolist(), strict=True):
-        n = min(max(int(n), 0), pool.shape[2])
+        n = min(max(int(n), 0), bs)
         for j in range(sub_blocks):
             lo, hi = j * sb, min(n, (j + 1) * sb)
             if hi <= lo:
                 kmins.append(jnp.zeros((hkv, hd), jnp.float32))
                 kmaxs.append(jnp.zeros((hkv, hd), jnp.float32))
                 continue
-            k = pool[b, 0, lo:hi].astype(jnp.float32)  # [tokens, Hkv, hd]
+            k = kv_quant.unpack_blocks(pool[b, 0], jnp.float32)[lo:hi]  # [tokens, Hkv, hd]
             kmins.append(k.min(axis=0))
             kmaxs.append(k.max(axis=0))
     if not kmins:

@@ -3,12 +3,13 @@
     sparse_decode_attention(q, pool, block_ids, block_lens) -> (o, m, l)
 
 q [B, Hq, hd] attends (GQA, Hq = G * Hkv) to the tokens of the blocks listed in `block_ids`
-[B, S, K] of one layer's pool [NB, 2, bs, Hkv, hd] (see pulseinfer_jax/kv_cache.py). S == 1 is
-SoloHead (one list per sequence, shared by every KV head); S == Hkv is headwise selection (one list
-per (sequence, KV head)). Entry k covers slots 0 .. block_lens[..., k] - 1 of its block; ids < 0 are
-padding and are never read. The result is the partial attention (o, m, l) over exactly those tokens
-(see merge.py), so attention over a union of disjoint lists equals `merge_attention_partials` of the
-parts, and listing every block of a sequence in order (last one partial) is dense decode attention.
+[B, S, K] of one layer's pool [NB, 2, rows, Hkv, hd] (see pulseinfer_jax/kv_cache.py; rows = bs, or
+bs + 1 for a float8 pool, below). S == 1 is SoloHead (one list per sequence, shared by every KV
+head); S == Hkv is headwise selection (one list per (sequence, KV head)). Entry k covers slots
+0 .. block_lens[..., k] - 1 of its block; ids < 0 are padding and are never read. The result is the
+partial attention (o, m, l) over exactly those tokens (see merge.py), so attention over a union of
+disjoint lists equals `merge_attention_partials` of the parts, and listing every block of a sequence
+in order (last one partial) is dense decode attention.
 
 Kernel design (Triton lowering of `pl.pallas_call`)
 ---------------------------------------------------
@@ -34,25 +35,40 @@ acc = acc * alpha + dot(p, V). A fully masked step or split leaves m = -inf and 
 (the exponent offset is 0 while m is -inf). The wrapper normalises each split and merges the
 splits with `merge_stacked_partials` (tiny: [split_k, B, Hq, hd] f32).
 
+float8 pools (`kv_quant`: e4m3 bytes stored as uint8, rows = bs + 1) hold each token's K and V as float8
+values in rows 0..bs-1 (loaded as bytes, viewed as e4m3 by a free bitcast) and, in row bs, one scale code per
+(token, head): `pool[n, c, bs, h, t]` scales token t of head h, value = float8 x 2^(code - 64) exactly. The
+kernel loads the float8 [T, hd] tiles as above and converts them to the compute dtype (exact: e4m3 fits
+bfloat16 and float32), and per token one code byte for K and one for V (one masked [T] load each,
+`k_ref.at[id_t, bs, slot_t]`), turned into float32 scales from the exponent bits (`kv_quant.code_scales`:
+same-width bitcasts, a zero-extension and a shift, all of which Triton lowers). The scales are folded into the
+[Gp, T] scores and probabilities instead of the [T, hd] tiles: s = dot(q, K8^T) * scale * kscale[t], and the
+second dot takes p * vscale[t] (l sums the unscaled p). That is hd times fewer multiplies than dequantising
+the tiles, and as exact: a power-of-two factor commutes with rounding (within float32's exponent range). The
+compute dtype is q's (float32 queries) or bfloat16 (other queries: the folded scales need float32's exponent
+range, which float16 lacks), and q is cast to it, not to float8.
+
 Defaults: P gives about 64 tokens per step (P >= 16 / bs, P <= next_pow2(K)); split_k aims for
 about 256 programs (B * Hkv * split_k) with at least 2 steps per split, at most 16 splits;
-num_warps 4, or 8 for 64 x 128 tiles; num_stages 2.
+num_warps 4, or 8 for 64 x 128 tiles; num_stages 2 (1 for a float8 pool under float32 queries: with
+two stages ptxas spills ~400 bytes of registers there, compiled for sm_90a; one stage spills none).
 
 Triton constraints, and how they are met:
   * no scalar prefetch: block tables are ordinary inputs loaded inside the kernel;
   * every loaded / stored tensor is a power of two in size: Gp, hd, bs and P are powers of two
     (checked), the pool's NB and Ks are never loaded whole, only indexed; no reshapes in the body;
   * dot operands >= 16 in every dim: Gp >= 16, hd >= 16, T = P * bs >= 16 (P is raised to fit);
-  * both dot operands share a dtype: q is cast to the pool dtype; p is cast to V's dtype for the
-    second dot (as in jax's paged_attention), accumulation is f32;
+  * both dot operands share a dtype: q is cast to the pool dtype (float8 pools: the compute dtype, and
+    the tiles are converted to it); p is cast to V's dtype for the second dot (as in jax's
+    paged_attention), accumulation is f32;
   * compiler params are explicit (`triton_params(num_warps, num_stages)`).
 
-Assumptions: hd and bs are powers of two, hd >= 16; ids < NB (not checked on device: an id >= NB
-reads out of bounds); block_lens in [0, bs]; q is cast to the pool's dtype (o comes back in
-q.dtype). With S == 1 the Hkv programs of one (sequence, split) read different heads of the same
-blocks, each only its own head's [bs, hd] strided tile: every K/V byte is read once, but a block's
-bytes are spread over Hkv programs (one program per block for all heads would be the next step if
-profiles show short-burst reads).
+Assumptions: hd and bs are powers of two, hd >= 16 (float8: bs <= hd, the codes' row); ids < NB (not
+checked on device: an id >= NB reads out of bounds); block_lens in [0, bs]; q is cast to the pool's
+dtype, or the compute dtype for float8 (o comes back in q.dtype). With S == 1 the Hkv programs of
+one (sequence, split) read different heads of the same blocks, each only its own head's [bs, hd]
+strided tile: every K/V byte is read once, but a block's bytes are spread over Hkv programs (one
+program per block for all heads would be the next step if profiles show short-burst reads).
 """
 
 from __future__ import annotations
@@ -72,6 +88,8 @@ from pulseinfer_jax.pallas_kernels.common import (
     triton_params,
 )
 from pulseinfer_jax.pallas_kernels.merge import merge_stacked_partials
+
+from pulseinfer_jax import kv_quant
 
 MIN_DOT_DIM = 16  # Triton's tensor-core dots want every operand dim >= 16
 TOKENS_PER_STEP = 64  # default tokens gathered per online-softmax step (P = TOKENS_PER_STEP // bs)
@@ -99,9 +117,9 @@ def _dot_f32(a: Array, b: Array, *, trans_b: bool, precision: jax.lax.Precision 
 
 
 def _sparse_decode_kernel(
-    q_ref,  # [Gp, hd]     query group of (b, h), pool dtype, rows >= G are zero
-    k_ref,  # [NB, bs, hd] K of head h for every pool block
-    v_ref,  # [NB, bs, hd] V of head h for every pool block
+    q_ref,  # [Gp, hd]     query group of (b, h), compute dtype, rows >= G are zero
+    k_ref,  # [NB, rows, hd] K of head h for every pool block (rows = bs, or bs + 1 with float8's code row)
+    v_ref,  # [NB, rows, hd] V of head h for every pool block
     ids_ref,  # [Ks] int32 this split's block ids, < 0 = padding
     lens_ref,  # [Ks] int32 valid tokens of each entry
     acc_ref,  # [Gp, hd] f32 out: unnormalised sum_j exp(s_j - m) v_j
@@ -113,7 +131,9 @@ def _sparse_decode_kernel(
     precision: jax.lax.Precision | None,
 ):
     gp, hd = q_ref.shape
-    bs = k_ref.shape[1]
+    quantized = kv_quant.is_quantized(k_ref.dtype)
+    bs = k_ref.shape[1] - 1 if quantized else k_ref.shape[1]
+    cdt = q_ref.dtype  # the dots' operand dtype (the pool's, or the compute dtype for float8)
     num_steps = ids_ref.shape[0] // blocks_per_step
     tokens = blocks_per_step * bs
     q = q_ref[...]  # [Gp, hd]
@@ -131,17 +151,26 @@ def _sparse_decode_kernel(
         safe_ids = jnp.maximum(ids, 0)  # address arithmetic only: masked lanes are not fetched
         index = (safe_ids[:, None], tok_slot[:, None], feat[None, :])  # -> [T, hd] pointers
         mask = jnp.broadcast_to(valid[:, None], (tokens, hd))
-        k = plt.load(k_ref.at[index], mask=mask, other=0.0)  # [T, hd]
-        v = plt.load(v_ref.at[index], mask=mask, other=0.0)  # [T, hd]
+        k = plt.load(k_ref.at[index], mask=mask, other=0)  # [T, hd]
+        v = plt.load(v_ref.at[index], mask=mask, other=0)  # [T, hd]
+        if quantized:  # stored bytes -> their e4m3 values (a free bitcast), then exactly into the compute dtype
+            k, v = kv_quant.as_float8(k), kv_quant.as_float8(v)
+        k, v = k.astype(cdt), v.astype(cdt)
 
         s = _dot_f32(q, k, trans_b=True, precision=precision) * scale  # [Gp, T] f32
+        if quantized:  # each token's code byte from row bs (column = its slot); masked lanes get scale 2^-64
+            codes = (safe_ids, jnp.full((tokens,), bs, jnp.int32), tok_slot)
+            kscale = kv_quant.code_scales(plt.load(k_ref.at[codes], mask=valid, other=0))  # [T] f32
+            vscale = kv_quant.code_scales(plt.load(v_ref.at[codes], mask=valid, other=0))  # [T] f32
+            s = s * kscale[None, :]  # exact: powers of two
         s = jnp.where(valid[None, :], s, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # [Gp]
         m_off = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # keeps exp() away from -inf - -inf
         alpha = jnp.exp(m_prev - m_off)  # [Gp]; 0 while nothing was attended
         p = jnp.exp(s - m_off[:, None])  # [Gp, T]; masked tokens give exactly 0
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
-        pv = _dot_f32(p.astype(v.dtype), v, trans_b=False, precision=precision)  # [Gp, hd] f32
+        pw = p * vscale[None, :] if quantized else p  # V's scales weigh the probabilities, not the [T, hd] tile
+        pv = _dot_f32(pw.astype(v.dtype), v, trans_b=False, precision=precision)  # [Gp, hd] f32
         return acc * alpha[:, None] + pv, m_next, l_next
 
     init = (
@@ -160,7 +189,7 @@ def _sparse_decode_kernel(
 # --------------------------------------------------------------------------------------------------
 def _sparse_decode_call(
     q_grouped: Float[Array, "B Hkv Gp hd"],
-    pool: Float[Array, "NB 2 bs Hkv hd"],
+    pool: Float[Array, "NB 2 rows Hkv hd"],
     block_ids: Int[Array, "B S Kp"],
     block_lens: Int[Array, "B S Kp"],
     *,
@@ -171,9 +200,11 @@ def _sparse_decode_call(
     num_stages: int,
     interpret: bool,
 ) -> tuple[Float[Array, "P B Hkv Gp hd"], Float[Array, "P B Hkv Gp"], Float[Array, "P B Hkv Gp"]]:
-    """Run the kernel on grid (B, Hkv, split_k); returns per-split (acc, m, l), acc unnormalised."""
+    """Run the kernel on grid (B, Hkv, split_k); returns per-split (acc, m, l), acc unnormalised. q_grouped is in the
+    dots' dtype: the pool's, or for a float8 pool the compute dtype (`_compute_dtype`)."""
     b, hkv, gp, hd = q_grouped.shape
-    nb, _, bs, _, _ = pool.shape
+    nb, _, rows, _, _ = pool.shape
+    bs = kv_quant.tokens_per_block(pool)
     s_rows, kp = block_ids.shape[1], block_ids.shape[2]
     ks = kp // split_k  # entries per split
 
@@ -186,12 +217,12 @@ def _sparse_decode_call(
         _sparse_decode_kernel,
         scale=scale,
         blocks_per_step=blocks_per_step,
-        precision=matmul_precision(pool.dtype),
+        precision=matmul_precision(q_grouped.dtype),
     )
     in_specs = [
         pl.BlockSpec((None, None, gp, hd), lambda i, h, s: (i, h, 0, 0)),  # q   -> [Gp, hd]
-        pl.BlockSpec((nb, None, bs, None, hd), lambda i, h, s: (0, 0, 0, h, 0)),  # K -> [NB, bs, hd]
-        pl.BlockSpec((nb, None, bs, None, hd), lambda i, h, s: (0, 1, 0, h, 0)),  # V -> [NB, bs, hd]
+        pl.BlockSpec((nb, None, rows, None, hd), lambda i, h, s: (0, 0, 0, h, 0)),  # K -> [NB, rows, hd]
+        pl.BlockSpec((nb, None, rows, None, hd), lambda i, h, s: (0, 1, 0, h, 0)),  # V -> [NB, rows, hd]
         pl.BlockSpec((None, None, ks), list_map),  # block_ids  -> [Ks]
         pl.BlockSpec((None, None, ks), list_map),  # block_lens -> [Ks]
     ]
@@ -213,7 +244,7 @@ def _sparse_decode_call(
         out_shape=out_shape,
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"sparse_decode_attention_bs{bs}_p{blocks_per_step}",
+        name=f"sparse_decode_attention_bs{bs}_p{blocks_per_step}" + ("_f8" if rows > bs else ""),
     )(q_grouped, pool, pool, block_ids, block_lens)
 
 
@@ -224,13 +255,24 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
+def _compute_dtype(q_dtype, pool_dtype) -> jnp.dtype:
+    """The dots' operand dtype: the pool's; for a float8 pool float32 (float32 queries) or bfloat16 (others: the
+    scales folded into scores and probabilities need float32's exponent range, which float16 lacks)."""
+    if not kv_quant.is_quantized(pool_dtype):
+        return jnp.dtype(pool_dtype)
+    return jnp.dtype(jnp.float32) if jnp.dtype(q_dtype) == jnp.float32 else jnp.dtype(jnp.bfloat16)
+
+
 def _check_inputs(q, pool, block_ids, block_lens) -> None:
     if q.ndim != 3:
         raise ValueError(f"q must be [B, Hq, hd]; got shape {q.shape}")
     if pool.ndim != 5 or pool.shape[1] != 2:
-        raise ValueError(f"pool must be one layer's [NB, 2, bs, Hkv, hd]; got shape {pool.shape}")
+        raise ValueError(f"pool must be one layer's [NB, 2, rows, Hkv, hd]; got shape {pool.shape}")
+    if not (jnp.issubdtype(pool.dtype, jnp.floating) or kv_quant.is_quantized(pool.dtype)):
+        raise ValueError(f"pool must be floating point, or a float8 cache's bytes (kv_quant); got {pool.dtype}")
     b, hq, hd = q.shape
-    _, _, bs, hkv, hd_pool = pool.shape
+    _, _, _, hkv, hd_pool = pool.shape
+    bs = kv_quant.tokens_per_block(pool)
     if hd != hd_pool:
         raise ValueError(f"head_dim of q ({hd}) != head_dim of pool ({hd_pool})")
     if hq % hkv:
@@ -239,6 +281,9 @@ def _check_inputs(q, pool, block_ids, block_lens) -> None:
         raise ValueError(f"head_dim={hd} must be a power of two >= {MIN_DOT_DIM} (Triton tensor sizes)")
     if not _is_pow2(bs):
         raise ValueError(f"block_size={bs} must be a power of two (Triton tensor sizes)")
+    if kv_quant.is_quantized(pool.dtype) and bs > hd:
+        raise ValueError(f"a float8 pool keeps its scale codes in one row of head_dim={hd} per head, so its "
+                         f"block_size={bs} (rows - 1) must be <= {hd}; pass a pool of block_rows(bs, hd, float8)")
     if block_ids.ndim != 3:
         raise ValueError(f"block_ids must be [B, S, K]; got shape {block_ids.shape}")
     if block_lens.shape != block_ids.shape:
@@ -252,8 +297,6 @@ def _check_inputs(q, pool, block_ids, block_lens) -> None:
     for name, x in (("block_ids", block_ids), ("block_lens", block_lens)):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array; got {x.dtype}")
-    if not jnp.issubdtype(pool.dtype, jnp.floating):
-        raise ValueError(f"pool must be floating point; got {pool.dtype}")
 
 
 def max_blocks_per_step(bs: int, hd: int, itemsize: int, shared_memory: int = SHARED_MEMORY_PER_BLOCK) -> int:
@@ -296,7 +339,7 @@ def _pick_split_k(num_steps: int, programs: int, split_k: int | None) -> int:
 )
 def sparse_decode_attention(
     q: Float[Array, "B Hq hd"],
-    pool: Float[Array, "NB 2 bs Hkv hd"],
+    pool: Float[Array, "NB 2 rows Hkv hd"],
     block_ids: Int[Array, "B S K"],
     block_lens: Int[Array, "B S K"],
     *,
@@ -304,23 +347,26 @@ def sparse_decode_attention(
     split_k: int | None = None,
     blocks_per_step: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     interpret: bool | None = None,
 ) -> tuple[Float[Array, "B Hq hd"], Float[Array, "B Hq"], Float[Array, "B Hq"]]:
     """Partial attention of one query token per sequence over the listed KV blocks.
 
     Args:
       q: [B, Hq, hd] queries (RoPE applied), Hq = G * Hkv.
-      pool: [NB, 2, bs, Hkv, hd] one layer's KV blocks (K at [:, 0], V at [:, 1]).
+      pool: [NB, 2, rows, Hkv, hd] one layer's KV blocks (K at [:, 0], V at [:, 1]); rows = bs, or bs + 1 for
+        float8_e4m3fn values with their scale codes in row bs (`kv_quant`).
       block_ids: int [B, S, K] physical block ids; S == 1 (SoloHead) or Hkv (headwise); < 0 = padding.
       block_lens: int [B, S, K] valid tokens (slots 0..len-1) of each entry, in [0, bs].
       scale: score scale, default hd ** -0.5.
       split_k: number of programs the K entries are split over (None: picked from K and B * Hkv).
       blocks_per_step: blocks gathered per online-softmax step, a power of two with
         blocks_per_step * bs >= 16 and at most `max_blocks_per_step` (its K / V tiles fit a program's shared
-        memory; more is a ValueError) (None: about 64 tokens per step).
+        memory, counted in the compute dtype for float8 pools; more is a ValueError) (None: about 64 tokens per
+        step).
       num_warps, num_stages: Triton compiler params (num_warps None: 4, or 8 when a step's K tile
-        has >= 8192 elements, e.g. 64 tokens x hd 128).
+        has >= 8192 elements, e.g. 64 tokens x hd 128; num_stages None: 2, or 1 for a float8 pool under
+        float32 queries).
       interpret: Pallas interpret mode (None: where the program is compiled for a CPU; the Triton kernel
         where it is compiled for a GPU, `pallas_kernels.common.on_platform`).
 
@@ -331,23 +377,28 @@ def sparse_decode_attention(
     """
     _check_inputs(q, pool, block_ids, block_lens)
     b, hq, hd = q.shape
-    _, _, bs, hkv, _ = pool.shape
+    hkv = pool.shape[3]
+    bs = kv_quant.tokens_per_block(pool)
     k = block_ids.shape[2]
     g = hq // hkv
     gp = max(MIN_DOT_DIM, next_pow2(g))
     scale = float(hd ** -0.5 if scale is None else scale)
+    cdt = _compute_dtype(q.dtype, pool.dtype)
 
-    bps = _pick_blocks_per_step(bs, k, blocks_per_step, hd, jnp.dtype(pool.dtype).itemsize)
+    # float8 tiles are converted to the compute dtype before the dots: budget shared memory at its width
+    bps = _pick_blocks_per_step(bs, k, blocks_per_step, hd, max(cdt.itemsize, jnp.dtype(pool.dtype).itemsize))
     num_steps = -(-k // bps)
     split_k = _pick_split_k(num_steps, b * hkv, split_k)
     steps_per_split = -(-num_steps // split_k)
     kp = split_k * steps_per_split * bps
     if num_warps is None:
         num_warps = 8 if bps * bs * hd >= 8192 else 4
+    if num_stages is None:  # float8 tiles converted to float32 spill registers when software-pipelined
+        num_stages = 1 if kv_quant.is_quantized(pool.dtype) and cdt == jnp.float32 else 2
     ids = jnp.pad(block_ids.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)), constant_values=-1)
     lens = jnp.pad(block_lens.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)))
 
-    q_grouped = q.astype(pool.dtype).reshape(b, hkv, g, hd)
+    q_grouped = q.astype(cdt).reshape(b, hkv, g, hd)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [B, Hkv, Gp, hd]
 
     acc, m, l = on_platform(lambda interp: _sparse_decode_call(  # noqa: E741
@@ -366,16 +417,18 @@ def sparse_decode_attention(
 @functools.partial(jax.jit, static_argnames=("scale",))
 def sparse_decode_attention_reference(
     q: Float[Array, "B Hq hd"],
-    pool: Float[Array, "NB 2 bs Hkv hd"],
+    pool: Float[Array, "NB 2 rows Hkv hd"],
     block_ids: Int[Array, "B S K"],
     block_lens: Int[Array, "B S K"],
     *,
     scale: float | None = None,
 ) -> tuple[Float[Array, "B Hq hd"], Float[Array, "B Hq"], Float[Array, "B Hq"]]:
-    """Same contract as `sparse_decode_attention`, by gathering the listed blocks with jnp (f32 math)."""
+    """Same contract as `sparse_decode_attention`, by gathering the listed blocks with jnp (f32 math; a float8
+    pool's gathered values and codes are dequantised with `kv_quant.code_scales`, the pool itself never is)."""
     _check_inputs(q, pool, block_ids, block_lens)
     b, hq, hd = q.shape
-    _, _, bs, hkv, _ = pool.shape
+    hkv = pool.shape[3]
+    bs = kv_quant.tokens_per_block(pool)
     k = block_ids.shape[2]
     g = hq // hkv
     scale = float(hd ** -0.5 if scale is None else scale)
@@ -386,8 +439,12 @@ def sparse_decode_attention_reference(
     safe = jnp.maximum(ids, 0)[..., None]  # [B, Hkv, K, 1]
     heads = jnp.arange(hkv)[None, :, None, None]
     slots = jnp.arange(bs)[None, None, None, :]
-    kk = pool[safe, 0, slots, heads].astype(jnp.float32)  # [B, Hkv, K, bs, hd]
-    vv = pool[safe, 1, slots, heads].astype(jnp.float32)
+    read = kv_quant.as_float8 if kv_quant.is_quantized(pool.dtype) else (lambda x: x)  # (stored bytes -> e4m3)
+    kk = read(pool[safe, 0, slots, heads]).astype(jnp.float32)  # [B, Hkv, K, bs, hd]
+    vv = read(pool[safe, 1, slots, heads]).astype(jnp.float32)
+    if kv_quant.is_quantized(pool.dtype):  # token t's code sits at [bs, h, t]: gathered, then exact scales
+        kk = kk * kv_quant.code_scales(pool[safe, 0, bs, heads, slots])[..., None]  # [B, Hkv, K, bs, 1]
+        vv = vv * kv_quant.code_scales(pool[safe, 1, bs, heads, slots])[..., None]
     kk = jnp.where(valid[..., None], kk, 0.0).reshape(b, hkv, k * bs, hd)
     vv = jnp.where(valid[..., None], vv, 0.0).reshape(b, hkv, k * bs, hd)
     valid = valid.reshape(b, hkv, 1, k * bs)

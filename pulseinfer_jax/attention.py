@@ -1,8 +1,10 @@
 """Paged-KV attention in plain jnp: cache writes, batched decode, memory-bounded chunked prefill.
 
-All functions take the full cache `kv: [L, NB, 2, Hkv, bs, hd]` (see kv_cache.py) plus a traced layer
+All functions take the full cache `kv: [L, NB, 2, rows, Hkv, hd]` (see kv_cache.py) plus a traced layer
 index, so they run inside the layer scan with the cache as the (donated, in-place updated) carry.
-Softmax statistics are float32 whatever the cache dtype.
+Softmax statistics are float32 whatever the cache dtype. A float8 cache (kv_quant.py: rows = bs + 1, the last
+holding per-token scale codes) is quantised where these functions write and dequantised (exactly, in the query's
+dtype) where they read.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pulseinfer_jax.kv_quant import is_quantized, pack_blocks, tokens_per_block, unpack_blocks, write_tokens
 from pulseinfer_jax.pallas_kernels.common import matmul_precision
 
 NEG_INF = -1e30
 
 
 def write_decode_kv(
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     layer: Int[Array, ""],
     k: Float[Array, "B Hkv hd"],
     v: Float[Array, "B Hkv hd"],
@@ -25,17 +28,15 @@ def write_decode_kv(
     positions: Int[Array, " B"],
 ) -> Array:
     """Write one new token per sequence at `positions` (inactive rows point at the null block)."""
-    bs = kv.shape[3]
+    bs = tokens_per_block(kv)
     rows = jnp.arange(block_tables.shape[0])
     blk = block_tables[rows, positions // bs]  # [B]
-    off = positions % bs  # [B]
-    kv = kv.at[layer, blk, 0, off].set(k.astype(kv.dtype))
-    return kv.at[layer, blk, 1, off].set(v.astype(kv.dtype))
+    return write_tokens(kv, layer, blk, positions % bs, k, v)
 
 
 def paged_decode_attention(
     q: Float[Array, "B Hq hd"],
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     layer: Int[Array, ""],
     block_tables: Int[Array, "B MB"],
     lengths: Int[Array, " B"],
@@ -48,18 +49,20 @@ def paged_decode_attention(
     Hkv x the (small) attention FLOPs; the pass over memory is what decode pays for.
     """
     b, hq, hd = q.shape
-    bs, hkv = kv.shape[3], kv.shape[4]
+    bs, hkv = tokens_per_block(kv), kv.shape[4]
     g = hq // hkv
     mb = block_tables.shape[1]
-    blocks = kv[layer, block_tables]  # [B, MB, 2, bs, Hkv, hd]
+    blocks = kv[layer, block_tables]  # [B, MB, 2, rows, Hkv, hd]
     # K / V stay in the cache dtype, the products accumulate in f32: converting the gathered K / V to f32 first made
-    # XLA write (and re-read) them at twice their bytes (ahead-of-time cost on an H200, bench/RESULTS.md)
-    k = blocks[:, :, 0].reshape(b, mb * bs, hkv * hd)
-    v = blocks[:, :, 1].reshape(b, mb * bs, hkv * hd)
+    # XLA write (and re-read) them at twice their bytes (ahead-of-time cost on an H200, bench/RESULTS.md); a float8
+    # cache's are dequantised into the query's dtype (exact: power-of-two scales)
+    dt = q.dtype if is_quantized(kv.dtype) else kv.dtype
+    k = unpack_blocks(blocks[:, :, 0], dt).reshape(b, mb * bs, hkv * hd)
+    v = unpack_blocks(blocks[:, :, 1], dt).reshape(b, mb * bs, hkv * hd)
     eye = jnp.eye(hkv, dtype=jnp.float32)
     qbd = q.astype(jnp.float32).reshape(b, hkv, g, 1, hd) * eye[None, :, None, :, None]
-    qbd = (qbd.reshape(b, hq, hkv * hd) * (hd ** -0.5)).astype(kv.dtype)
-    prec = matmul_precision(kv.dtype)  # true f32 for f32 caches (no TF32 on GPU)
+    qbd = (qbd.reshape(b, hq, hkv * hd) * (hd ** -0.5)).astype(dt)
+    prec = matmul_precision(dt)  # true f32 for f32 caches (no TF32 on GPU)
     f32 = jnp.float32
     s = jnp.einsum("bqc,btc->bqt", qbd, k, precision=prec, preferred_element_type=f32)  # [B, Hq, T]
     valid = (jnp.arange(mb * bs)[None] < lengths[:, None])[:, None]  # [B, 1, T]
@@ -75,7 +78,7 @@ def paged_decode_attention(
 
 def paged_decode_attention_pallas(
     q: Float[Array, "B Hq hd"],
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     layer: Int[Array, ""],
     block_tables: Int[Array, "B MB"],
     lengths: Int[Array, " B"],
@@ -92,7 +95,8 @@ def paged_decode_attention_pallas(
     from pulseinfer_jax.parallel import kernels as tp_kernels
     from pulseinfer_jax.sparse import selected_block_lens
 
-    n_layers, nb, _, bs = kv.shape[:4]
+    n_layers, nb = kv.shape[:2]
+    bs = tokens_per_block(kv)
     b, mb = block_tables.shape
     every_block = jnp.broadcast_to(jnp.arange(mb, dtype=jnp.int32), (b, 1, mb))  # [B, 1, MB] logical
     lens = selected_block_lens(every_block, lengths, bs)  # [B, 1, MB] valid tokens per entry
@@ -103,7 +107,7 @@ def paged_decode_attention_pallas(
 
 
 def write_prefill_kv(
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     layer: Int[Array, ""],
     k: Float[Array, "C Hkv hd"],
     v: Float[Array, "C Hkv hd"],
@@ -111,14 +115,14 @@ def write_prefill_kv(
 ) -> Array:
     """Write a block-aligned chunk of C = nb * bs tokens into blocks `chunk_blocks` (null block = drop)."""
     c, hkv, hd = k.shape
-    bs = kv.shape[3]
+    bs = tokens_per_block(kv)
     nb = c // bs
-    kv = kv.at[layer, chunk_blocks, 0].set(k.reshape(nb, bs, hkv, hd).astype(kv.dtype))
-    return kv.at[layer, chunk_blocks, 1].set(v.reshape(nb, bs, hkv, hd).astype(kv.dtype))
+    kv = kv.at[layer, chunk_blocks, 0].set(pack_blocks(k.reshape(nb, bs, hkv, hd), kv.dtype))
+    return kv.at[layer, chunk_blocks, 1].set(pack_blocks(v.reshape(nb, bs, hkv, hd), kv.dtype))
 
 
 def write_prefill_units(
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     k: Float[Array, "C Hkv hd"],
     v: Float[Array, "C Hkv hd"],
     chunk_units: Int[Array, " nb"],
@@ -126,16 +130,16 @@ def write_prefill_units(
     """`write_prefill_kv` into flat units (layer * NB + block, see layer_ops) instead of one layer's blocks: a chunk of
     C = nb * bs tokens into units `chunk_units` (unit 0, layer 0's null block = drop)."""
     c, hkv, hd = k.shape
-    bs, nblk = kv.shape[3], kv.shape[1]
+    bs, nblk = tokens_per_block(kv), kv.shape[1]
     nb = c // bs
     li, bi = chunk_units // nblk, chunk_units % nblk
-    kv = kv.at[li, bi, 0].set(k.reshape(nb, bs, hkv, hd).astype(kv.dtype))
-    return kv.at[li, bi, 1].set(v.reshape(nb, bs, hkv, hd).astype(kv.dtype))
+    kv = kv.at[li, bi, 0].set(pack_blocks(k.reshape(nb, bs, hkv, hd), kv.dtype))
+    return kv.at[li, bi, 1].set(pack_blocks(v.reshape(nb, bs, hkv, hd), kv.dtype))
 
 
 def chunked_prefill_attention(
     q: Float[Array, "C Hq hd"],
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     layer: Int[Array, ""],
     block_table: Int[Array, " MB"],
     start: Int[Array, ""],
@@ -149,23 +153,23 @@ def chunked_prefill_attention(
     The chunk's own K/V must already be written to the cache.
     """
     c, hq, hd = q.shape
-    bs, hkv = kv.shape[3], kv.shape[4]
+    bs, hkv = tokens_per_block(kv), kv.shape[4]
     g = hq // hkv
     kc_blocks = key_chunk // bs
     qg = (q.astype(jnp.float32) * (hd ** -0.5)).reshape(c, hkv, g, hd).transpose(1, 2, 0, 3)
     qg = qg.reshape(hkv, g * c, hd)  # [Hkv, G*C, hd]
     q_pos = jnp.tile(start + jnp.arange(c), g)  # [G*C], matches the (g, c) flattening
     n_chunks = (start + c + key_chunk - 1) // key_chunk
-    prec = matmul_precision(kv.dtype)  # true f32 for f32 caches (no TF32 on GPU)
+    prec = matmul_precision(q.dtype if is_quantized(kv.dtype) else kv.dtype)  # true f32 for f32 (no TF32 on GPU)
     # pad the table so the last key chunk's dynamic slice stays in bounds
     table = jnp.concatenate([block_table, jnp.zeros((kc_blocks,), block_table.dtype)])
 
     def body(i, carry):
         acc, m, denom = carry
         ids = jax.lax.dynamic_slice(table, (i * kc_blocks,), (kc_blocks,))
-        blocks = kv[layer, ids]  # [kcb, 2, bs, Hkv, hd]
-        k = blocks[:, 0].reshape(key_chunk, hkv, hd).transpose(1, 0, 2).astype(jnp.float32)
-        v = blocks[:, 1].reshape(key_chunk, hkv, hd).transpose(1, 0, 2).astype(jnp.float32)
+        blocks = kv[layer, ids]  # [kcb, 2, rows, Hkv, hd]
+        k = unpack_blocks(blocks[:, 0], jnp.float32).reshape(key_chunk, hkv, hd).transpose(1, 0, 2)
+        v = unpack_blocks(blocks[:, 1], jnp.float32).reshape(key_chunk, hkv, hd).transpose(1, 0, 2)
         k_pos = i * key_chunk + jnp.arange(key_chunk)
         mask = k_pos[None, :] <= q_pos[:, None]  # [G*C, kc]
         s = jnp.einsum("hqd,hkd->hqk", qg, k, precision=prec)

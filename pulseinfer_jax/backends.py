@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pulseinfer_jax.config import EngineConfig
+from pulseinfer_jax.kv_quant import pack_blocks, resolve_kv_dtype
 from pulseinfer_jax.models.moe import MoEOptions
 from pulseinfer_jax.sparse import BlockScoring
 
@@ -32,6 +33,7 @@ class ResolvedBackends:
     """What an engine runs: each config "auto" replaced by a concrete choice, and why."""
 
     platform: str  # "gpu" on any GPU platform, else the device's platform
+    kv_dtype: str  # the KV cache's format: the model's dtype, or "float8_e4m3fn" (kv_quant.py; stored as bytes)
     decode_attention: str  # dense decode: "jnp" | "pallas"
     layer_loop: str  # "scan" | "layerwise"
     moe: MoEOptions | None  # None: the model has no experts
@@ -55,7 +57,7 @@ class ResolvedBackends:
         return "layers" if self.layer_loop == "layerwise" else "stacked"
 
     def as_dict(self) -> dict[str, Any]:
-        out = {"decode_attention": self.decode_attention, "layer_loop": self.layer_loop}
+        out = {"kv_dtype": self.kv_dtype, "decode_attention": self.decode_attention, "layer_loop": self.layer_loop}
         if self.moe is not None:
             out["moe_strategy"] = self.moe_strategy
         if self.sparse_attention is not None:
@@ -68,12 +70,15 @@ class ResolvedBackends:
         return f"backends on {self.platform}: {chosen} ({'; '.join(self.reasons)})"
 
 
-def plan_backends(config: EngineConfig, platform: str, *, is_moe: bool = False) -> ResolvedBackends:
+def plan_backends(config: EngineConfig, platform: str, *, is_moe: bool = False, model_dtype="float32"
+                  ) -> ResolvedBackends:
     """The rule, without probes: on a GPU the fast paths (Pallas, layer-wise, pinned host, 2 micro-batches), elsewhere
-    the ones XLA:CPU runs best (Pallas would run in interpret mode there: correct, slow, for tests)."""
+    the ones XLA:CPU runs best (Pallas would run in interpret mode there: correct, slow, for tests). The KV cache is
+    stored in `model_dtype` unless `config.kv_dtype` asks for float8."""
     b, gpu = config.backends, platform in GPU_PLATFORMS
     plat = "gpu" if gpu else platform
-    why: list[str] = []
+    kv_dtype = resolve_kv_dtype(config.kv_dtype, model_dtype)
+    why: list[str] = [f"kv_dtype {kv_dtype}: " + ("the model's" if config.kv_dtype == "auto" else "as configured")]
 
     def auto(name: str, choice: str, on_gpu: str, off_gpu: str, note: str) -> str:
         if choice != "auto":
@@ -102,13 +107,13 @@ def plan_backends(config: EngineConfig, platform: str, *, is_moe: bool = False) 
         if mbs is None:
             mbs = 2 if gpu else 1
             why.append(f"micro_batches {mbs}: " + ("a copy engine to hide" if gpu else "nothing to overlap off a GPU"))
-    return ResolvedBackends(plat, attention, loop, moe, sparse, scoring, host_io, mbs, tuple(why))
+    return ResolvedBackends(plat, kv_dtype, attention, loop, moe, sparse, scoring, host_io, mbs, tuple(why))
 
 
 def resolve_backends(config: EngineConfig, device: jax.Device, model: Any) -> ResolvedBackends:
     """`plan_backends` for `device`, with each "auto" fast path on a GPU checked once against its reference first
     (`model`: a `LoadedModel`; its dtype and KV geometry shape the checks). Logs the summary line."""
-    r = plan_backends(config, device.platform, is_moe=model.cfg.is_moe)
+    r = plan_backends(config, device.platform, is_moe=model.cfg.is_moe, model_dtype=model.dtype)
     if r.platform == "gpu":
         r = _probe(config, device, model, r)
     log.info(r.summary())
@@ -119,10 +124,10 @@ def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBack
     b, why, dtype = config.backends, list(r.reasons), model.dtype
     attention, sparse, scoring, host_io, moe = r.decode_attention, r.sparse_attention, r.scoring, r.host_io, r.moe
     if b.decode_attention == "auto":
-        err = probe_pallas(device, dtype, scoring)  # (dense mode: no scoring to check)
+        err = probe_pallas(device, dtype, scoring, kv_dtype=r.kv_dtype)  # (dense mode: no scoring to check)
         if err is not None and scoring is not None and scoring.bounds_dtype != "kv":
             exact = dataclasses.replace(scoring, bounds_dtype="kv")
-            if probe_pallas(device, dtype, exact) is None:
+            if probe_pallas(device, dtype, exact, kv_dtype=r.kv_dtype) is None:
                 why.append(f"score_bounds_dtype kv: the Pallas scoring failed on {scoring.bounds_dtype} bounds ({err})")
                 err, scoring = None, exact
         if err is not None:
@@ -133,7 +138,7 @@ def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBack
 
         c = model.cfg
         host_io, err = resolve_host_io(b.host_io, device, on_gpu=True, block_size=config.block_size,
-                                       num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=dtype)
+                                       num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=r.kv_dtype)
         if err is not None:
             why.append(f"host_io numpy: pinned-host transfers failed their check ({err}); pageable RAM, slower")
     if moe is not None and moe.grouped_kernel == "pallas":
@@ -150,9 +155,10 @@ def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBack
 
 
 def probe_pallas(device: jax.Device, dtype=None, scoring: BlockScoring | None = BlockScoring(), *,
-                 interpret: bool = False) -> str | None:
-    """Run the sparse decode attention and block-scoring kernels once on `device` at tiny shapes in the KV dtype
-    (default bfloat16) with the engine's block scoring (key bounds in its metadata dtype; per query head and per KV
+                 kv_dtype=None, interpret: bool = False) -> str | None:
+    """Run the sparse decode attention and block-scoring kernels once on `device` at tiny shapes in the model dtype
+    `dtype` (default bfloat16) over a cache of `kv_dtype` (default `dtype`; float8: values and scale codes) with the
+    engine's block scoring (key bounds in its metadata dtype; per query head and per KV
     head; its beta and sub-blocks; None: the attention only), each against its jnp reference. None if they run and
     agree, else what failed.
     (`interpret`: run the kernels interpreted, to test the check off a GPU.)"""
@@ -164,7 +170,7 @@ def probe_pallas(device: jax.Device, dtype=None, scoring: BlockScoring | None = 
     try:
         with jax.default_device(device):
             q = jnp.asarray(rng.standard_normal((2, 4, 64)), dtype)
-            pool = jnp.asarray(rng.standard_normal((4, 2, 16, 2, 64)), dtype)
+            pool = pack_blocks(jnp.asarray(rng.standard_normal((4, 2, 16, 2, 64)), dtype), kv_dtype or dtype)
             ids = jnp.array([[[1, 2]], [[3, 1]]], jnp.int32)
             lens = jnp.array([[[16, 9]], [[16, 16]]], jnp.int32)
             got = sda.sparse_decode_attention(q, pool, ids, lens, interpret=interpret)[0]

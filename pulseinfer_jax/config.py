@@ -28,6 +28,7 @@ DecodeAttention = Literal["auto", "jnp", "pallas"]
 LayerLoop = Literal["auto", "scan", "layerwise"]
 HostIO = Literal["auto", "xla", "numpy"]
 MoEStrategy = Literal["auto", "dense", "gather", "grouped", "grouped-pallas"]
+KVDtype = Literal["auto", "float8_e4m3fn"]  # (kv_quant.KV_DTYPES)
 
 
 def _positive_int(name: str, v: Any, *, zero_ok: bool = False, none_ok: bool = False) -> None:
@@ -136,6 +137,9 @@ class EngineConfig:
     mode: Mode = option("dense", "dense: all KV on the GPU; offload: sparse decode with the KV in pinned host "
                         "memory; auto: IOAA decides per request")
     block_size: int = option(16, "tokens per KV block")
+    kv_dtype: KVDtype = option("auto", "KV cache storage: auto (the model's dtype) or float8_e4m3fn (float8 values "
+                               "with a power-of-two scale per token and KV head: 1.06 bytes per element on the GPU, in "
+                               "the host pool and over PCIe)")
     max_batch: int = option(32, "requests decoding together")
     prefill_chunk: int = option(512, "tokens per prefill step (a multiple of block_size)")
     key_chunk: int = option(512, "keys per online-softmax step of prefill attention (a multiple of block_size)")

@@ -27,6 +27,7 @@ from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.host_offload.blocks import BlockAllocator, bucket
 from pulseinfer_jax.ioaa import IOAAConfig
 from pulseinfer_jax.kv_cache import CacheSpec, bucket_blocks
+from pulseinfer_jax.kv_quant import block_rows, layer_block_bytes, storage_dtype
 from pulseinfer_jax.models.loading import LoadedModel
 from pulseinfer_jax.parallel.layout import DeviceLayout
 from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
@@ -78,6 +79,7 @@ class Engine:
             raise ValueError(f"selection={ab.selection!r} with io={ab.io!r} moves per-(block, head) units, which the "
                              "'xla' host I/O runs on one device only; under tensor_parallel use selection='solohead' "
                              "with io='coalesced', or host_io='numpy'")
+        block_rows(config.block_size, model.cfg.head_dim, self.kv_dtype)  # (refuses a float8 block it cannot scale)
         compile_seconds()  # start counting compile time (step stats leave compiling steps out of TPOT)
         # the jitted model: the loaded one with this engine's MoE options (how expert layers compute on its device)
         moe = self.backends.moe
@@ -143,7 +145,12 @@ class Engine:
     def _spec(self, num_blocks: int) -> CacheSpec:
         c = self.model.cfg
         return CacheSpec(c.num_layers, num_blocks, c.num_kv_heads, self.config.block_size, c.head_dim,
-                         jnp.dtype(self.model.dtype))
+                         self.kv_dtype)
+
+    @property
+    def kv_dtype(self) -> jnp.dtype:
+        """The cache arrays' dtype (`EngineConfig.kv_dtype`, resolved with the backends; float8: its bytes)."""
+        return storage_dtype(self.backends.kv_dtype)
 
     def _kv_byte_cap(self) -> int:
         """Bytes of KV (pool + offload metadata) the devices may hold together: tensor parallelism splits every block
@@ -165,8 +172,8 @@ class Engine:
         (resolved here, logged, and kept in `config`)."""
         cfg = self.config
         if cfg.mode != "dense" and cfg.offload.host_kv_tokens is None:
-            c, item = self.model.cfg, jnp.dtype(self.model.dtype).itemsize
-            per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * item
+            c, bs = self.model.cfg, cfg.block_size
+            per_token = c.num_layers * layer_block_bytes(bs, c.num_kv_heads, c.head_dim, self.kv_dtype) // bs
             host_per_token = per_token * (c.num_layers - cfg.offload.dense_layers) // c.num_layers
             gpu_tokens = (cfg.kv_cache_tokens or self._kv_byte_cap() // per_token)
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -205,7 +212,7 @@ class Engine:
         cfg = self.config
         bs = cfg.block_size
         meta_item = self.scoring.metadata_dtype(self.model.dtype).itemsize if cfg.mode != "dense" else 1
-        sizes = offload.pool_sizes(cfg, self.model.cfg, jnp.dtype(self.model.dtype).itemsize, meta_item, requests,
+        sizes = offload.pool_sizes(cfg, self.model.cfg, self.kv_dtype, meta_item, requests,
                                    self._kv_byte_cap())
         plan, rows, num_blocks = sizes.plan, sizes.host_rows, sizes.num_blocks
         if self.spec is None or self.spec.num_blocks != num_blocks:
@@ -237,7 +244,7 @@ class Engine:
             self.host_pool = None
             self.host_pool = HostKVPool(num_rows=rows, first_layer=plan.dense_layers, num_layers=c.num_layers,
                                         block_size=cfg.block_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                        dtype=self.model.dtype, device=self.layout, io=io, row_align=align)
+                                        dtype=self.kv_dtype, device=self.layout, io=io, row_align=align)
         else:
             self.host_pool.reset_allocator()
         if self.sparse is None or self.sparse.plan != plan or self.sparse.nb != num_blocks:

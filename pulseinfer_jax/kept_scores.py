@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from pulseinfer_jax import kv_quant
 from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds
 from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference
 
@@ -50,7 +51,7 @@ def kept_lens(logical: Int[Array, "B KK"], positions: Int[Array, " B"], block_si
 
 def kept_block_scores(
     q: Float[Array, "B Hq hd"],
-    pool: Float[Array, "U 2 bs Hkv hd"],
+    pool: Float[Array, "U 2 rows Hkv hd"],
     units: Int[Array, "B KK"],
     lens: Int[Array, "B KK"],
     *,
@@ -68,7 +69,7 @@ def kept_block_scores(
     live = (units >= 0) & (lens > 0)
     ids = jnp.where(live, units, 0).reshape(-1)
     kmin, kmax = block_key_bounds(pool, ids, jnp.where(live, lens, 0).reshape(-1), sub_blocks=m)  # [B*KK*m, ...]
-    sb = pool.shape[2] // m
+    sb = kv_quant.tokens_per_block(pool) // m
     slice_len = jnp.clip(lens[:, :, None] - jnp.arange(m) * sb, 0, sb)  # [B, KK, m]
     slice_live = (slice_len > 0) & live[:, :, None]
     rows = jnp.arange(b * kk * m, dtype=jnp.int32).reshape(b, kk * m)

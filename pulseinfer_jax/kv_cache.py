@@ -18,6 +18,10 @@ the unused tail of a prefill chunk's table) and of padded block-table entries, w
 by sequence length. Real data therefore never aliases garbage writes.
 
 Token t of a request lives in block `table[t // block_size]`, slot `t % block_size`.
+
+With `kv_dtype="float8_e4m3fn"` the cache is float8 and a block's K and V each have one more row, `block_size + 1`,
+the last holding every (token, head)'s scale code (kv_quant.py): `kv: [L, NB, 2, block_size + 1, Hkv, hd]`, one
+contiguous run per block as before, 1 + 1 / block_size bytes per element.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 
 from pulseinfer_jax.host_offload.blocks import bucket
 from pulseinfer_jax.host_offload.memory import zeros_on
+from pulseinfer_jax.kv_quant import block_rows, layer_block_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,17 +43,21 @@ class CacheSpec:
     num_kv_heads: int
     block_size: int
     head_dim: int
-    dtype: jnp.dtype
+    dtype: jnp.dtype  # storage: the model's dtype, or float8_e4m3fn with scale codes (kv_quant.py)
+
+    @property
+    def rows(self) -> int:
+        """Rows of a block's K (and V) in storage: block_size, plus float8's scale-code row."""
+        return block_rows(self.block_size, self.head_dim, self.dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.num_blocks, 2, self.rows, self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers (K and V, every head)."""
-        return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim * jnp.dtype(
-            self.dtype).itemsize
+        """Bytes of one block across all layers (K and V, every head, scale codes included)."""
+        return self.num_layers * layer_block_bytes(self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     @property
     def total_bytes(self) -> int:

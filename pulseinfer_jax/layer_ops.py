@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from pulseinfer_jax import slot_plan
 from pulseinfer_jax.kept_scores import kept_block_scores, kept_lens, with_kept_scores
+from pulseinfer_jax.kv_quant import tokens_per_block, write_tokens
 from pulseinfer_jax.layer_inputs import KeyBounds, ScoringBounds, SelectSpec, SparseLayerRefs, SparseRows
 from pulseinfer_jax.models.rope import rope_tables
 from pulseinfer_jax.models.transformer import Transformer
@@ -64,9 +65,7 @@ def _qkv_and_write(model: Transformer, lp: dict, kv: Array, x: Array, positions:
     cos, sin = rope_tables(model.cfg, positions[:, None])
     q, k, v = model.layer_qkv(lp, x, cos, sin)  # [B, 1, H, hd]
     li, bi = _unit_index(kv, write_unit)
-    off = positions % kv.shape[3]
-    kv = kv.at[li, bi, 0, off].set(k[:, 0].astype(kv.dtype))
-    kv = kv.at[li, bi, 1, off].set(v[:, 0].astype(kv.dtype))
+    kv = write_tokens(kv, li, bi, positions % tokens_per_block(kv), k[:, 0], v[:, 0])  # (float8: quantised here)
     return kv, q[:, 0]
 
 
@@ -84,7 +83,7 @@ def logits(model: Transformer, params: dict, x: Float[Array, "B 1 D"]) -> Float[
 def dense_layer(
     model: Transformer,
     lp: dict,
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     x: Float[Array, "B 1 D"],
     positions: Int[Array, " B"],
     write_unit: Int[Array, " B"],
@@ -126,7 +125,7 @@ def two_level_scores(score_fn, q, meta_min, meta_max, cand, cmeta_min, cmeta_max
 def sparse_pre(
     model: Transformer,
     lp: dict,
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     x: Float[Array, "B 1 D"],
     bounds: ScoringBounds,
     slot_state: tuple[Int[Array, "SL R S C"], Int[Array, "SL R S C"]],
@@ -173,7 +172,7 @@ def sparse_pre(
                           sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, K]
     if spec.scores_kept:
         kept = rows.kept
-        lens = kept_lens(kept.logical, rows.positions, kv.shape[3])
+        lens = kept_lens(kept.logical, rows.positions, tokens_per_block(kv))
         kept_units = jnp.where(kept.gpu >= 0, layer.unit_offset + kept.gpu, -1)
         kept_s = kept_block_scores(q, _flat(kv), kept_units, lens, per_head=per_head, beta=scoring.beta,
                                    sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, KK]
@@ -190,7 +189,7 @@ def sparse_pre(
         sel = _with_middle(sel, jax.lax.dynamic_index_in_dim(step.override, layer.index, 0, keepdims=False),
                            cands.num_blocks, spec.sink, spec.window)
     stamp, key, plan = slot_plan.layer_plan(stamp, key, layer.index, sel, step, layer.unit_offset,
-                                            block_size=kv.shape[3], sink=spec.sink, window=spec.window,
+                                            block_size=tokens_per_block(kv), sink=spec.sink, window=spec.window,
                                             mode=spec.plan_mode)
     return kv, q, (stamp, key), plan, sel
 
@@ -208,7 +207,7 @@ def _with_middle(sel: Int[Array, "B S N"], middle: Int[Array, "B S M"], num_bloc
 @functools.partial(jax.jit, static_argnames=("attention",))
 def attend(
     q: Float[Array, "B Hq hd"],
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     entries: tuple[Int[Array, "B S K"], Int[Array, "B S K"]],
     *,
     attention: str,
@@ -224,7 +223,7 @@ def land_attend_finish(
     lp: dict,
     x: Float[Array, "B 1 D"],
     q: Float[Array, "B Hq hd"],
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     layer: Int[Array, ""],
     plan: LayerPlan,
     staging: Float[Array, "n 2 bs Hkv hd"] | Float[Array, "n 2 bs hd"] | None,
@@ -265,14 +264,14 @@ def land_attend_finish(
 
 
 @functools.partial(jax.jit, donate_argnames=("kv",))
-def copy_units(kv: Float[Array, "L NB 2 bs Hkv hd"], src: Int[Array, " n"], dst: Int[Array, " n"]) -> Array:
+def copy_units(kv: Float[Array, "L NB 2 rows Hkv hd"], src: Int[Array, " n"], dst: Int[Array, " n"]) -> Array:
     """Flat unit copy kv[dst[i]] = kv[src[i]] (padding: src = dst = 0, the null block of layer 0)."""
     return kv.at[_unit_index(kv, dst)].set(kv[_unit_index(kv, src)])
 
 
 @functools.partial(jax.jit, static_argnames=("sub_blocks",), donate_argnames=("bounds",))
 def refresh_meta(
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     bounds: KeyBounds,
     units: Int[Array, " n"],
     lens: Int[Array, " n"],

@@ -17,6 +17,7 @@ from pulseinfer_jax.host_offload.blocks import BlockAllocator, blocks_for
 from pulseinfer_jax.host_offload.host_pool import HostKVPool
 from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.ioaa import Candidate
+from pulseinfer_jax.kv_quant import layer_block_bytes
 from pulseinfer_jax.scheduler import Request
 
 UNLIMITED = 1 << 62  # blocks wanted when the requests are not known yet (a server): only the budget caps the pool
@@ -83,21 +84,21 @@ class PoolSizes:
     plan: SparsePlan | None  # the sparse plan (None in dense mode)
 
 
-def pool_sizes(config: EngineConfig, model_cfg, kv_itemsize: int, meta_itemsize: int,
+def pool_sizes(config: EngineConfig, model_cfg, kv_dtype, meta_itemsize: int,
                requests: Sequence[Request] | None, cap_bytes: int) -> PoolSizes:
-    """The GPU KV pool (blocks) and host pool (rows) an engine allocates for `requests` under a cap of `cap_bytes`
-    GPU bytes (pool + offload metadata): kv_cache_tokens if set, else what the requests need in the configured mode,
-    capped. Nothing is set aside for prefills: an offloaded prompt prefills layer by layer in blocks its request
-    holds (`offload_blocks`). `meta_itemsize`: bytes per key-bound element (the scoring's metadata dtype). A pure
-    function of its inputs (the engine's Engine.ensure_pool, the ahead-of-time check's layouts). `requests` None: a
-    server's pools, for requests that arrive later: the GPU pool takes the whole budget (or kv_cache_tokens), the host
-    pool host_kv_tokens.
+    """The GPU KV pool (blocks) and host pool (rows) an engine allocates for `requests` under a cap of `cap_bytes` GPU
+    bytes (pool + offload metadata): kv_cache_tokens if set, else what the requests need in the configured mode, capped.
+    Nothing is set aside for prefills: an offloaded prompt prefills layer by layer in blocks its request holds
+    (`offload_blocks`). `kv_dtype`: the cache's storage dtype (float8: scale codes included). `meta_itemsize`: bytes per
+    key-bound element (the scoring's metadata dtype). A pure function of its inputs (the engine's Engine.ensure_pool,
+    the ahead-of-time check's layouts). `requests` None: a server's pools, for requests that arrive later: the GPU pool
+    takes the whole budget (or kv_cache_tokens), the host pool host_kv_tokens.
 
     Mode "auto" gives every request host rows (so IOAA may offload any of them) unless their key metadata, which
     lives on the GPU, would cost a request the room that dense or offload mode alone would give it: then only the
     requests that cannot run dense get rows (`_auto_sizes`)."""
     c, bs = model_cfg, config.block_size
-    per_block = c.num_layers * 2 * c.num_kv_heads * bs * c.head_dim * kv_itemsize
+    per_block = c.num_layers * layer_block_bytes(bs, c.num_kv_heads, c.head_dim, kv_dtype)
     if config.mode == "dense":
         want = UNLIMITED if requests is None else sum(blocks_for(r.need_tokens, bs) for r in requests)
         return PoolSizes(_num_blocks(config, want, cap_bytes, per_block), 0, None)

@@ -101,8 +101,9 @@ class SparseDecoder:
         self.scoring.check_block_size(plan.block_size)
         # key bounds in float8 by default (rounded outward: block_metadata.round_bounds_outward) or in the KV dtype
         # (exact: the min / max of bf16 keys are bf16 values): at 128K they are the largest part of an offloaded
-        # request's GPU footprint and of what a scoring step reads; scoring computes in float32
-        meta_dtype = self.scoring.metadata_dtype(pool.dtype)
+        # request's GPU footprint and of what a scoring step reads; scoring computes in float32. "The KV dtype" is the
+        # model's: a float8 cache's bounds are those of its dequantised keys (what attention reads), in the model dtype
+        meta_dtype = self.scoring.metadata_dtype(model.dtype)
         # two-level scoring: one bound per group of `f` blocks = per aligned extent of f host rows (the pool's
         # ExtentAllocator), coarse row = host row // f; off: a one-row placeholder never read
         f = self.scoring.coarse_group

@@ -32,6 +32,7 @@ from pulseinfer_jax.attention import (
     write_prefill_kv,
     write_prefill_units,
 )
+from pulseinfer_jax.kv_quant import tokens_per_block
 from pulseinfer_jax.models.rope import rope_tables
 from pulseinfer_jax.models.transformer import Transformer, head_params
 
@@ -65,7 +66,7 @@ def _paged_attend(attention: str, block_tables: Int[Array, "B MB"], positions: I
 def _decode_step(
     model: Transformer,
     params: dict,
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     tokens: Int[Array, " B"],
     positions: Int[Array, " B"],
     block_tables: Int[Array, "B MB"],
@@ -93,7 +94,7 @@ def _one_layer(model: Transformer, lp: dict, kv: Array, x: Array, positions: Int
 def _decode_layer(
     model: Transformer,
     lp: dict,
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     x: Float[Array, "B 1 D"],
     positions: Int[Array, " B"],
     block_tables: Int[Array, "B MB"],
@@ -130,7 +131,7 @@ def _prefill_attend(block_table: Int[Array, " MB"], start: Int[Array, ""], c: in
 def _prefill_step(
     model: Transformer,
     params: dict,
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     tokens: Int[Array, " C"],
     start: Int[Array, ""],
     n_valid: Int[Array, ""],
@@ -145,7 +146,7 @@ def _prefill_step(
     """
     c = tokens.shape[0]
     positions = start + jnp.arange(c, dtype=jnp.int32)
-    attend = _prefill_attend(block_table, start, c, kv.shape[3], key_chunk)
+    attend = _prefill_attend(block_table, start, c, tokens_per_block(kv), key_chunk)
     x, kv = model.layers(params, _prefill_embed(model, params, tokens), positions[None], attend, kv)
     return kv, _prefill_logits(model, params, x, n_valid)
 
@@ -157,7 +158,7 @@ def _prefill_embed(model: Transformer, params: dict, tokens: Int[Array, " C"]) -
 def _prefill_layer(
     model: Transformer,
     lp: dict,
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     x: Float[Array, "1 C D"],
     start: Int[Array, ""],
     block_table: Int[Array, " MB"],
@@ -168,17 +169,16 @@ def _prefill_layer(
     """Layer `layer` of `_prefill_step`, with that layer's own weights `lp` (one compile serves every layer)."""
     c = x.shape[1]
     positions = start + jnp.arange(c, dtype=jnp.int32)
-    return _one_layer(model, lp, kv, x, positions[None], _prefill_attend(block_table, start, c, kv.shape[3],
+    return _one_layer(model, lp, kv, x, positions[None], _prefill_attend(block_table, start, c, tokens_per_block(kv),
                                                                          key_chunk), layer)
 
 
-def _prefill_attend_units(unit_table: Int[Array, " MB"], start: Int[Array, ""], c: int, kv_shape: tuple,
-                          key_chunk: int):
+def _prefill_attend_units(unit_table: Int[Array, " MB"], start: Int[Array, ""], c: int, kv: Array, key_chunk: int):
     """`_prefill_attend` over flat units (layer * NB + block): the chunk's K/V go to its units of `unit_table` (unit 0,
     the null block of layer 0, past the table) and it attends over the units read through the flat view of the cache
     (a free reshape). The same arithmetic as `_prefill_attend`: only the addresses differ."""
-    n_layers, nblk = kv_shape[0], kv_shape[1]
-    chunk_units = _chunk_entries(unit_table, start, c, kv_shape[3])
+    n_layers, nblk = kv.shape[0], kv.shape[1]
+    chunk_units = _chunk_entries(unit_table, start, c, tokens_per_block(kv))
 
     def attend(layer, q, k, v, cache):
         cache = write_prefill_units(cache, k[0], v[0], chunk_units)
@@ -192,7 +192,7 @@ def _prefill_attend_units(unit_table: Int[Array, " MB"], start: Int[Array, ""], 
 def _prefill_layer_units(
     model: Transformer,
     lp: dict,
-    kv: Float[Array, "L NB 2 bs Hkv hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
     x: Float[Array, "1 C D"],
     start: Int[Array, ""],
     unit_table: Int[Array, " MB"],
@@ -204,7 +204,7 @@ def _prefill_layer_units(
     keeps one layer of the prompt's KV on the GPU at a time, in units of any layer slice."""
     c = x.shape[1]
     positions = start + jnp.arange(c, dtype=jnp.int32)
-    attend = _prefill_attend_units(unit_table, start, c, kv.shape, key_chunk)
+    attend = _prefill_attend_units(unit_table, start, c, kv, key_chunk)
     return _one_layer(model, lp, kv, x, positions[None], attend, jnp.int32(0))
 
 

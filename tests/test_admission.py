@@ -33,7 +33,7 @@ def simulate(cfg_model, config: EngineConfig, queue: list[tuple[int, int]], budg
     per_block = c.num_layers * 2 * c.num_kv_heads * bs * c.head_dim * 4
     reqs = [Request(i, [1] * p, SamplingParams(max_new_tokens=n, ignore_eos=True), n) for i, (p, n) in enumerate(queue)]
     meta_item = config.scoring.metadata_dtype(np.float32).itemsize
-    sizes = pool_sizes(config, c, 4, meta_item, reqs, budget)
+    sizes = pool_sizes(config, c, "float32", meta_item, reqs, budget)
     alloc = BlockAllocator(sizes.num_blocks)
     meta = 0
     if sizes.plan is None:
@@ -144,7 +144,7 @@ def simulate_strict(c, config: EngineConfig, queue):
     reqs = [Request(i, [1] * p, SamplingParams(max_new_tokens=n), n) for i, (p, n) in enumerate(queue)]
     import jax
 
-    sizes = pool_sizes(config, c, 4, 1, reqs, 1 << 30)
+    sizes = pool_sizes(config, c, "float32", 1, reqs, 1 << 30)
     alloc = BlockAllocator(sizes.num_blocks)
     pool = HostKVPool(num_rows=sizes.host_rows, first_layer=sizes.plan.dense_layers, num_layers=c.num_layers,
                       block_size=config.block_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,

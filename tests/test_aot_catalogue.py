@@ -138,6 +138,7 @@ CONFIGS = {
     "offload-eager-numpy-io": dict(OFFLOAD, recall="eager", host_io="numpy", micro_batches=2),
     "offload-fragmented-solohead": dict(OFFLOAD, io="fragmented", layer_loop="layerwise"),
     "offload-device-placement": dict(OFFLOAD, offload_placement="device"),
+    "offload-float8-kv": dict(OFFLOAD, kv_dtype="float8_e4m3fn", decode_attention="pallas", micro_batches=2),
 }
 
 

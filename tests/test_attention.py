@@ -106,3 +106,73 @@ def test_decode_write_lands_in_the_right_slot():
     assert (got[0, 2, 0, 0] == 2).all()
     assert np.count_nonzero(got) == 2 * 2 * hkv * hd  # nothing else touched
     assert jax.numpy.isfinite(kv).all()
+
+
+def _fake_quant(x):
+    """K or V as a float8 cache returns it: per-(token, head) power-of-two scale, e4m3 values (kv_quant.py)."""
+    from pulseinfer_jax.kv_quant import quantize
+
+    q, s = quantize(jnp.asarray(x)[:, None], "token", pow2=True)  # [n, 1, H, hd]: one token per group
+    return np.asarray(q.astype(jnp.float32) * s)[:, 0]
+
+
+def _fp8_pool(nb, hkv, bs, hd):
+    """A float8 cache [2, nb, 2, bs + 1, Hkv, hd] (its uint8 storage) of e4m3 NaN bytes (0x7f) everywhere, scale-code
+    rows included."""
+    return jnp.full((2, nb, 2, bs + 1, hkv, hd), 0x7F, jnp.uint8)
+
+
+@pytest.mark.parametrize("bs,group", [(8, 2), (16, 4)])
+def test_float8_decode_attention_reads_what_was_written(bs, group):
+    """Tokens written one by one into a float8 cache poisoned with NaN bytes: attention equals dense attention over
+    the quantised K / V (f32 rounding), for lengths at block boundaries."""
+    rng = np.random.default_rng(bs + group)
+    hkv, hd = 2, 64
+    lengths = [1, bs - 1, bs, bs + 1, 3 * bs + 3]
+    mb = max(-(-n // bs) for n in lengths) + 1
+    nb = 1 + sum(-(-n // bs) for n in lengths) + 2
+    kv = _fp8_pool(nb, hkv, bs, hd)
+    ids = rng.permutation(np.arange(1, nb))
+    tables = np.zeros((len(lengths), mb), np.int32)
+    seqs, used = [], 0
+    for b, n in enumerate(lengths):
+        nblk = -(-n // bs)
+        tables[b, :nblk] = ids[used:used + nblk]
+        used += nblk
+        k, v = (rng.standard_normal((n, hkv, hd)).astype(np.float32) * 3 for _ in "kv")
+        seqs.append((k, v))
+        for t in range(n):
+            kv = write_decode_kv(kv, jnp.int32(1), jnp.asarray(k[t:t + 1]), jnp.asarray(v[t:t + 1]),
+                                 jnp.asarray(tables[b:b + 1]), jnp.asarray([t]))
+    q = rng.standard_normal((len(lengths), hkv * group, hd)).astype(np.float32)
+    out = np.asarray(paged_decode_attention(jnp.asarray(q), kv, jnp.int32(1), jnp.asarray(tables),
+                                            jnp.asarray(lengths)))
+    assert not np.isnan(out).any()
+    for b, (k, v) in enumerate(seqs):
+        ref = _dense_attention(q[b:b + 1], _fake_quant(k), _fake_quant(v))[0]
+        np.testing.assert_allclose(out[b], ref, atol=2e-5, rtol=2e-5)
+
+
+def test_float8_chunked_prefill_reads_what_was_written():
+    bs, hkv, hd, group, chunk = 8, 2, 64, 2, 16
+    rng = np.random.default_rng(5)
+    n = 3 * chunk - bs + 1
+    nblk = -(-n // bs)
+    nb = nblk + 3
+    kv = _fp8_pool(nb, hkv, bs, hd)
+    table = np.zeros(nblk + 2, np.int32)
+    table[:nblk] = rng.permutation(np.arange(1, nb))[:nblk]
+    k, v = (rng.standard_normal((n, hkv, hd)).astype(np.float32) for _ in "kv")
+    q = rng.standard_normal((n, hkv * group, hd)).astype(np.float32)
+    padded = np.concatenate([table, np.zeros(chunk // bs, np.int32)])
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        kc, vc, qc = (np.zeros((chunk,) + a.shape[1:], np.float32) for a in (k, v, q))
+        kc[:m], vc[:m], qc[:m] = k[start:start + m], v[start:start + m], q[start:start + m]
+        kv = write_prefill_kv(kv, jnp.int32(0), jnp.asarray(kc), jnp.asarray(vc),
+                              jnp.asarray(padded[start // bs: start // bs + chunk // bs]))
+        out = chunked_prefill_attention(jnp.asarray(qc), kv, jnp.int32(0), jnp.asarray(table), jnp.int32(start),
+                                        key_chunk=2 * bs)
+        ref = _dense_attention(q[start:start + m], _fake_quant(k[:start + m]), _fake_quant(v[:start + m]),
+                               causal_offset=start)
+        np.testing.assert_allclose(np.asarray(out[:m]), ref, atol=2e-5, rtol=2e-5)

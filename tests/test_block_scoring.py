@@ -18,6 +18,8 @@ from pulseinfer_jax.pallas_kernels.block_metadata import (
 )
 from pulseinfer_jax.pallas_kernels.block_scoring import block_scores, block_scores_reference
 
+from pulseinfer_jax import kv_quant
+
 
 def _pool(rng, nb, bs, hkv, hd, lens):
     """[NB, 2, bs, Hkv, hd] float32 pool: block i holds lens[i] random keys (scaled per feature so the bounds
@@ -57,6 +59,33 @@ def test_block_key_bounds_valid_tokens_only(bs, hd, dtype):
     rmin, rmax = block_key_bounds_reference(pool, jnp.asarray(ids), jnp.asarray(blens))
     np.testing.assert_array_equal(np.asarray(kmin), np.asarray(rmin))
     np.testing.assert_array_equal(np.asarray(kmax), np.asarray(rmax))
+
+
+@pytest.mark.parametrize("bs,hd,m", [(8, 32, 1), (16, 16, 2)])
+def test_block_key_bounds_of_a_float8_pool_are_the_dequantised_keys(bs, hd, m):
+    """A float8 pool (values + scale codes in row bs, `kv_quant.pack_blocks`) is bounded by exactly the bounds of its
+    dequantised keys, for one layer's pool, the full cache with `layer`, and the reference; the value and code bytes
+    of slots at or past each block's length are NaN bytes and never leak."""
+    rng = np.random.default_rng(7 * bs + hd + m)
+    hkv, nb = 2, 7
+    lens = [bs, 1, bs - 1, 0, bs, 2, bs // 2]
+    pool, _ = _pool(rng, nb, bs, hkv, hd, lens)
+    pool = np.nan_to_num(pool) * np.exp2(rng.uniform(-3, 3, (nb, 2, bs, hkv, 1)))  # codes differ per token
+    raw = np.array(kv_quant.pack_blocks(jnp.asarray(pool), jnp.float8_e4m3fn))  # [NB, 2, bs + 1, Hkv, hd] uint8
+    for i, n in enumerate(lens):
+        raw[i, :, n:bs] = 0x7F  # NaN values past the length
+        raw[i, :, bs, :, n:] = 0x7F  # and their codes
+    f8 = jnp.asarray(raw)
+    ids = jnp.asarray(rng.permutation(nb), jnp.int32)
+    blens = jnp.asarray([lens[i] for i in np.asarray(ids)], jnp.int32)
+    want = block_key_bounds(kv_quant.unpack_blocks(f8, jnp.float32), ids, blens, sub_blocks=m)
+    assert np.isfinite(np.asarray(want[0])).all() and np.isfinite(np.asarray(want[1])).all()
+    full = jnp.stack([jnp.full_like(f8, jnp.nan), f8])  # [L=2, NB, 2, bs + 1, Hkv, hd]
+    for got in (block_key_bounds(f8, ids, blens, sub_blocks=m),
+                block_key_bounds(full, ids, blens, layer=jnp.int32(1), sub_blocks=m),
+                block_key_bounds_reference(f8, ids, blens, sub_blocks=m)):
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
 @pytest.mark.parametrize("bs,m", [(16, 2), (8, 4), (32, 2)])

@@ -19,7 +19,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from pulseinfer_jax.pallas_kernels import block_scoring, gather_scatter, grouped_matmul, sparse_decode_attention  # noqa: E402
 
-from pulseinfer_jax import slot_plan  # noqa: E402
+from pulseinfer_jax import kv_quant, slot_plan  # noqa: E402
 from pulseinfer_jax.aot import check  # noqa: E402
 from pulseinfer_jax.aot.programs import program, spec  # noqa: E402
 from pulseinfer_jax.aot.ptxas import PtxasRecorder  # noqa: E402
@@ -53,17 +53,29 @@ def _ok(row):
     return row
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float8_e4m3fn"])
 @pytest.mark.parametrize("b,hkv,group,hd,bs,rows", [(2, 2, 4, 64, 16, 1), (1, 4, 8, 128, 8, 4), (3, 1, 1, 64, 32, 1),
                                                     (8, 8, 4, 128, 16, 1), (8, 8, 4, 128, 16, 8)])
 def test_sparse_decode_attention_compiles(compiler, dtype, b, hkv, group, hd, bs, rows):
-    args = (spec((b, hkv * group, hd), dtype), spec((97, 2, bs, hkv, hd), dtype), spec((b, rows, 37), I32),
-            spec((b, rows, 37), I32))
+    """float8: the cache's storage (e4m3 bytes plus a scale-code row, bs + 1 rows of uint8) under bfloat16 queries."""
+    q_dtype = "bfloat16" if dtype == "float8_e4m3fn" else dtype
+    pool = spec((97, 2, kv_quant.block_rows(bs, hd, dtype), hkv, hd), kv_quant.storage_dtype(dtype))
+    args = (spec((b, hkv * group, hd), q_dtype), pool,
+            spec((b, rows, 37), I32), spec((b, rows, 37), I32))
     row = _ok(compiler(_kernel(sparse_decode_attention.sparse_decode_attention, args, "sparse_decode_attention")))
     assert row["max_shared_memory"] <= 232448
     # the paddings (query rows to 16; the 37 entries to whole splits), the kernel, and the split-K merge as
     # elementwise fusions in at most two kernels (its reductions over the splits were four)
     assert row["cost"]["launches"] <= 6, [k["name"] for k in row["kernels"]]
+
+
+@pytest.mark.parametrize("bs,hd", [(16, 128), (8, 64)])
+def test_float8_pool_under_float32_queries_compiles_without_spills(compiler, bs, hd):
+    """float32 queries over a float8 pool compute in float32: one software-pipelining stage by default (two spill
+    ~400 bytes of registers at these tiles)."""
+    args = (spec((4, 32, hd), "float32"), spec((97, 2, bs + 1, 8, hd), kv_quant.STORAGE), spec((4, 1, 37), I32),
+            spec((4, 1, 37), I32))
+    _ok(compiler(_kernel(sparse_decode_attention.sparse_decode_attention, args, "sparse_decode_attention")))
 
 
 @pytest.mark.parametrize("dtype,bs,hd", [("bfloat16", 16, 128), ("float32", 16, 128), ("bfloat16", 8, 64),

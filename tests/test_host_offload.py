@@ -12,6 +12,8 @@ from pulseinfer_jax.host_offload.host_pool import NULL_ROW, HostKVPool, probe_ho
 from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.host_offload.slot_cache import SlotCache, SlotTable
 
+from pulseinfer_jax.kv_quant import block_rows
+
 L, NB, BS, HKV, HD = 4, 9, 4, 2, 8
 
 
@@ -20,22 +22,27 @@ def _pool(rows=12, first_layer=1, dtype=jnp.float32, io="xla"):
                       head_dim=HD, dtype=dtype, device=jax.devices()[0], io=io)
 
 
-def _kv(seed, dtype=np.float32):
-    kv = np.random.default_rng(seed).standard_normal((L, NB, 2, BS, HKV, HD)).astype(dtype)
+def _kv(seed, dtype=np.float32, rows=BS):
+    if dtype == jnp.uint8:  # float8 KV's bytes: any byte, e4m3 NaNs (0x7f, 0xff) included
+        return np.random.default_rng(seed).integers(0, 256, (L, NB, 2, rows, HKV, HD), np.uint8)
+    kv = np.random.default_rng(seed).standard_normal((L, NB, 2, rows, HKV, HD)).astype(dtype)
     kv[:, 4, 1, 2, 1, 3] = np.nan  # NaN payloads must survive the copies
     return kv
 
 
 @pytest.mark.parametrize("io", ["xla", "numpy"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.uint8])  # (uint8: float8 KV's bytes)
 def test_host_pool_round_trip_bit_exact(dtype, io):
+    """(float8: blocks of BS + 1 rows, the last one the scale codes: moved with the block, never re-quantised.)"""
     pool = _pool(dtype=dtype, io=io)
+    rs = block_rows(BS, HD, dtype)
+    assert pool.shape[3] == rs
     assert pool.io_name == io
     if io == "xla":
         assert pool.pool.sharding.memory_kind == "pinned_host"
     else:
         assert isinstance(pool.pool, np.ndarray)
-    kv_np = _kv(0).astype(dtype)
+    kv_np = _kv(0, dtype, rows=rs)
     kv = jnp.asarray(kv_np)
     rows = pool.allocate(3, owner=5)
     gpu = [4, 2, 7]
@@ -46,7 +53,7 @@ def test_host_pool_round_trip_bit_exact(dtype, io):
             np.testing.assert_array_equal(pool.read(layer, r).view(np.uint8), kv_np[layer + 1, g].view(np.uint8))
     # coalesced whole blocks: one copy, padded to a power of two, real rows first in the given order
     st = pool.gather_blocks(1, [rows[2], rows[0], rows[1]])
-    assert st.sharding.memory_kind == "device" and st.shape == (4, 2, BS, HKV, HD)
+    assert st.sharding.memory_kind == "device" and st.shape == (4, 2, rs, HKV, HD)
     np.testing.assert_array_equal(np.asarray(st)[:3].view(np.uint8), kv_np[2, [7, 4, 2]].view(np.uint8))
     assert (pool.h2d_copies, pool.h2d_bytes) == (1, 3 * pool.layer_block_bytes)
     # (block, head) units: coalesced (one copy) and fragmented (one copy per unit) move the same bits
@@ -60,7 +67,7 @@ def test_host_pool_round_trip_bit_exact(dtype, io):
     assert pool.h2d_bytes == 3 * pool.layer_block_bytes + 2 * 3 * pool.unit_bytes
     assert pool.unit_bytes * HKV == pool.layer_block_bytes
     # a later write-back of the same row wins, and a write is visible to the very next gather
-    kv2 = jnp.asarray(_kv(1).astype(dtype))
+    kv2 = jnp.asarray(_kv(1, dtype, rows=rs))
     pool.write_back(kv2, [3], [rows[1]])
     np.testing.assert_array_equal(np.asarray(pool.gather_blocks(2, [rows[1]]))[0].view(np.uint8),
                                   np.asarray(kv2)[3, 3].view(np.uint8))

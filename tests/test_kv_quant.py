@@ -89,3 +89,76 @@ def test_the_fp8_bench_runs_on_a_real_checkpoint(tmp_path):
         assert len(rows) == 2 and all(np.isfinite(list(row.values())).all() for row in rows)
         assert all(row["k_rel_err"] < 2.0 ** -4 and row["v_rel_err"] < 2.0 ** -4 for row in rows)
     assert r["summary"]["token"]["bytes_per_kv_element"] > r["summary"]["block"]["bytes_per_kv_element"] > 1
+
+
+# ---- the cache's float8 storage: values + one scale code per (token, head) in row bs ----------------------------
+def test_packed_blocks_hold_values_and_codes_and_unpack_exactly():
+    from pulseinfer_jax import kv_quant as kq
+
+    x = _kv(3, (3, 16, 2, 64))
+    x[1] = 0.0  # an all-zero block: codes of scale 1, zeros back
+    x[2, 4, 0] *= 1e4  # an outlier token costs only itself
+    blocks = kq.pack_blocks(jnp.asarray(x), FP8)
+    assert blocks.shape == (3, 17, 2, 64) and blocks.dtype == kq.STORAGE  # (e4m3 bytes and codes, as uint8)
+    q, s = quantize(jnp.asarray(x), "token", pow2=True)
+    back = np.asarray(kq.unpack_blocks(blocks, jnp.float32))
+    assert np.array_equal(back, np.asarray(dequantize(q, s)))  # values x power-of-two scales: exact
+    assert np.all(back[1] == 0.0)
+    scale = np.asarray(s)[..., 0]
+    assert np.all(np.log2(scale) == np.round(np.log2(scale)))  # powers of two, amax in (224, 448]
+    amax = np.abs(x).max(-1)
+    live = amax > 0
+    assert np.all((amax / scale)[live] <= FP8_MAX) and np.all((amax / scale)[live] > FP8_MAX / 2)
+    codes = np.asarray(blocks[:, 16]).view(np.uint8)  # [3, H, hd]: codes in the first bs bytes, zeros after
+    assert np.all((codes[..., :16] >= kq.CODE_MIN) & (codes[..., :16] <= kq.CODE_MAX)) and not codes[..., 16:].any()
+    # bf16 output is exact too (e4m3 values fit bf16's mantissa; the scales its exponent)
+    assert np.array_equal(np.asarray(kq.unpack_blocks(blocks, jnp.bfloat16), np.float32), back)
+    # other dtypes: a cast, no code row
+    assert kq.pack_blocks(jnp.asarray(x), jnp.bfloat16).shape == x.shape
+
+
+def test_extreme_magnitudes_clamp_to_the_codes_range_without_nan():
+    from pulseinfer_jax import kv_quant as kq
+
+    x = np.zeros((1, 4, 1, 16), np.float32)
+    x[0, 0] = 1e-30
+    x[0, 1] = 3e38
+    x[0, 2, 0, 0] = -7.0
+    back = np.asarray(kq.unpack_blocks(kq.pack_blocks(jnp.asarray(x), FP8), jnp.float32))
+    assert np.all(np.isfinite(back))
+    assert back[0, 2, 0, 0] == -7.0 and back[0, 1, 0, 0] == FP8_MAX * 2.0 ** 62  # saturated at the largest scale
+
+
+def test_write_tokens_appends_without_touching_the_block():
+    """A decode append writes one token's values and codes; the block's other tokens stay bit for bit, and the result
+    is what packing the whole block at once gives."""
+    from pulseinfer_jax import kv_quant as kq
+
+    x = jnp.asarray(_kv(4, (16, 2, 64)))
+    full = kq.pack_blocks(x, FP8)
+    kv = jnp.zeros((2, 3, 2, 17, 2, 64), kq.STORAGE)
+    kv = kv.at[1, 2, 0].set(kq.pack_blocks(x.at[9:].set(0.0), FP8))  # tokens 0..8 prefilled
+    before = np.asarray(kv).view(np.uint8).copy()
+    kv = kq.write_tokens(kv, jnp.array([1]), jnp.array([2]), jnp.array([9]), x[9][None], x[9][None])
+    after = np.asarray(kv).view(np.uint8)
+    assert np.array_equal(after[1, 2, 0, 9], np.asarray(full).view(np.uint8)[9])
+    assert np.array_equal(after[1, 2, 0, 16, :, 9], np.asarray(full).view(np.uint8)[16, :, 9])
+    changed = np.argwhere(after != before)
+    assert {tuple(c[:4]) for c in changed} <= {(1, 2, 0, 9), (1, 2, 1, 9), (1, 2, 0, 16), (1, 2, 1, 16)}
+    assert all(c[3] != 16 or c[5] == 9 for c in changed)  # in the code rows, only token 9's byte
+
+
+def test_storage_geometry_and_refusals():
+    from pulseinfer_jax import kv_quant as kq
+
+    assert kq.block_rows(16, 64, FP8) == 17 and kq.block_rows(16, 64, jnp.bfloat16) == 16
+    assert kq.layer_block_bytes(16, 8, 128, FP8) * 32 == kq.layer_block_bytes(16, 8, 128, jnp.bfloat16) * 17
+    assert kq.tokens_per_block(jnp.zeros((3, 2, 17, 2, 64), kq.STORAGE)) == 16
+    assert kq.tokens_per_block(jnp.zeros((3, 2, 17, 2, 64), FP8)) == 16  # (a float8-typed view reads the same)
+    assert kq.resolve_kv_dtype("auto", jnp.bfloat16) == "bfloat16"
+    assert kq.resolve_kv_dtype("float8_e4m3fn", jnp.bfloat16) == "float8_e4m3fn"
+    assert kq.storage_dtype("float8_e4m3fn") == jnp.uint8 and kq.storage_dtype("bfloat16") == jnp.bfloat16
+    with pytest.raises(ValueError, match="block_size <= 16"):
+        kq.block_rows(32, 16, FP8)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        kq.resolve_kv_dtype("int8", jnp.float32)

@@ -17,6 +17,7 @@ from pulseinfer_jax.pallas_kernels.sparse_decode_attention import (
     sparse_decode_attention_reference,
 )
 
+from pulseinfer_jax import kv_quant
 from pulseinfer_jax.attention import paged_decode_attention
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -219,6 +220,82 @@ def test_merge_ignores_garbage_in_empty_partials():
         merge_attention_partials([])
     with pytest.raises(ValueError, match="partial 1"):
         merge_attention_partials([(o, jnp.zeros((1, 2)), jnp.ones((1, 2))), (o[:, :1], o[:, :1, 0], o[:, :1, 0])])
+
+
+NAN8 = 0x7F  # a float8_e4m3fn NaN byte
+
+
+def _make_f8_case(rng, lengths, *, hkv, group, hd, bs, q_dtype, spare_blocks=2) -> Case:
+    """`_make_case`'s layout in the cache's float8 storage: K and V of every block packed by `kv_quant.pack_blocks`
+    (values in rows 0..bs-1, scale codes in row bs) from values whose magnitude varies per (token, head), so the
+    codes differ; then the value AND code bytes of every unwritten slot, and of every block no sequence owns, are
+    NaN bytes: a read the kernel should mask shows up as a NaN or a wrong scale."""
+    nblk = [-(-n // bs) for n in lengths]
+    nb = 1 + sum(nblk) + spare_blocks
+    perm = rng.permutation(np.arange(1, nb))
+    mag = np.exp2(rng.uniform(-2, 2, (nb, 2, bs, hkv, 1)))
+    pool = kv_quant.pack_blocks(jnp.asarray(rng.standard_normal((nb, 2, bs, hkv, hd)) * mag, jnp.float32),
+                                jnp.float8_e4m3fn)  # [NB, 2, bs + 1, Hkv, hd] uint8 (the cache's storage)
+    raw = np.array(pool)
+    fill = np.zeros(nb, np.int64)  # tokens written per physical block (0: unused)
+    tables, used = [], 0
+    for n, c in zip(lengths, nblk, strict=True):
+        table = perm[used:used + c]
+        used += c
+        fill[table] = np.minimum(bs, n - np.arange(c) * bs)
+        tables.append(table)
+    for blk in range(nb):
+        raw[blk, :, fill[blk]:bs] = NAN8  # values of the unwritten slots
+        raw[blk, :, bs, :, fill[blk]:] = NAN8  # their codes (and the code row's padding)
+    pool = jnp.asarray(raw)
+    q = rng.standard_normal((len(lengths), hkv * group, hd)).astype(np.float32)
+    return Case(jnp.asarray(q, q_dtype), pool, tables, list(lengths))
+
+
+# bs == hd (a full code row), SoloHead and headwise, bfloat16 and float32 queries
+@pytest.mark.parametrize("q_dtype,bs,group,hd,headwise", [
+    (jnp.float32, 8, 2, 32, False),
+    (jnp.bfloat16, 16, 4, 64, True),
+    (jnp.float32, 16, 1, 16, True),
+    (jnp.bfloat16, 8, 2, 64, False),
+])
+def test_float8_pool_matches_dequantise_then_attend(q_dtype, bs, group, hd, headwise):
+    """A float8 pool (values + scale codes) attends as its dequantised float32 pool: kernel against the float64
+    oracle on the dequantised pool (TOL), the reference against the reference on that pool (float32 rounding).
+    Entries cover lengths 0, 1, bs - 1 and bs in shuffled blocks, with -1 padding between them."""
+    rng = np.random.default_rng([bs, group, hd, headwise, q_dtype == jnp.float32, 8])
+    hkv = 2
+    case = _make_f8_case(rng, [1, bs - 1, bs, 2 * bs + 1], hkv=hkv, group=group, hd=hd, bs=bs, q_dtype=q_dtype)
+    ids, lens = _sparse_lists(rng, case, bs, rows=hkv if headwise else 1, k=5)
+    pad = np.argwhere(ids < 0)[0]
+    ids[tuple(pad)] = case.tables[3][0]  # a real (full) block listed with 0 tokens
+    assert {0, 1, bs - 1, bs} <= set(lens[ids >= 0].tolist())
+    dequantised = kv_quant.unpack_blocks(case.pool, jnp.float32)  # [NB, 2, bs, Hkv, hd], NaN where poisoned
+    want = _oracle(case.q, dequantised, ids, lens)
+
+    got = _run(case, ids, lens)
+    _assert_close(got, want, q_dtype)
+    assert got[0].dtype == q_dtype
+    if q_dtype == jnp.float32:  # several steps and splits: the same partials as one step
+        steps = _run(case, ids, lens, split_k=2, blocks_per_step=max(1, 16 // bs))
+        for x, y in zip(steps, got, strict=True):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6, rtol=2e-6)
+
+    ref = sparse_decode_attention_reference(case.q, case.pool, jnp.asarray(ids), jnp.asarray(lens))
+    _assert_close(ref, want, q_dtype)
+    plain = sparse_decode_attention_reference(case.q, dequantised, jnp.asarray(ids), jnp.asarray(lens))
+    for x, y in zip(ref, plain, strict=True):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows,hd,match", [(33, 16, "float8"), (16, 64, "block_size")])
+def test_float8_pool_shape_errors(rows, hd, match):
+    """A float8 pool's block size is rows - 1: at most head_dim (the code row), and a power of two."""
+    q = jnp.zeros((1, 8, hd), jnp.bfloat16)
+    pool = jnp.zeros((4, 2, rows, 4, hd), kv_quant.STORAGE)
+    ids = jnp.zeros((1, 1, 2), jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        sparse_decode_attention(q, pool, ids, ids)
 
 
 @pytest.mark.parametrize("q_shape,pool_shape,ids_shape,kw,match", [

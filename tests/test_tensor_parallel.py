@@ -201,3 +201,15 @@ def test_weights_load_into_their_shards_bit_for_bit(monkeypatch, layout):
     if layout == "stacked":  # every split weight's host array: one device's shard
         split = [(s, o) for s, o in built if int(np.prod(o)) < int(np.prod(s))]
         assert split and all(int(np.prod(o)) * 4 == int(np.prod(s)) for s, o in split)
+
+
+def test_float8_kv_splits_with_its_scale_codes():
+    """A float8 cache splits by KV head with each head's scale codes (row bs of its blocks): the same sparse
+    offloaded tokens on two devices as on one, the host pool and the recalls at float8's bytes."""
+    kw = dict(budget_tokens=24, kv_dtype="float8_e4m3fn", **OFFLOAD)
+    e1, one, _ = _run(TINY / "llama31", 1, max_new=12, **kw)
+    e2, split, _ = _run(TINY / "llama31", 2, max_new=12, **kw)
+    assert split == one
+    _assert_split(e2)
+    assert e2.kv.dtype == jax.numpy.uint8 and e2.kv.shape[3] == BASE["block_size"] + 1  # (float8's bytes)
+    assert e2.host_pool.h2d_bytes == e1.host_pool.h2d_bytes > 0

@@ -32,6 +32,7 @@ from pulseinfer_jax.host_offload import numpy_io, xla_io
 from pulseinfer_jax.host_offload.blocks import blocks_for, bucket
 from pulseinfer_jax.host_offload.placement import SparseKV
 from pulseinfer_jax.kv_cache import bucket_blocks
+from pulseinfer_jax.kv_quant import block_rows, resolve_kv_dtype, storage_dtype
 from pulseinfer_jax.layer_inputs import KeyBounds, ScoringBounds, SelectSpec, SparseLayerRefs
 from pulseinfer_jax.models.moe import MoEOptions
 from pulseinfer_jax.models.transformer import Transformer
@@ -88,10 +89,19 @@ class EngineShapes:
     def stacked_params(self) -> dict:
         return specs_of(jax.eval_shape(self.model.init, jax.random.key(0)))
 
+    @property
+    def kv_dtype(self) -> jnp.dtype:
+        """The cache arrays' dtype (EngineConfig.kv_dtype: the model's, or float8's bytes with scale codes)."""
+        return storage_dtype(resolve_kv_dtype(self.config.kv_dtype, self.model.dtype))
+
+    @property
+    def kv_rows(self) -> int:
+        """Rows of a block's K (and V): block_size, plus float8's scale-code row."""
+        return block_rows(self.config.block_size, self.model.cfg.head_dim, self.kv_dtype)
+
     def kv(self, num_blocks: int) -> Spec:
         c = self.model.cfg
-        return spec((c.num_layers, num_blocks, 2, self.config.block_size, c.num_kv_heads, c.head_dim),
-                    self.model.dtype)
+        return spec((c.num_layers, num_blocks, 2, self.kv_rows, c.num_kv_heads, c.head_dim), self.kv_dtype)
 
     def x(self, batch: int, tokens: int = 1) -> Spec:
         return spec((batch, tokens, self.model.cfg.hidden_size), self.model.dtype)
@@ -228,7 +238,7 @@ class SparseLayout:
         reqs = [_Request(n, max_new_tokens) for n in prompts]
         cap = cap_bytes or cfg.gpu_kv_budget or 1 << 62
         meta_item = cfg.scoring.metadata_dtype(es.model.dtype).itemsize
-        sizes = pool_sizes(cfg, c, jnp.dtype(es.model.dtype).itemsize, meta_item, reqs, cap)
+        sizes = pool_sizes(cfg, c, es.kv_dtype, meta_item, reqs, cap)
         plan, nb = sizes.plan, sizes.num_blocks
         align = cfg.scoring.coarse_group  # host rows go out in aligned extents (the first holds the null row)
         out, next_block, next_row = [], 1, align if align > 1 else 1
@@ -271,9 +281,9 @@ class SparseLayout:
 
     @property
     def pool(self) -> Spec:
-        c, bs = self.es.model.cfg, self.es.config.block_size
+        c, rows = self.es.model.cfg, self.es.kv_rows
         memory = HOST if self.es.host_io == "xla" else None
-        return spec((self.plan.sparse_layers, self.host_rows, 2, bs, c.num_kv_heads, c.head_dim), self.es.model.dtype,
+        return spec((self.plan.sparse_layers, self.host_rows, 2, rows, c.num_kv_heads, c.head_dim), self.es.kv_dtype,
                     memory)
 
     @property
@@ -378,7 +388,7 @@ def _recall_calls(es: EngineShapes, layout: SparseLayout, recall: int, add, host
     """The host programs of one sparse layer's recall (`HostKVPool.gather_blocks` / `gather_units` /
     `fragment_units`), added `sl_n` times; returns the staging the landing call receives."""
     cfg, plan, c = es.config, layout.plan, es.model.cfg
-    bs, dt = cfg.block_size, es.model.dtype
+    bs, dt = es.kv_rows, es.kv_dtype  # (rows of a stored block: float8's scale codes travel with it)
     solo = plan.selection == "solohead"
     pool = layout.pool
     if cfg.ablation.io == "coalesced":

@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pulseinfer_jax import kv_quant
 from pulseinfer_jax.aot import catalogue as cat
 from pulseinfer_jax.aot.programs import PLACED, Call, Program, program, spec
 from pulseinfer_jax.config import EngineConfig
@@ -207,19 +208,21 @@ def calibration_points(suite: Suite) -> None:
 # ---- kernels alone -------------------------------------------------------------------------------
 def kernel_cases(suite: Suite, quick: bool = False) -> None:
     """Each Pallas kernel at bench/kernels.py's Llama-3.1-8B shapes (Hq 32, Hkv 8, hd 128, bs 16, bf16) and the
-    grouped matmul at Qwen3-30B-A3B's expert shapes."""
+    grouped matmul at Qwen3-30B-A3B's expert shapes; the sparse decode attention also over a float8 cache (values
+    and scale codes, bs + 1 rows: kv_dtype="float8_e4m3fn") at the 2,048-token budget."""
     hq, hkv, hd, bs = 32, 8, 128, 16
+    f8 = jnp.float8_e4m3fn
     batches = (1, 16) if quick else (1, 4, 16, 64)
     for budget in ((2048,) if quick else (1024, 2048, 4096)):
         k = budget // bs
         for b in batches:
             nb = b * k + 1
             for rows, mode in ((1, "solohead"), (hkv, "headwise")):
-                args = (spec((b, hq, hd), BF16), spec((nb, 2, bs, hkv, hd), BF16), spec((b, rows, k), I32),
-                        spec((b, rows, k), I32))
-                _kernel(suite, "sparse_decode_attention", sparse_decode_attention.sparse_decode_attention, args,
-                        f"{mode} budget {budget} B {b}", default=True)
-    f8 = jnp.float8_e4m3fn
+                for kv, label in ((BF16, ""), (kv_quant.STORAGE, " float8")) if budget == 2048 else ((BF16, ""),):
+                    pool = spec((nb, 2, kv_quant.block_rows(bs, hd, kv), hkv, hd), kv)
+                    args = (spec((b, hq, hd), BF16), pool, spec((b, rows, k), I32), spec((b, rows, k), I32))
+                    _kernel(suite, "sparse_decode_attention", sparse_decode_attention.sparse_decode_attention, args,
+                            f"{mode} budget {budget} B {b}{label}", default=kv == BF16)
     # (label, per query head, sub-blocks, bounds dtype); the engine's default: per query head, float8, one row
     variants = [("per KV head", False, 1, BF16), ("per head", True, 1, BF16), ("per head sub2", True, 2, BF16),
                 ("per head f8", True, 1, f8), ("per head sub2 f8", True, 2, f8), ("per KV head f8", False, 1, f8)]
@@ -280,9 +283,10 @@ def probes(suite: Suite, *, shardings) -> None:
     from pulseinfer_jax.sparse import BlockScoring
 
     sc = BlockScoring()
-    q, pool, ids = spec((1, 4, 64), BF16), spec((4, 2, 16, 2, 64), BF16), spec((1, 1, 2), I32)
+    q, ids = spec((1, 4, 64), BF16), spec((1, 1, 2), I32)
     calls = [Call(program("sparse_decode_attention", "probe", sparse_decode_attention.sparse_decode_attention,
-                          (q, pool, ids, ids)))]
+                          (q, spec((4, 2, kv_quant.block_rows(16, 64, kv), 2, 64), kv), ids, ids)))
+             for kv in (BF16, kv_quant.STORAGE)]  # the model's dtype, and a float8 cache's bytes (kv_dtype)
     meta = spec((4 * sc.sub_blocks, 2, 64), sc.metadata_dtype(BF16))
     for per_head in sorted({False, sc.per_query_head}):
         calls.append(Call(program("block_scores", "probe", block_scoring.block_scores,

@@ -55,13 +55,16 @@ def _sparse_decode_attention(ops: list[tuple[Array, ...]], outs: tuple[Array, ..
                              ) -> tuple[int, int]:
     """q [B, Hkv, Gp, hd], pool (as K) [N, 2, bs, Hkv, hd], pool (as V), ids [B, S, Kp], lens: each (b, h)
     program reads its head's [bs, hd] K and V tile of every listed entry that holds tokens (padding entries are
-    masked, not fetched): `valid` of the listed entries, as the caller knows them (1 = every entry)."""
+    masked, not fetched): `valid` of the listed entries, as the caller knows them (1 = every entry). A float8 pool's
+    blocks have bs + 1 rows: the program reads bs values rows and bs bytes of the scale-code row."""
     q, pool, _, ids, lens = (o[0] for o in ops)
     b, hkv, _, hd = q.dims
-    bs = pool.dims[2]
+    rows = pool.dims[2]
     entries = b * hkv * ids.dims[2] * valid
     item = pool.bytes // max(1, _numel(pool))
-    return int(q.bytes + ids.bytes + lens.bytes + entries * 2 * bs * hd * item), sum(o.bytes for o in outs)
+    float8 = pool.dtype == "u8" or pool.dtype.startswith("f8")  # (a float8 cache is stored as bytes)
+    per_tile = (rows - 1) * (hd + 1) if float8 else rows * hd
+    return int(q.bytes + ids.bytes + lens.bytes + entries * 2 * per_tile * item), sum(o.bytes for o in outs)
 
 
 def _block_scores(ops, outs, valid: float = 1.0) -> tuple[int, int]:

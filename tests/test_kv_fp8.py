@@ -1,0 +1,121 @@
+"""float8 KV cache (kv_dtype="float8_e4m3fn") end to end: the model's logits through it are exactly those of the model
+with K / V rounded as it stores them, near the goldens; bytes per block, pool sizes and recall bytes at float8's;
+the choice reported; refusals. (Kernels: test_sparse_decode_attention.py; attention: test_attention.py; host pool
+transfers: test_host_offload.py; offload paths: test_offload.py; tensor parallel: test_tensor_parallel.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY, TINY_FAMILIES
+from pulseinfer_jax.models.loading import load_model
+from test_hf_parity import _golden
+
+from pulseinfer_jax import Engine, EngineConfig, attention, generate_long
+from pulseinfer_jax import kv_quant as kq
+from pulseinfer_jax.kv_cache import CacheSpec
+from pulseinfer_jax.runner import decode_step, prefill_step
+
+FP8 = kq.STORAGE  # the float8 cache's arrays: e4m3 bytes and scale codes as uint8
+GOLDEN_MEAN_ERR = 0.15  # mean |logit error| over the golden positions, in units of the logits' std (measured <= 0.093)
+
+
+def _logits(m, prompt, kv_dtype, bs=16, chunk=16):
+    """Prefill the first half of `prompt` in chunks through a shuffled paged cache of `kv_dtype`, decode the rest;
+    every position's logits [n - half + 1, V]."""
+    c = m.cfg
+    kv = CacheSpec(c.num_layers, 40, c.num_kv_heads, bs, c.head_dim, kv_dtype).allocate()
+    n = len(prompt)
+    table = np.zeros(16, np.int32)
+    table[:-(-n // bs)] = np.random.default_rng(n).permutation(np.arange(1, 40))[:-(-n // bs)]
+    half = max(1, n // 2)
+    for start in range(0, half, chunk):
+        k = min(chunk, half - start)
+        toks = np.zeros(chunk, np.int32)
+        toks[:k] = prompt[start:start + k]
+        kv, last = prefill_step(m.transformer, m.params, kv, jnp.asarray(toks), jnp.int32(start), jnp.int32(k),
+                                jnp.asarray(table), key_chunk=chunk)
+    out = [np.asarray(last)]
+    for pos in range(half, n):
+        kv, lg = decode_step(m.transformer, m.params, kv, jnp.asarray([prompt[pos]], jnp.int32),
+                             jnp.asarray([pos], jnp.int32), jnp.asarray(table[None]))
+        out.append(np.asarray(lg[0]))
+    return np.stack(out), half
+
+
+def _rounded(x):
+    values, codes = kq.encode(x)
+    return (kq.as_float8(values).astype(jnp.float32) * kq.code_scales(codes)[..., None]).astype(x.dtype)
+
+
+@pytest.mark.parametrize("family", ["llama31", "qwen3"])
+def test_float8_cache_is_the_model_with_rounded_kv(monkeypatch, family):
+    """Through a float8 cache the model computes exactly what it computes over a float32 cache whose writes are K / V
+    rounded the same way (kv_quant.encode): nothing else is lost, nothing re-quantised, no stray slot read."""
+    m = load_model(TINY / family)
+    prompt = _golden(family)[0][0]
+    fp8, _ = _logits(m, prompt, FP8, bs=4, chunk=8)
+    pack, write = attention.pack_blocks, attention.write_tokens
+    monkeypatch.setattr(attention, "pack_blocks", lambda x, dt: pack(_rounded(x), dt))
+    monkeypatch.setattr(attention, "write_tokens", lambda kv, li, bi, off, k, v: write(kv, li, bi, off, _rounded(k),
+                                                                                       _rounded(v)))
+    jax.clear_caches()  # (the float32 programs must trace the patched writers)
+    rounded, _ = _logits(m, prompt, jnp.float32, bs=4, chunk=8)
+    monkeypatch.undo()
+    jax.clear_caches()
+    np.testing.assert_allclose(fp8, rounded, atol=1e-5, rtol=1e-5)
+
+
+def test_float8_logits_near_the_goldens():
+    """Every tiny family through a float8 cache: mean |logit error| against the float32 goldens within
+    GOLDEN_MEAN_ERR of the logits' std. (The tiny checkpoints are random, head_dim 16 / 32: a much harsher case than a
+    trained model, bench/RESULTS.md "float8 KV" has SmolLM2's numbers.)"""
+    for family in TINY_FAMILIES:
+        m = load_model(TINY / family)
+        for prompt, logits, _ in _golden(family):
+            got, half = _logits(m, prompt, FP8)
+            want = logits[half - 1:]
+            assert np.isfinite(got).all()
+            err = np.abs(got - want).mean() / want.std()
+            assert err <= GOLDEN_MEAN_ERR, (family, err)
+
+
+def test_float8_bytes_pools_and_recalls(tiny4):
+    """The same GPU byte budget holds 64 / 17 x the tokens of a float32 cache (1 + 1/16 bytes per element against 4),
+    the host pool's rows and every recall move float8 blocks, and the results report the choice."""
+    prompts = [np.random.default_rng(i).integers(3, tiny4.cfg.vocab_size, n).tolist() for i, n in enumerate((61, 38))]
+    base = dict(block_size=16, max_batch=4, prefill_chunk=32, key_chunk=32, gpu_kv_budget=1 << 20)
+    engines = {}
+    for kv in ("auto", "float8_e4m3fn"):
+        e = Engine(tiny4, EngineConfig.of(**base, kv_dtype=kv))
+        e.ensure_pool(None)
+        engines[kv] = e
+    f32, f8 = engines["auto"], engines["float8_e4m3fn"]
+    assert f8.kv.dtype == FP8 and f8.kv.shape[3] == 17 and f32.kv.shape[3] == 16
+    assert f8.spec.bytes_per_block * 64 == f32.spec.bytes_per_block * 17
+    assert f8.spec.num_blocks == (1 << 20) // f8.spec.bytes_per_block  # (the budget's blocks)
+    assert f8.kv.nbytes == f8.spec.total_bytes
+    res = generate_long(prompts, tiny4, max_new_tokens=12, ignore_eos=True, engine_config=EngineConfig.of(
+        **base, kv_dtype="float8_e4m3fn", mode="offload", budget_tokens=48, window_tokens=16, dense_layers=2))
+    pool_bytes = kq.layer_block_bytes(16, tiny4.cfg.num_kv_heads, tiny4.cfg.head_dim, FP8)  # (1-byte elements)
+    for r in res:
+        s = r.stats
+        assert s["kv_dtype"] == "float8_e4m3fn" and s["offloaded"]
+        assert s["recalled_blocks"] > 0 and s["recall_bytes"] == s["recalled_blocks"] * pool_bytes
+
+
+def test_float8_refusals_and_report(tiny):
+    with pytest.raises(ValueError, match="kv_dtype"):
+        EngineConfig.of(kv_dtype="int8")
+    with pytest.raises(ValueError, match="block_size <= 16"):  # one code row holds head_dim codes
+        Engine(tiny, EngineConfig.of(kv_dtype="float8_e4m3fn", block_size=32, prefill_chunk=64, key_chunk=64))
+    e = Engine(tiny, EngineConfig.of(kv_dtype="float8_e4m3fn"))
+    assert e.backends.as_dict()["kv_dtype"] == "float8_e4m3fn"
+    assert "kv_dtype float8_e4m3fn: as configured" in e.backends.summary()
+    assert Engine(tiny, EngineConfig()).backends.kv_dtype == "float32"
+
+
+def test_the_startup_check_runs_the_float8_kernel():
+    from pulseinfer_jax.backends import probe_pallas
+
+    assert probe_pallas(jax.devices()[0], jnp.bfloat16, kv_dtype="float8_e4m3fn", interpret=True) is None
