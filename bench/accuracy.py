@@ -60,7 +60,8 @@ def passkey(model, cfg, lengths, depths) -> dict:
     for n in lengths:
         keys = [10000 + 7919 * i for i in range(len(depths))]
         prompts = [passkey_prompt(model.tokenizer, n, d, k) for d, k in zip(depths, keys, strict=True)]
-        res = generate_long(prompts, model, max_new_tokens=12, engine_config=cfg)
+        # a completion prompt ("... The pass key is"), not a chat turn (as pulseinfer_jax.demo runs it)
+        res = generate_long(prompts, model, max_new_tokens=12, chat=False, engine_config=cfg)
         out[n] = [str(k) in r.text for k, r in zip(keys, res, strict=True)]
     return out
 

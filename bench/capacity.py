@@ -69,19 +69,21 @@ def admit(model_cfg, config, prompts: list[int], gpu_budget: int, host_bytes: in
     from pulseinfer_jax.host_offload.blocks import BlockAllocator, blocks_for
 
     from pulseinfer_jax.ioaa import IOAAConfig
+    from pulseinfer_jax.kv_quant import layer_block_bytes, resolve_kv_dtype, storage_dtype
     from pulseinfer_jax.offload import OffloadPlacer, metadata_bytes, pool_sizes
     from pulseinfer_jax.sampling import SamplingParams
     from pulseinfer_jax.scheduler import FixedStepTime, Request, Scheduler
 
     c, bs = model_cfg, config.block_size
-    per_block = c.num_layers * 2 * c.num_kv_heads * bs * c.head_dim * 2
+    kv = storage_dtype(resolve_kv_dtype(config.kv_dtype, "bfloat16"))  # a bf16 model's KV, or float8's bytes
+    per_block = c.num_layers * layer_block_bytes(bs, c.num_kv_heads, c.head_dim, kv)
     row_bytes = (c.num_layers - config.offload.dense_layers) * per_block // c.num_layers
     reqs = [Request(i, range(p), SamplingParams(max_new_tokens=NEW_TOKENS), NEW_TOKENS) for i, p in enumerate(prompts)]
     wanted = sum(blocks_for(r.need_tokens, bs) for r in reqs) * row_bytes
     if config.mode != "dense" and wanted > host_bytes:  # the host pool: what they need, within the pinned memory
         config = config.with_settings(host_kv_tokens=max(bs, host_bytes // row_bytes * bs))
     try:
-        sizes = pool_sizes(config, c, "bfloat16", config.scoring.metadata_dtype("bfloat16").itemsize, reqs, gpu_budget)
+        sizes = pool_sizes(config, c, kv, config.scoring.metadata_dtype("bfloat16").itemsize, reqs, gpu_budget)
     except ValueError:
         return Run(0, len(prompts), 0, 0)
     alloc = BlockAllocator(sizes.num_blocks)
@@ -132,20 +134,22 @@ def accounting(args) -> dict:
     budget = kv_cap(cfg, int(args.hbm_gb * 1e9))
     lengths = [int(x) for x in args.lengths.split(",")]
     rows, h2d = [], args.h2d_gbs * 1e9
-    for host_gb in (float(x) for x in args.host_gb.split(",")):
+    for kv_dtype, host_gb in ((k, float(x)) for k in args.kv_dtypes.split(",") for x in args.host_gb.split(",")):
         host = int(host_gb * 2**30)
         for name, over in SYSTEMS.items():
-            config = EngineConfig.of(**over, max_batch=4096, budget_tokens=args.budget_tokens)
+            config = EngineConfig.of(**over, max_batch=4096, budget_tokens=args.budget_tokens, kv_dtype=kv_dtype)
 
             def holds(prompts: list[int], config=config, host=host) -> bool:  # every request decoding at once
                 return not prompts or admit(cfg, config, prompts, budget, host, h2d).admitted == len(prompts)
 
             longest = largest(lambda p: holds([p]), 1024, 1 << 26)
-            row = {"system": name, "config": over, "host_bytes": host, "longest_prompt": longest, "concurrent": {}}
+            row = {"system": name, "config": over, "kv_dtype": kv_dtype, "host_bytes": host, "longest_prompt": longest,
+                   "concurrent": {}}
             for n in lengths:
                 row["concurrent"][str(n)] = largest(lambda k, n=n: holds([n] * k), 0, 4096)
             rows.append(row)
-            print(f"host {host_gb:6.0f} GiB  {name:20s} longest prompt {longest:>10,d} tokens; concurrent "
+            print(f"kv {kv_dtype:13s} host {host_gb:6.0f} GiB  {name:20s} longest prompt {longest:>10,d} tokens; "
+                  "concurrent "
                   + ", ".join(f"{n // 1024}K: {row['concurrent'][str(n)]}" for n in lengths), flush=True)
     return {"model": args.model, "gpu_kv_budget": budget, "hbm_gb": args.hbm_gb,
             "h2d_bytes_per_s": args.h2d_gbs * 1e9, "budget_tokens": args.budget_tokens, "new_tokens": NEW_TOKENS,
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lengths", default="32768,131072", help="request lengths (tokens) for the concurrency count")
     ap.add_argument("--budget-tokens", type=int, default=None, help="sparse attention budget (default: the engine's; "
                     "1024 with --passkey)")
+    ap.add_argument("--kv-dtypes", default="auto", help="EngineConfig.kv_dtype values, a comma list (accounting)")
     ap.add_argument("--passkey", action="store_true", help="run SmolLM2 on this machine instead (see above)")
     ap.add_argument("--tokens", type=int, default=7000)
     ap.add_argument("--depth", type=float, default=0.4)

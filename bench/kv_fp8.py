@@ -1,7 +1,8 @@
 """float8 KV on a real model's keys and values: which scale granularity keeps attention (pulseinfer_jax/kv_quant.py).
 
 Runs the model over a real text (the accuracy bench's: GPL-3 or CPython's NEWS), and at every layer quantises that
-layer's K and V to float8 e4m3 with per-(token, head) and per-(block, head) scales, then compares, for the last
+layer's K and V to float8 e4m3 with per-(token, head) scales (float32, or powers of two: the cache's stored format,
+`kv_dtype="float8_e4m3fn"`) and per-(block, head) scales, then compares, for the last
 `--queries` positions' real queries, the attention with the dequantised K / V against the exact one: relative error of
 K, V and the attention output, and the KL divergence of the attention weights. Bytes per KV element with the scales.
 
@@ -20,7 +21,9 @@ import numpy as np
 from bench.accuracy import TEXTS
 from bench.common import write_result
 
-GRANULARITIES = ("token", "block")
+# scales per (token, head): float32, a one-byte code (power of two, or float8_e5m2), bfloat16 (the engine's float8
+# cache, kv_dtype="float8_e4m3fn"); per (block, head): float32
+GRANULARITIES = ("token", "token-pow2", "token-e5m2", "token-bf16", "block")
 
 
 @jax.jit(static_argnames=("block_size", "granularity", "queries"))
@@ -33,7 +36,8 @@ def layer_errors(q, k, v, *, block_size: int, granularity: str, queries: int) ->
     g = q.shape[1] // hkv
 
     def through_fp8(a):
-        qa, s = quantize(a.reshape(t // block_size, block_size, hkv, hd), granularity)
+        g, _, code = granularity.partition("-")
+        qa, s = quantize(a.reshape(t // block_size, block_size, hkv, hd), g, code=code or None)
         return dequantize(qa, s).reshape(t, hkv, hd)
 
     k8, v8 = through_fp8(k), through_fp8(v)
@@ -77,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     from pulseinfer_jax.models.rope import rope_tables
     from pulseinfer_jax.models.transformer import split_layers
 
+    from pulseinfer_jax.kv_quant import block_rows
+
     model = load_model(a.model)
     text_path = pathlib.Path(a.text) if a.text else next((p for p in TEXTS if p.is_file()), None)
     if text_path is None or model.tokenizer is None:
@@ -102,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = {}
     for g in GRANULARITIES:
         rows = per_layer[g]
-        scales_per_elt = 4 / c.head_dim if g == "token" else 4 / (c.head_dim * a.block_size)  # float32 scales
+        # scale bytes per element: float32 scales, one-byte codes, bfloat16 scales; the cache's bfloat16 scales as
+        # stored: whole scale rows per block (kv_quant.block_rows)
+        bs = a.block_size
+        cache = block_rows(bs, c.head_dim, "float8_e4m3fn") / bs - 1
+        scales_per_elt = {"token": 4 / c.head_dim, "token-pow2": 1 / c.head_dim, "token-e5m2": 1 / c.head_dim,
+                          "token-bf16": cache, "block": 4 / (c.head_dim * bs)}[g]
         summary[g] = {**{f"{n}_mean": float(np.mean([r[n] for r in rows])) for n in rows[0] if n != "layer"},
                       **{f"{n}_worst_layer": float(np.max([r[n] for r in rows])) for n in rows[0] if n != "layer"},
                       "bytes_per_kv_element": 1 + scales_per_elt}

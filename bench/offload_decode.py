@@ -3,6 +3,7 @@
     python bench/offload_decode.py                                    # CPU: SmolLM2, 2 x ~4K-token haystacks
     python bench/offload_decode.py --model random:llama-3.1-8b --dtype bfloat16 --context 8192 --batch 4 --out DIR
     python bench/offload_decode.py --smoke                            # tiny random model (script check)
+    python bench/offload_decode.py --dtype bfloat16 --kv-dtype float8_e4m3fn --name offload_decode_cpu_bf16_kv_fp8
 
 Each system runs in its own engine on the same prompts, twice (the first run compiles every shape, the second
 is measured): the prompts are prefilled (timed apart), two decode steps run untimed, then `--steps` decode
@@ -120,6 +121,8 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma list of {', '.join(SYSTEMS)}")
+    ap.add_argument("--kv-dtype", default="auto", help="EngineConfig.kv_dtype: auto (the model's) or float8_e4m3fn")
+    ap.add_argument("--name", default=None, help="result file name (default offload_decode_<platform>)")
     ap.add_argument("--smoke", action="store_true", help="tiny random model and sizes (CPU check of the script)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -135,10 +138,10 @@ def main() -> int:
     model = load_model(args.model, dtype=args.dtype)
     prompts, prompt_kind = make_prompts(model, args.context, args.batch)
     base = dict(block_size=args.block_size, budget_tokens=args.budget_tokens, max_batch=max(args.batch, 1),
-                dense_layers=args.dense_layers)
+                dense_layers=args.dense_layers, kv_dtype=args.kv_dtype)
     import jax
 
-    out_name = "offload_decode_smoke" if args.smoke else f"offload_decode_{jax.devices()[0].platform}"
+    out_name = "offload_decode_smoke" if args.smoke else args.name or f"offload_decode_{jax.devices()[0].platform}"
     meta = {"model": args.model or "SmolLM2-135M-Instruct (GGUF)", "dtype": args.dtype, "context": args.context,
             "prompt_kind": prompt_kind, "prompt_tokens": [len(p) for p in prompts], "engine": base}
     rows = []

@@ -71,7 +71,7 @@ class HostKVPool:
         if io not in HOST_IO:
             raise ValueError(f"host pool io={io!r}; use one of {', '.join(HOST_IO)}")
         self.first_layer = first_layer  # GPU layer of pool layer 0
-        rows = block_rows(block_size, head_dim, dtype)  # (float8: one more, the scale codes)
+        rows = block_rows(block_size, head_dim, dtype)  # (float8: more, the scales)
         self.shape = (num_layers - first_layer, num_rows, 2, rows, num_kv_heads, head_dim)
         self.dtype = jnp.dtype(dtype)
         # under tensor parallelism (`device` a DeviceLayout over several devices) the pool is split by KV head, each

@@ -15,8 +15,8 @@ step.
 With m = `sub_blocks` > 1 each block has m rows, the bounds of its m equal token slices (finer bounds,
 m times the bytes; `block_scoring` combines them).
 
-A float8 pool (`kv_quant`: float8_e4m3fn values plus a scale-code row, [NB, 2, bs + 1, Hkv, hd]) is read
-through its codes: the bounds are those of the dequantised keys (float8 x power-of-two scale, exact in
+A float8 pool (`kv_quant`: float8_e4m3fn values plus their bfloat16 scales, [NB, 2, bs + r, Hkv, hd]) is read
+through its scales: the bounds are those of the dequantised keys (float8 x bfloat16 scale, exact in
 float32), i.e. exactly the keys attention reads, so they bound its scores as they do for any other dtype.
 
 No Pallas kernel here, on purpose: the op is a gather of `n` blocks followed by a masked min/max over
@@ -62,7 +62,7 @@ def block_key_bounds(
 
     pool: one layer's [NB, 2, rows, Hkv, hd] pool, or (with `layer`, a possibly traced index) the full
       [L, NB, 2, rows, Hkv, hd] cache: then only the listed blocks of that layer are read, no layer copy.
-      rows = bs, or bs + 1 for float8_e4m3fn with scale codes: then the bounds are the dequantised keys'.
+      rows = bs, or bs + r for float8_e4m3fn with its scale rows: then the bounds are the dequantised keys'.
     block_ids: physical block ids in [0, NB) (out-of-range ids are clamped: keep them in range).
     block_lens: valid tokens per listed block, in [0, bs] (clamped). Slots at or beyond the length are
       never read into the result, whatever they hold (NaN included).

@@ -4,7 +4,7 @@
 
 q [B, Hq, hd] attends (GQA, Hq = G * Hkv) to the tokens of the blocks listed in `block_ids`
 [B, S, K] of one layer's pool [NB, 2, rows, Hkv, hd] (see pulseinfer_jax/kv_cache.py; rows = bs, or
-bs + 1 for a float8 pool, below). S == 1 is SoloHead (one list per sequence, shared by every KV
+bs + r for a float8 pool, below). S == 1 is SoloHead (one list per sequence, shared by every KV
 head); S == Hkv is headwise selection (one list per (sequence, KV head)). Entry k covers slots
 0 .. block_lens[..., k] - 1 of its block; ids < 0 are padding and are never read. The result is the
 partial attention (o, m, l) over exactly those tokens (see merge.py), so attention over a union of
@@ -35,18 +35,16 @@ acc = acc * alpha + dot(p, V). A fully masked step or split leaves m = -inf and 
 (the exponent offset is 0 while m is -inf). The wrapper normalises each split and merges the
 splits with `merge_stacked_partials` (tiny: [split_k, B, Hq, hd] f32).
 
-float8 pools (`kv_quant`: e4m3 bytes stored as uint8, rows = bs + 1) hold each token's K and V as float8
-values in rows 0..bs-1 (loaded as bytes, viewed as e4m3 by a free bitcast) and, in row bs, one scale code per
-(token, head): `pool[n, c, bs, h, t]` scales token t of head h, value = float8 x 2^(code - 64) exactly. The
-kernel loads the float8 [T, hd] tiles as above and converts them to the compute dtype (exact: e4m3 fits
-bfloat16 and float32), and per token one code byte for K and one for V (one masked [T] load each,
-`k_ref.at[id_t, bs, slot_t]`), turned into float32 scales from the exponent bits (`kv_quant.code_scales`:
-same-width bitcasts, a zero-extension and a shift, all of which Triton lowers). The scales are folded into the
-[Gp, T] scores and probabilities instead of the [T, hd] tiles: s = dot(q, K8^T) * scale * kscale[t], and the
-second dot takes p * vscale[t] (l sums the unscaled p). That is hd times fewer multiplies than dequantising
-the tiles, and as exact: a power-of-two factor commutes with rounding (within float32's exponent range). The
-compute dtype is q's (float32 queries) or bfloat16 (other queries: the folded scales need float32's exponent
-range, which float16 lacks), and q is cast to it, not to float8.
+float8 pools (`kv_quant`: e4m3 bytes stored as uint8, rows = bs + r) hold each token's K and V as float8
+values in rows 0..bs-1 (loaded as bytes, viewed as e4m3 by a free bitcast) and, in the r scale rows after
+them, one bfloat16 scale per (token, head) as two bytes (`kv_quant.scale_position`). The kernel loads the
+float8 [T, hd] tiles as above and converts them to the compute dtype (exact: e4m3 fits bfloat16 and float32),
+and per token the two scale bytes of K and of V (one masked [T] load each), joined into float32 scales by
+integer shifts and a bitcast (`kv_quant.scale_from_bytes`: all of which Triton lowers). The scales are folded
+into the [Gp, T] scores and probabilities instead of the [T, hd] tiles: s = dot(q, K8^T) * scale * kscale[t],
+and the second dot takes p * vscale[t] (l sums the unscaled p): hd times fewer multiplies than dequantising
+the tiles, each in float32. The compute dtype is q's (float32 queries) or bfloat16 (other queries: float16
+lacks the scales' exponent range), and q is cast to it, not to float8.
 
 Defaults: P gives about 64 tokens per step (P >= 16 / bs, P <= next_pow2(K)); split_k aims for
 about 256 programs (B * Hkv * split_k) with at least 2 steps per split, at most 16 splits;
@@ -63,7 +61,7 @@ Triton constraints, and how they are met:
     paged_attention), accumulation is f32;
   * compiler params are explicit (`triton_params(num_warps, num_stages)`).
 
-Assumptions: hd and bs are powers of two, hd >= 16 (float8: bs <= hd, the codes' row); ids < NB (not
+Assumptions: hd and bs are powers of two, hd >= 16; ids < NB (not
 checked on device: an id >= NB reads out of bounds); block_lens in [0, bs]; q is cast to the pool's
 dtype, or the compute dtype for float8 (o comes back in q.dtype). With S == 1 the Hkv programs of
 one (sequence, split) read different heads of the same blocks, each only its own head's [bs, hd]
@@ -118,7 +116,7 @@ def _dot_f32(a: Array, b: Array, *, trans_b: bool, precision: jax.lax.Precision 
 
 def _sparse_decode_kernel(
     q_ref,  # [Gp, hd]     query group of (b, h), compute dtype, rows >= G are zero
-    k_ref,  # [NB, rows, hd] K of head h for every pool block (rows = bs, or bs + 1 with float8's code row)
+    k_ref,  # [NB, rows, hd] K of head h for every pool block (rows = bs, or bs + float8's scale rows)
     v_ref,  # [NB, rows, hd] V of head h for every pool block
     ids_ref,  # [Ks] int32 this split's block ids, < 0 = padding
     lens_ref,  # [Ks] int32 valid tokens of each entry
@@ -132,7 +130,7 @@ def _sparse_decode_kernel(
 ):
     gp, hd = q_ref.shape
     quantized = kv_quant.is_quantized(k_ref.dtype)
-    bs = k_ref.shape[1] - 1 if quantized else k_ref.shape[1]
+    bs = kv_quant.block_tokens(k_ref.shape[1], hd, k_ref.dtype)  # (float8: rows past bs hold the scales)
     cdt = q_ref.dtype  # the dots' operand dtype (the pool's, or the compute dtype for float8)
     num_steps = ids_ref.shape[0] // blocks_per_step
     tokens = blocks_per_step * bs
@@ -158,10 +156,10 @@ def _sparse_decode_kernel(
         k, v = k.astype(cdt), v.astype(cdt)
 
         s = _dot_f32(q, k, trans_b=True, precision=precision) * scale  # [Gp, T] f32
-        if quantized:  # each token's code byte from row bs (column = its slot); masked lanes get scale 2^-64
-            codes = (safe_ids, jnp.full((tokens,), bs, jnp.int32), tok_slot)
-            kscale = kv_quant.code_scales(plt.load(k_ref.at[codes], mask=valid, other=0))  # [T] f32
-            vscale = kv_quant.code_scales(plt.load(v_ref.at[codes], mask=valid, other=0))  # [T] f32
+        if quantized:  # each token's bfloat16 scale: two bytes of its head's scale rows (masked lanes: scale 0)
+            kscale, vscale = (kv_quant.scale_from_bytes(*(
+                plt.load(ref.at[(safe_ids, *kv_quant.scale_position(tok_slot, byte, bs, hd))], mask=valid, other=0)
+                for byte in range(kv_quant.SCALE_BYTES))) for ref in (k_ref, v_ref))  # [T] f32 each
             s = s * kscale[None, :]  # exact: powers of two
         s = jnp.where(valid[None, :], s, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # [Gp]
@@ -281,9 +279,7 @@ def _check_inputs(q, pool, block_ids, block_lens) -> None:
         raise ValueError(f"head_dim={hd} must be a power of two >= {MIN_DOT_DIM} (Triton tensor sizes)")
     if not _is_pow2(bs):
         raise ValueError(f"block_size={bs} must be a power of two (Triton tensor sizes)")
-    if kv_quant.is_quantized(pool.dtype) and bs > hd:
-        raise ValueError(f"a float8 pool keeps its scale codes in one row of head_dim={hd} per head, so its "
-                         f"block_size={bs} (rows - 1) must be <= {hd}; pass a pool of block_rows(bs, hd, float8)")
+    # (a float8 pool's rows are bs + its scale rows: tokens_per_block refuses a row count no block size gives)
     if block_ids.ndim != 3:
         raise ValueError(f"block_ids must be [B, S, K]; got shape {block_ids.shape}")
     if block_lens.shape != block_ids.shape:
@@ -354,8 +350,8 @@ def sparse_decode_attention(
 
     Args:
       q: [B, Hq, hd] queries (RoPE applied), Hq = G * Hkv.
-      pool: [NB, 2, rows, Hkv, hd] one layer's KV blocks (K at [:, 0], V at [:, 1]); rows = bs, or bs + 1 for
-        float8_e4m3fn values with their scale codes in row bs (`kv_quant`).
+      pool: [NB, 2, rows, Hkv, hd] one layer's KV blocks (K at [:, 0], V at [:, 1]); rows = bs, or bs + r for
+        a float8 cache's bytes: e4m3 values and their bfloat16 scales in the scale rows after them (`kv_quant`).
       block_ids: int [B, S, K] physical block ids; S == 1 (SoloHead) or Hkv (headwise); < 0 = padding.
       block_lens: int [B, S, K] valid tokens (slots 0..len-1) of each entry, in [0, bs].
       scale: score scale, default hd ** -0.5.
@@ -424,7 +420,8 @@ def sparse_decode_attention_reference(
     scale: float | None = None,
 ) -> tuple[Float[Array, "B Hq hd"], Float[Array, "B Hq"], Float[Array, "B Hq"]]:
     """Same contract as `sparse_decode_attention`, by gathering the listed blocks with jnp (f32 math; a float8
-    pool's gathered values and codes are dequantised with `kv_quant.code_scales`, the pool itself never is)."""
+    pool's gathered values and scale bytes are dequantised with `kv_quant.scale_from_bytes`, the pool itself never
+    is)."""
     _check_inputs(q, pool, block_ids, block_lens)
     b, hq, hd = q.shape
     hkv = pool.shape[3]
@@ -442,9 +439,15 @@ def sparse_decode_attention_reference(
     read = kv_quant.as_float8 if kv_quant.is_quantized(pool.dtype) else (lambda x: x)  # (stored bytes -> e4m3)
     kk = read(pool[safe, 0, slots, heads]).astype(jnp.float32)  # [B, Hkv, K, bs, hd]
     vv = read(pool[safe, 1, slots, heads]).astype(jnp.float32)
-    if kv_quant.is_quantized(pool.dtype):  # token t's code sits at [bs, h, t]: gathered, then exact scales
-        kk = kk * kv_quant.code_scales(pool[safe, 0, bs, heads, slots])[..., None]  # [B, Hkv, K, bs, 1]
-        vv = vv * kv_quant.code_scales(pool[safe, 1, bs, heads, slots])[..., None]
+    if kv_quant.is_quantized(pool.dtype):  # token t's scale bytes sit in its head's scale rows: gathered, then exact
+        def scales(c):
+            parts = []
+            for byte in range(kv_quant.SCALE_BYTES):
+                row, col = kv_quant.scale_position(slots, byte, bs, hd)
+                parts.append(pool[safe, c, row, heads, col])  # [B, Hkv, K, bs]
+            return kv_quant.scale_from_bytes(*parts)[..., None]
+
+        kk, vv = kk * scales(0), vv * scales(1)
     kk = jnp.where(valid[..., None], kk, 0.0).reshape(b, hkv, k * bs, hd)
     vv = jnp.where(valid[..., None], vv, 0.0).reshape(b, hkv, k * bs, hd)
     valid = valid.reshape(b, hkv, 1, k * bs)

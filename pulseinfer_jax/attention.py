@@ -2,9 +2,9 @@
 
 All functions take the full cache `kv: [L, NB, 2, rows, Hkv, hd]` (see kv_cache.py) plus a traced layer
 index, so they run inside the layer scan with the cache as the (donated, in-place updated) carry.
-Softmax statistics are float32 whatever the cache dtype. A float8 cache (kv_quant.py: rows = bs + 1, the last
-holding per-token scale codes) is quantised where these functions write and dequantised (exactly, in the query's
-dtype) where they read.
+Softmax statistics are float32 whatever the cache dtype. A float8 cache (kv_quant.py: rows = bs + r, the last r
+holding per-(token, head) bfloat16 scales) is quantised where these functions write and dequantised (exactly, in
+float32) where they read.
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ def paged_decode_attention(
     blocks = kv[layer, block_tables]  # [B, MB, 2, rows, Hkv, hd]
     # K / V stay in the cache dtype, the products accumulate in f32: converting the gathered K / V to f32 first made
     # XLA write (and re-read) them at twice their bytes (ahead-of-time cost on an H200, bench/RESULTS.md); a float8
-    # cache's are dequantised into the query's dtype (exact: power-of-two scales)
-    dt = q.dtype if is_quantized(kv.dtype) else kv.dtype
+    # cache's are dequantised into float32, where value x bfloat16 scale is exact (the Pallas kernel instead folds the
+    # scales into its float32 scores and probabilities)
+    dt = jnp.float32 if is_quantized(kv.dtype) else kv.dtype
     k = unpack_blocks(blocks[:, :, 0], dt).reshape(b, mb * bs, hkv * hd)
     v = unpack_blocks(blocks[:, :, 1], dt).reshape(b, mb * bs, hkv * hd)
     eye = jnp.eye(hkv, dtype=jnp.float32)

@@ -30,7 +30,8 @@ def _add_model_args(p: argparse.ArgumentParser, stats: bool = True) -> None:
                    help="HF directory, .gguf file or random:<preset> (random weights, no tokenizer: token ids only); "
                         "default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="weights and KV dtype (default: %(default)s; use bfloat16 on a GPU)")
+                   help="weights dtype, and the KV cache's unless --kv-dtype (default: %(default)s; use bfloat16 on a "
+                        "GPU)")
     h = p.add_argument_group("several hosts (jax.distributed; every process runs the same command)")
     h.add_argument("--coordinator", default=None, help="host:port of process 0's coordination service")
     h.add_argument("--num-processes", type=int, default=None, help="processes in the run")

@@ -47,7 +47,7 @@ class CacheSpec:
 
     @property
     def rows(self) -> int:
-        """Rows of a block's K (and V) in storage: block_size, plus float8's scale-code row."""
+        """Rows of a block's K (and V) in storage: block_size, plus float8's scale rows."""
         return block_rows(self.block_size, self.head_dim, self.dtype)
 
     @property
@@ -56,7 +56,7 @@ class CacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers (K and V, every head, scale codes included)."""
+        """Bytes of one block across all layers (K and V, every head, scales included)."""
         return self.num_layers * layer_block_bytes(self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     @property

@@ -9,17 +9,19 @@ Two scale granularities over a block of KV `[..., bs, Hkv, hd]` (tokens, heads, 
     on append) and every token of the block shares an outlier's coarse steps.
 `quantize` maps amax to e4m3's largest finite value (448): round-to-nearest-even keeps each element within half a
 step of its value (relative 2^-4 of the element for normals, 2^-9 x amax at the bottom of the range). Scales are
-float32; an all-zero group gets scale 1 (its zeros stay zeros; no division by zero, no NaN). With `pow2` the scale
-is rounded up to a power of two (amax lands in (224, 448]): a float8 value keeps its 3 mantissa bits, so only the
-subnormal floor moves, and dequantising is exact in any float dtype with float32's exponent range.
+float32; an all-zero group gets scale 1 (its zeros stay zeros; no division by zero, no NaN). With `code` the scale
+is what fewer bytes hold: "bf16" (rounded to nearest; x / scale saturates at 448), "e5m2" or "pow2" (rounded up).
+Measured on SmolLM2's keys (bench/kv_fp8.py): a bfloat16 scale keeps float32's accuracy, a one-byte scale (e5m2,
+a power of two) doubles the attention KL: the amax element, often a head's outlier channel that dominates q.k, is
+exact only when the scale puts it on 448.
 
-The cache's float8 storage (`kv_dtype="float8_e4m3fn"`) uses per-token power-of-two scales, each stored as ONE
-byte, a *scale code*, inside the block it scales: a block `[2, bs + 1, Hkv, hd]` holds the bs tokens' e4m3 values
-and, in row bs of K and of V, the codes of every (token, head): `block[c, bs, h, t]` scales `block[c, t, h, :]`.
-A block therefore stays one contiguous run with its scales (one transfer for spill and recall, moved bit for bit:
-nothing is re-quantised between write and read), the null block and padding stay plain bytes, and tensor
-parallelism's split by KV head carries each head's codes with it. Code b stands for 2^(b - SCALE_BIAS), b in
-[1, 126] (also a finite positive e4m3 bit pattern, should a code ever be read as a value).
+The cache's float8 storage (`kv_dtype="float8_e4m3fn"`) keeps one bfloat16 scale per (token, KV head) inside the
+block it scales: a block `[2, bs + r, Hkv, hd]` holds the bs tokens' e4m3 values in rows 0..bs-1 of K and of V and,
+in the r = ceil(2 bs / hd) *scale rows* after them, each head's scales as bytes: token t's scale is bytes 2t (low)
+and 2t + 1 (high) of head h's scale rows read as one run (`scale_bytes`). A block therefore stays one contiguous
+run with its scales (one transfer for spill and recall, moved bit for bit: nothing is re-quantised between write
+and read), the null block and padding stay plain bytes, and tensor parallelism's split by KV head carries each
+head's scales with it. Dequantised values (e4m3 x bfloat16: 12 significant bits) are exact in float32.
 The arrays hold the bytes as uint8 (STORAGE), read as float8 only where attention converts them: XLA:CPU has no
 native float8 scatter and rewrote each one-token cache write into a copy of the whole cache (measured: 200 ms per
 write into a 390 MB cache, against 0.015 ms for the same write in uint8); readers accept either dtype.
@@ -38,24 +40,40 @@ FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 Granularity = Literal["token", "block"]
 KV_DTYPES = ("auto", "float8_e4m3fn")  # EngineConfig.kv_dtype: the model's dtype, or float8 with scale codes
 STORAGE = jnp.dtype(jnp.uint8)  # the float8 cache's array dtype: e4m3 bytes and scale codes
-SCALE_BIAS = 64  # scale code b -> 2^(b - 64)
-CODE_MIN, CODE_MAX = 1, 126  # scales 2^-63 .. 2^62; codes stay finite positive e4m3 patterns (0x7f is NaN)
+SCALE_BIAS = 64  # (code="pow2": code b -> 2^(b - 64))
+CODE_MIN, CODE_MAX = 1, 126  # (code="pow2": scales 2^-63 .. 2^62)
+SCALE_BYTES = 2  # the cache's scales: bfloat16
+E5M2_TINY, E5M2_MAX = 2.0 ** -16, float(jnp.finfo(jnp.float8_e5m2).max)
 
 
-def quantize(x: Float[Array, "... bs H hd"], granularity: Granularity = "token", *, pow2: bool = False
+def quantize(x: Float[Array, "... bs H hd"], granularity: Granularity = "token", *, code: str | None = None
              ) -> tuple[Float[Array, "... bs H hd"], Float[Array, "... s H 1"]]:
     """(x / scale as float8_e4m3fn, scale float32) with scale = amax / 448 per (token, head) ("token": s = bs) or per
-    (block, head) ("block": s = 1); with `pow2` the power of two at or above it (clamped to the codes' range)."""
+    (block, head) ("block": s = 1); with `code` that scale rounded up to what a one-byte code holds: "pow2" (a power
+    of two) or "e5m2" (a float8_e5m2 value)."""
     if granularity not in ("token", "block"):
         raise ValueError(f"granularity={granularity!r}; use 'token' or 'block'")
     xf = x.astype(jnp.float32)
     axes = (-1,) if granularity == "token" else (-3, -1)
     amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
-    if pow2:
+    if code == "pow2":
         scale = jnp.ldexp(jnp.float32(1.0), _exponent(amax))
+    elif code == "e5m2":
+        scale = _e5m2_up(amax / FP8_MAX).astype(jnp.float32)
+    elif code == "bf16":
+        scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.bfloat16).astype(jnp.float32)
     else:
         scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
     return jnp.clip(xf / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
+
+
+def _e5m2_up(s: Array) -> Array:
+    """float32 s >= 0 -> the float8_e5m2 at or above it (within e5m2's finite range; 0 -> its smallest subnormal)."""
+    s = jnp.clip(s, E5M2_TINY, E5M2_MAX)
+    near = s.astype(jnp.float8_e5m2)
+    bits = jax.lax.bitcast_convert_type(near, jnp.uint8)
+    bits = jnp.where(near.astype(jnp.float32) < s, bits + 1, bits)  # (positive: the next pattern is the next value)
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e5m2)
 
 
 def _exponent(amax: Array) -> Int[Array, "..."]:
@@ -72,10 +90,10 @@ def dequantize(q: Float[Array, "... bs H hd"], scale: Float[Array, "... s H 1"],
     return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
-# ---- the cache's float8 storage: values plus one scale code per (token, head) in row bs of the block -------------
+# ---- the cache's float8 storage: values plus a bfloat16 scale per (token, head) in the block's scale rows ---------
 def is_quantized(dtype) -> bool:
     """Whether a cache of `dtype` (its STORAGE bytes, or float8_e4m3fn naming the format) holds float8 values with
-    scale codes."""
+    scales."""
     return jnp.dtype(dtype) in (STORAGE, jnp.dtype(FP8))
 
 
@@ -96,81 +114,108 @@ def as_float8(x: Array) -> Array:
     return x if x.dtype == jnp.dtype(FP8) else jax.lax.bitcast_convert_type(x, FP8)
 
 
+def scale_rows(block_size: int, head_dim: int) -> int:
+    """Rows of head_dim bytes per head that hold a block's bs bfloat16 scales."""
+    return -(-SCALE_BYTES * block_size // head_dim)
+
+
 def block_rows(block_size: int, head_dim: int, dtype) -> int:
-    """Token rows of one block's K (and of its V) in storage: bs, plus the scale-code row for float8."""
-    if not is_quantized(dtype):
-        return block_size
-    if block_size > head_dim:
-        raise ValueError(f"float8 KV keeps a block's scale codes in one row of head_dim={head_dim} bytes per head, "
-                         f"which holds at most {head_dim} tokens; use block_size <= {head_dim}")
-    return block_size + 1
+    """Token rows of one block's K (and of its V) in storage: bs, plus float8's scale rows."""
+    return block_size + scale_rows(block_size, head_dim) if is_quantized(dtype) else block_size
 
 
 def layer_block_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-    """Bytes of one block of one layer in storage (K and V of every head, scale codes included)."""
+    """Bytes of one block of one layer in storage (K and V of every head, scales included)."""
     rows = block_rows(block_size, head_dim, dtype)
     return 2 * rows * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
 def tokens_per_block(kv: Array) -> int:
     """Tokens a block of `kv` holds: a cache [L, NB, 2, rows, Hkv, hd], a pool [NB, 2, rows, Hkv, hd] or staging."""
-    rows = kv.shape[-3]
-    return rows - 1 if is_quantized(kv.dtype) else rows
+    return block_tokens(kv.shape[-3], kv.shape[-1], kv.dtype)
 
 
-def code_scales(codes: Array) -> Float[Array, "..."]:
-    """Scale codes (uint8, or float8 bytes) -> their float32 power-of-two scales (built from the exponent bits:
-    exact)."""
-    if codes.dtype != STORAGE:
-        codes = jax.lax.bitcast_convert_type(codes, STORAGE)
-    b = codes.astype(jnp.int32)
-    return jax.lax.bitcast_convert_type((b - SCALE_BIAS + 127) << 23, jnp.float32)
+def block_tokens(rows: int, head_dim: int, dtype) -> int:
+    """Tokens of a stored block with `rows` rows (float8: the bs with bs + scale_rows(bs, hd) == rows; rows grow
+    with bs, so there is one)."""
+    if not is_quantized(dtype):
+        return rows
+    for r in range(1, rows):
+        if scale_rows(rows - r, head_dim) == r:
+            return rows - r
+    raise ValueError(f"{rows} rows of head_dim {head_dim} are no float8 block (bs + ceil(2 bs / hd) rows)")
+
+
+def scale_position(slot: Int[Array, "..."], byte: int, block_size: int, head_dim: int
+                   ) -> tuple[Int[Array, "..."], Int[Array, "..."]]:
+    """(row, column) of byte `byte` (0: low, 1: high) of token `slot`'s scale within its head's scale rows."""
+    j = SCALE_BYTES * slot + byte
+    return block_size + j // head_dim, j % head_dim
+
+
+def scale_from_bytes(low: Array, high: Array) -> Float[Array, "..."]:
+    """A bfloat16 scale's two stored bytes (uint8, or float8 views of them) -> the scale as float32 (exact: bfloat16
+    is float32's top half)."""
+    lo, hi = (b if b.dtype == STORAGE else jax.lax.bitcast_convert_type(b, STORAGE) for b in (low, high))
+    bits = (hi.astype(jnp.int32) << 24) | (lo.astype(jnp.int32) << 16)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def encode(x: Float[Array, "... H hd"]) -> tuple[Array, Array]:
-    """Tokens' K or V -> (e4m3 value bytes [..., H, hd], scale codes [..., H]), both uint8 (STORAGE): per
-    (token, head) power-of-two scales."""
-    values, _ = quantize(x[..., None, :, :], "token", pow2=True)
-    e = _exponent(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1))
-    codes = (e + SCALE_BIAS).astype(STORAGE)
-    return jax.lax.bitcast_convert_type(values[..., 0, :, :], STORAGE), codes
+    """Tokens' K or V -> (e4m3 value bytes [..., H, hd], scale bytes [..., H, 2] low then high), uint8 (STORAGE):
+    per (token, head) bfloat16 scales."""
+    values, scale = quantize(x[..., None, :, :], "token", code="bf16")  # scale [..., 1, H, 1]
+    bits = jax.lax.bitcast_convert_type(scale[..., 0, :, 0].astype(jnp.bfloat16), jnp.uint16).astype(jnp.int32)
+    scale_bytes = jnp.stack([bits & 0xFF, bits >> 8], axis=-1).astype(STORAGE)
+    return jax.lax.bitcast_convert_type(values[..., 0, :, :], STORAGE), scale_bytes
 
 
 def pack_blocks(x: Float[Array, "... bs H hd"], dtype) -> Array:
     """Whole blocks of K or V (tokens, heads, features) in storage form [..., rows, H, hd]: cast, or for a float8
-    `dtype` (or STORAGE) the value bytes and their code row, uint8."""
+    `dtype` (or STORAGE) the value bytes and their scale rows, uint8."""
     if not is_quantized(dtype):
         return x.astype(dtype)
     bs, h, hd = x.shape[-3:]
-    block_rows(bs, hd, dtype)  # (checks bs <= hd)
-    values, codes = encode(x)  # [..., bs, H, hd], [..., bs, H]
-    row = jnp.swapaxes(codes, -1, -2)  # [..., H, bs]
-    row = jnp.concatenate([row, jnp.zeros(row.shape[:-1] + (hd - bs,), STORAGE)], axis=-1)
-    return jnp.concatenate([values, row[..., None, :, :]], axis=-3)
+    r = scale_rows(bs, hd)
+    values, scale_bytes = encode(x)  # [..., bs, H, hd], [..., bs, H, 2]
+    run = jnp.swapaxes(scale_bytes, -3, -2).reshape(*x.shape[:-3], h, SCALE_BYTES * bs)  # [..., H, 2 bs]
+    run = jnp.concatenate([run, jnp.zeros(run.shape[:-1] + (r * hd - SCALE_BYTES * bs,), STORAGE)], axis=-1)
+    rows = jnp.swapaxes(run.reshape(*run.shape[:-1], r, hd), -3, -2)  # [..., r, H, hd]
+    return jnp.concatenate([values, rows], axis=-3)
+
+
+def block_scales(blocks: Array) -> Float[Array, "... bs H"]:
+    """The float32 scales of stored float8 blocks [..., rows, H, hd], per (token, head)."""
+    bs = tokens_per_block(blocks)
+    run = jnp.swapaxes(blocks[..., bs:, :, :], -3, -2)  # [..., H, r, hd]
+    run = run.reshape(*run.shape[:-2], -1)[..., : SCALE_BYTES * bs]  # [..., H, 2 bs]
+    run = run.reshape(*run.shape[:-1], bs, SCALE_BYTES)
+    return jnp.swapaxes(scale_from_bytes(run[..., 0], run[..., 1]), -1, -2)
 
 
 def unpack_blocks(blocks: Array, dtype) -> Float[Array, "... bs H hd"]:
-    """Stored blocks of K or V [..., rows, H, hd] -> their values in `dtype` (float8 x its power-of-two scale:
-    exact)."""
+    """Stored blocks of K or V [..., rows, H, hd] -> their values in `dtype` (float8: value x scale, exact in
+    float32)."""
     if not is_quantized(blocks.dtype):
         return blocks.astype(dtype)
-    bs = blocks.shape[-3] - 1
-    scales = code_scales(jnp.swapaxes(blocks[..., bs, :, :bs], -1, -2))  # [..., bs, H]
-    return (as_float8(blocks[..., :bs, :, :]).astype(jnp.float32) * scales[..., None]).astype(dtype)
+    bs = tokens_per_block(blocks)
+    values = as_float8(blocks[..., :bs, :, :]).astype(jnp.float32)
+    return (values * block_scales(blocks)[..., None]).astype(dtype)
 
 
 def write_tokens(kv: Array, li: Int[Array, " B"], bi: Int[Array, " B"], off: Int[Array, " B"],
                  k: Float[Array, "B Hkv hd"], v: Float[Array, "B Hkv hd"]) -> Array:
     """One new token per row b at slot off[b] of block (li[b], bi[b]) of the cache `kv` [L, NB, 2, rows, Hkv, hd]: K
-    and V (float8: values and their codes; the block's other tokens are left bit for bit)."""
+    and V (float8: values and their scale's two bytes; the block's other tokens are left bit for bit)."""
     if not is_quantized(kv.dtype):
         kv = kv.at[li, bi, 0, off].set(k.astype(kv.dtype))
         return kv.at[li, bi, 1, off].set(v.astype(kv.dtype))
-    bs = tokens_per_block(kv)
+    bs, hd = tokens_per_block(kv), kv.shape[-1]
+    cast = (lambda a: a) if kv.dtype == STORAGE else as_float8  # (a float8-typed cache)
     for half, x in ((0, k), (1, v)):
-        values, codes = encode(x)  # [B, Hkv, hd], [B, Hkv]
-        if kv.dtype != STORAGE:  # (a float8-typed cache)
-            values, codes = as_float8(values), as_float8(codes)
-        kv = kv.at[li, bi, half, off].set(values)
-        kv = kv.at[li, bi, half, bs, :, off].set(codes)  # advanced indices first: [B, Hkv]
+        values, scale_bytes = encode(x)  # [B, Hkv, hd], [B, Hkv, 2]
+        kv = kv.at[li, bi, half, off].set(cast(values))
+        for byte in range(SCALE_BYTES):
+            row, col = scale_position(off, byte, bs, hd)
+            kv = kv.at[li, bi, half, row, :, col].set(cast(scale_bytes[..., byte]))  # advanced indices first: [B, Hkv]
     return kv

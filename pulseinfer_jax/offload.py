@@ -89,7 +89,7 @@ def pool_sizes(config: EngineConfig, model_cfg, kv_dtype, meta_itemsize: int,
     """The GPU KV pool (blocks) and host pool (rows) an engine allocates for `requests` under a cap of `cap_bytes` GPU
     bytes (pool + offload metadata): kv_cache_tokens if set, else what the requests need in the configured mode, capped.
     Nothing is set aside for prefills: an offloaded prompt prefills layer by layer in blocks its request holds
-    (`offload_blocks`). `kv_dtype`: the cache's storage dtype (float8: scale codes included). `meta_itemsize`: bytes per
+    (`offload_blocks`). `kv_dtype`: the cache's storage dtype (float8: scales included). `meta_itemsize`: bytes per
     key-bound element (the scoring's metadata dtype). A pure function of its inputs (the engine's Engine.ensure_pool,
     the ahead-of-time check's layouts). `requests` None: a server's pools, for requests that arrive later: the GPU pool
     takes the whole budget (or kv_cache_tokens), the host pool host_kv_tokens.

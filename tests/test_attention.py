@@ -112,14 +112,16 @@ def _fake_quant(x):
     """K or V as a float8 cache returns it: per-(token, head) power-of-two scale, e4m3 values (kv_quant.py)."""
     from pulseinfer_jax.kv_quant import quantize
 
-    q, s = quantize(jnp.asarray(x)[:, None], "token", pow2=True)  # [n, 1, H, hd]: one token per group
+    q, s = quantize(jnp.asarray(x)[:, None], "token", code="bf16")  # [n, 1, H, hd]: one token per group
     return np.asarray(q.astype(jnp.float32) * s)[:, 0]
 
 
 def _fp8_pool(nb, hkv, bs, hd):
-    """A float8 cache [2, nb, 2, bs + 1, Hkv, hd] (its uint8 storage) of e4m3 NaN bytes (0x7f) everywhere, scale-code
-    rows included."""
-    return jnp.full((2, nb, 2, bs + 1, hkv, hd), 0x7F, jnp.uint8)
+    """A float8 cache [2, nb, 2, bs + r, Hkv, hd] (its uint8 storage) of e4m3 NaN bytes (0x7f) everywhere, scale rows
+    included."""
+    from pulseinfer_jax.kv_quant import block_rows
+
+    return jnp.full((2, nb, 2, block_rows(bs, hd, jnp.uint8), hkv, hd), 0x7F, jnp.uint8)
 
 
 @pytest.mark.parametrize("bs,group", [(8, 2), (16, 4)])

@@ -368,6 +368,10 @@ def test_capacity_accounting_counts_what_the_pools_hold(tiny4):
     need = blocks_for(100 + 128, 4)
     budget = (3 * need + 1) * per_block + per_block // 2
     assert admit(c, cfg, [100] * 5, budget, 1 << 40, 1e13).admitted == 3
+    # float8 KV: 5 rows of 1-byte elements per block instead of 4 of 2 bytes: the same budget holds 8 / 5 x the blocks
+    f8_block = per_block * 5 // 8
+    f8 = admit(c, cfg.with_settings(kv_dtype="float8_e4m3fn"), [100] * 8, budget, 1 << 40, 1e13)
+    assert f8.admitted == (budget // f8_block - 1) // need == 4
     # every layer sparse; 8 slot blocks x 4 layers hold a layer of the prompt (no extra prefill blocks)
     off = cfg.with_settings(mode="offload", slot_cache_blocks=8, dense_layers=0)
     plan = sparse_plan(off, c.num_layers, c.num_kv_heads)

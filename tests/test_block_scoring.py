@@ -63,18 +63,20 @@ def test_block_key_bounds_valid_tokens_only(bs, hd, dtype):
 
 @pytest.mark.parametrize("bs,hd,m", [(8, 32, 1), (16, 16, 2)])
 def test_block_key_bounds_of_a_float8_pool_are_the_dequantised_keys(bs, hd, m):
-    """A float8 pool (values + scale codes in row bs, `kv_quant.pack_blocks`) is bounded by exactly the bounds of its
-    dequantised keys, for one layer's pool, the full cache with `layer`, and the reference; the value and code bytes
-    of slots at or past each block's length are NaN bytes and never leak."""
+    """A float8 pool (values + bfloat16 scales in its scale rows, `kv_quant.pack_blocks`) is bounded by exactly the
+    bounds of its dequantised keys, for one layer's pool, the full cache with `layer`, and the reference; the value and
+    scale bytes of slots at or past each block's length are NaN bytes and never leak."""
+    from test_sparse_decode_attention import poison_scales
+
     rng = np.random.default_rng(7 * bs + hd + m)
     hkv, nb = 2, 7
     lens = [bs, 1, bs - 1, 0, bs, 2, bs // 2]
     pool, _ = _pool(rng, nb, bs, hkv, hd, lens)
-    pool = np.nan_to_num(pool) * np.exp2(rng.uniform(-3, 3, (nb, 2, bs, hkv, 1)))  # codes differ per token
-    raw = np.array(kv_quant.pack_blocks(jnp.asarray(pool), jnp.float8_e4m3fn))  # [NB, 2, bs + 1, Hkv, hd] uint8
+    pool = np.nan_to_num(pool) * np.exp2(rng.uniform(-3, 3, (nb, 2, bs, hkv, 1)))  # scales differ per token
+    raw = np.array(kv_quant.pack_blocks(jnp.asarray(pool), jnp.float8_e4m3fn))  # [NB, 2, bs + r, Hkv, hd] uint8
     for i, n in enumerate(lens):
         raw[i, :, n:bs] = 0x7F  # NaN values past the length
-        raw[i, :, bs, :, n:] = 0x7F  # and their codes
+        poison_scales(raw[i], n, bs, hd)  # and their scales
     f8 = jnp.asarray(raw)
     ids = jnp.asarray(rng.permutation(nb), jnp.int32)
     blens = jnp.asarray([lens[i] for i in np.asarray(ids)], jnp.int32)

@@ -84,40 +84,44 @@ def test_the_fp8_bench_runs_on_a_real_checkpoint(tmp_path):
     assert main(["--model", str(TINY / "smollm2"), "--text", str(text), "--tokens", "64", "--queries", "8",
                  "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "kv_fp8_cpu.json").read_text())
-    for g in ("token", "block"):
+    for g in ("token", "token-pow2", "token-e5m2", "token-bf16", "block"):
         rows = r["per_layer"][g]
         assert len(rows) == 2 and all(np.isfinite(list(row.values())).all() for row in rows)
         assert all(row["k_rel_err"] < 2.0 ** -4 and row["v_rel_err"] < 2.0 ** -4 for row in rows)
     assert r["summary"]["token"]["bytes_per_kv_element"] > r["summary"]["block"]["bytes_per_kv_element"] > 1
 
 
-# ---- the cache's float8 storage: values + one scale code per (token, head) in row bs ----------------------------
-def test_packed_blocks_hold_values_and_codes_and_unpack_exactly():
+# ---- the cache's float8 storage: values + a bfloat16 scale per (token, head) in the block's scale rows ------------
+@pytest.mark.parametrize("bs,hd", [(16, 64), (16, 16), (4, 16), (8, 32)])  # one scale row, two, ...
+def test_packed_blocks_hold_values_and_scales_and_unpack_exactly(bs, hd):
     from pulseinfer_jax import kv_quant as kq
 
-    x = _kv(3, (3, 16, 2, 64))
-    x[1] = 0.0  # an all-zero block: codes of scale 1, zeros back
-    x[2, 4, 0] *= 1e4  # an outlier token costs only itself
+    x = _kv(3, (3, bs, 2, hd))
+    x[1] = 0.0  # an all-zero block: scale 1, zeros back
+    x[2, 1, 0] *= 1e4  # an outlier token costs only itself
     blocks = kq.pack_blocks(jnp.asarray(x), FP8)
-    assert blocks.shape == (3, 17, 2, 64) and blocks.dtype == kq.STORAGE  # (e4m3 bytes and codes, as uint8)
-    q, s = quantize(jnp.asarray(x), "token", pow2=True)
+    r = kq.scale_rows(bs, hd)
+    assert r == -(-2 * bs // hd) and blocks.shape == (3, bs + r, 2, hd) and blocks.dtype == kq.STORAGE
+    assert kq.tokens_per_block(blocks) == bs
+    q, s = quantize(jnp.asarray(x), "token", code="bf16")
     back = np.asarray(kq.unpack_blocks(blocks, jnp.float32))
-    assert np.array_equal(back, np.asarray(dequantize(q, s)))  # values x power-of-two scales: exact
+    assert np.array_equal(back, np.asarray(dequantize(q, s)))  # values x bfloat16 scales: exact in float32
     assert np.all(back[1] == 0.0)
-    scale = np.asarray(s)[..., 0]
-    assert np.all(np.log2(scale) == np.round(np.log2(scale)))  # powers of two, amax in (224, 448]
+    np.testing.assert_array_equal(np.asarray(kq.block_scales(blocks)), np.asarray(s)[..., 0])
+    # the amax element (a head's outlier channel) is kept to bfloat16's precision, not float8's
     amax = np.abs(x).max(-1)
-    live = amax > 0
-    assert np.all((amax / scale)[live] <= FP8_MAX) and np.all((amax / scale)[live] > FP8_MAX / 2)
-    codes = np.asarray(blocks[:, 16]).view(np.uint8)  # [3, H, hd]: codes in the first bs bytes, zeros after
-    assert np.all((codes[..., :16] >= kq.CODE_MIN) & (codes[..., :16] <= kq.CODE_MAX)) and not codes[..., 16:].any()
-    # bf16 output is exact too (e4m3 values fit bf16's mantissa; the scales its exponent)
-    assert np.array_equal(np.asarray(kq.unpack_blocks(blocks, jnp.bfloat16), np.float32), back)
-    # other dtypes: a cast, no code row
-    assert kq.pack_blocks(jnp.asarray(x), jnp.bfloat16).shape == x.shape
+    got = np.take_along_axis(np.abs(back), np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    assert np.all(np.abs(got - amax) <= amax * 2.0 ** -8)
+    # scale bytes fill 2 bs bytes of each head's scale rows, zeros after
+    run = np.swapaxes(np.asarray(blocks[:, bs:]), 1, 2).reshape(3, 2, r * hd)
+    assert not run[..., 2 * bs:].any()
+    bits = run[..., :2 * bs].reshape(3, 2, bs, 2).astype(np.uint32)
+    want = np.asarray(s)[..., 0].astype(np.float32).view(np.uint32) >> 16  # [3, bs, 2] bfloat16 bits
+    assert np.array_equal((bits[..., 1] << 8) | bits[..., 0], np.swapaxes(want, 1, 2))
+    assert kq.pack_blocks(jnp.asarray(x), jnp.bfloat16).shape == x.shape  # other dtypes: a cast
 
 
-def test_extreme_magnitudes_clamp_to_the_codes_range_without_nan():
+def test_extreme_magnitudes_saturate_without_nan():
     from pulseinfer_jax import kv_quant as kq
 
     x = np.zeros((1, 4, 1, 16), np.float32)
@@ -126,39 +130,41 @@ def test_extreme_magnitudes_clamp_to_the_codes_range_without_nan():
     x[0, 2, 0, 0] = -7.0
     back = np.asarray(kq.unpack_blocks(kq.pack_blocks(jnp.asarray(x), FP8), jnp.float32))
     assert np.all(np.isfinite(back))
-    assert back[0, 2, 0, 0] == -7.0 and back[0, 1, 0, 0] == FP8_MAX * 2.0 ** 62  # saturated at the largest scale
+    assert back[0, 2, 0, 0] == -7.0 and np.allclose(back[0, 1, 0], 3e38, rtol=2.0 ** -8)
 
 
 def test_write_tokens_appends_without_touching_the_block():
-    """A decode append writes one token's values and codes; the block's other tokens stay bit for bit, and the result
-    is what packing the whole block at once gives."""
+    """A decode append writes one token's values and its scale's two bytes; the block's other tokens stay bit for
+    bit, and the result is what packing the whole block at once gives."""
     from pulseinfer_jax import kv_quant as kq
 
-    x = jnp.asarray(_kv(4, (16, 2, 64)))
-    full = kq.pack_blocks(x, FP8)
-    kv = jnp.zeros((2, 3, 2, 17, 2, 64), kq.STORAGE)
+    bs, hd = 16, 16  # two scale rows: token 9's scale bytes 18, 19 sit in the second
+    x = jnp.asarray(_kv(4, (bs, 2, hd)))
+    full = np.asarray(kq.pack_blocks(x, FP8))
+    kv = jnp.zeros((2, 3, 2, bs + 2, 2, hd), kq.STORAGE)
     kv = kv.at[1, 2, 0].set(kq.pack_blocks(x.at[9:].set(0.0), FP8))  # tokens 0..8 prefilled
-    before = np.asarray(kv).view(np.uint8).copy()
+    before = np.asarray(kv).copy()
     kv = kq.write_tokens(kv, jnp.array([1]), jnp.array([2]), jnp.array([9]), x[9][None], x[9][None])
-    after = np.asarray(kv).view(np.uint8)
-    assert np.array_equal(after[1, 2, 0, 9], np.asarray(full).view(np.uint8)[9])
-    assert np.array_equal(after[1, 2, 0, 16, :, 9], np.asarray(full).view(np.uint8)[16, :, 9])
-    changed = np.argwhere(after != before)
-    assert {tuple(c[:4]) for c in changed} <= {(1, 2, 0, 9), (1, 2, 1, 9), (1, 2, 0, 16), (1, 2, 1, 16)}
-    assert all(c[3] != 16 or c[5] == 9 for c in changed)  # in the code rows, only token 9's byte
+    after = np.asarray(kv)
+    assert np.array_equal(after[1, 2, 0, :bs][9], full[9])
+    assert np.array_equal(after[1, 2, 0, 17, :, 2:4], full[17, :, 2:4])
+    changed = {tuple(c) for c in np.argwhere(after != before)}
+    assert {c[:4] for c in changed} <= {(1, 2, h, 9) for h in (0, 1)} | {(1, 2, h, 17) for h in (0, 1)}
+    assert all(c[3] != 17 or c[5] in (2, 3) for c in changed)  # in the scale rows, only token 9's two bytes
 
 
 def test_storage_geometry_and_refusals():
     from pulseinfer_jax import kv_quant as kq
 
-    assert kq.block_rows(16, 64, FP8) == 17 and kq.block_rows(16, 64, jnp.bfloat16) == 16
+    assert kq.block_rows(16, 64, FP8) == 17 and kq.block_rows(16, 16, FP8) == 18
+    assert kq.block_rows(16, 64, "bfloat16") == 16
     assert kq.layer_block_bytes(16, 8, 128, FP8) * 32 == kq.layer_block_bytes(16, 8, 128, jnp.bfloat16) * 17
-    assert kq.tokens_per_block(jnp.zeros((3, 2, 17, 2, 64), kq.STORAGE)) == 16
-    assert kq.tokens_per_block(jnp.zeros((3, 2, 17, 2, 64), FP8)) == 16  # (a float8-typed view reads the same)
+    for bs, hd in ((16, 64), (16, 16), (32, 16), (5, 64), (128, 64)):
+        rows = kq.block_rows(bs, hd, FP8)
+        assert kq.tokens_per_block(jnp.zeros((3, 2, rows, 2, hd), kq.STORAGE)) == bs
+        assert kq.tokens_per_block(jnp.zeros((3, 2, rows, 2, hd), FP8)) == bs  # (a float8-typed view reads the same)
     assert kq.resolve_kv_dtype("auto", jnp.bfloat16) == "bfloat16"
     assert kq.resolve_kv_dtype("float8_e4m3fn", jnp.bfloat16) == "float8_e4m3fn"
     assert kq.storage_dtype("float8_e4m3fn") == jnp.uint8 and kq.storage_dtype("bfloat16") == jnp.bfloat16
-    with pytest.raises(ValueError, match="block_size <= 16"):
-        kq.block_rows(32, 16, FP8)
     with pytest.raises(ValueError, match="kv_dtype"):
         kq.resolve_kv_dtype("int8", jnp.float32)

@@ -225,17 +225,25 @@ def test_merge_ignores_garbage_in_empty_partials():
 NAN8 = 0x7F  # a float8_e4m3fn NaN byte
 
 
+def poison_scales(block: np.ndarray, n: int, bs: int, hd: int) -> None:
+    """NaN bytes over the scales of slots n..bs-1 of a stored float8 block [2, rows, Hkv, hd] (in place)."""
+    for t in range(n, bs):
+        for byte in range(kv_quant.SCALE_BYTES):
+            row, col = kv_quant.scale_position(t, byte, bs, hd)
+            block[:, row, :, col] = NAN8
+
+
 def _make_f8_case(rng, lengths, *, hkv, group, hd, bs, q_dtype, spare_blocks=2) -> Case:
     """`_make_case`'s layout in the cache's float8 storage: K and V of every block packed by `kv_quant.pack_blocks`
-    (values in rows 0..bs-1, scale codes in row bs) from values whose magnitude varies per (token, head), so the
-    codes differ; then the value AND code bytes of every unwritten slot, and of every block no sequence owns, are
-    NaN bytes: a read the kernel should mask shows up as a NaN or a wrong scale."""
+    (values in rows 0..bs-1, bfloat16 scales in the scale rows after them) from values whose magnitude varies per
+    (token, head), so the scales differ; then the value AND scale bytes of every unwritten slot, and of every block no
+    sequence owns, are NaN bytes: a read the kernel should mask shows up as a NaN or a wrong scale."""
     nblk = [-(-n // bs) for n in lengths]
     nb = 1 + sum(nblk) + spare_blocks
     perm = rng.permutation(np.arange(1, nb))
     mag = np.exp2(rng.uniform(-2, 2, (nb, 2, bs, hkv, 1)))
     pool = kv_quant.pack_blocks(jnp.asarray(rng.standard_normal((nb, 2, bs, hkv, hd)) * mag, jnp.float32),
-                                jnp.float8_e4m3fn)  # [NB, 2, bs + 1, Hkv, hd] uint8 (the cache's storage)
+                                jnp.float8_e4m3fn)  # [NB, 2, bs + r, Hkv, hd] uint8 (the cache's storage)
     raw = np.array(pool)
     fill = np.zeros(nb, np.int64)  # tokens written per physical block (0: unused)
     tables, used = [], 0
@@ -246,13 +254,13 @@ def _make_f8_case(rng, lengths, *, hkv, group, hd, bs, q_dtype, spare_blocks=2) 
         tables.append(table)
     for blk in range(nb):
         raw[blk, :, fill[blk]:bs] = NAN8  # values of the unwritten slots
-        raw[blk, :, bs, :, fill[blk]:] = NAN8  # their codes (and the code row's padding)
+        poison_scales(raw[blk], fill[blk], bs, hd)  # and their scales
     pool = jnp.asarray(raw)
     q = rng.standard_normal((len(lengths), hkv * group, hd)).astype(np.float32)
     return Case(jnp.asarray(q, q_dtype), pool, tables, list(lengths))
 
 
-# bs == hd (a full code row), SoloHead and headwise, bfloat16 and float32 queries
+# bs == hd (two scale rows), SoloHead and headwise, bfloat16 and float32 queries
 @pytest.mark.parametrize("q_dtype,bs,group,hd,headwise", [
     (jnp.float32, 8, 2, 32, False),
     (jnp.bfloat16, 16, 4, 64, True),
@@ -260,7 +268,7 @@ def _make_f8_case(rng, lengths, *, hkv, group, hd, bs, q_dtype, spare_blocks=2) 
     (jnp.bfloat16, 8, 2, 64, False),
 ])
 def test_float8_pool_matches_dequantise_then_attend(q_dtype, bs, group, hd, headwise):
-    """A float8 pool (values + scale codes) attends as its dequantised float32 pool: kernel against the float64
+    """A float8 pool (values + bfloat16 scales) attends as its dequantised float32 pool: kernel against the float64
     oracle on the dequantised pool (TOL), the reference against the reference on that pool (float32 rounding).
     Entries cover lengths 0, 1, bs - 1 and bs in shuffled blocks, with -1 padding between them."""
     rng = np.random.default_rng([bs, group, hd, headwise, q_dtype == jnp.float32, 8])
@@ -288,9 +296,9 @@ def test_float8_pool_matches_dequantise_then_attend(q_dtype, bs, group, hd, head
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("rows,hd,match", [(33, 16, "float8"), (16, 64, "block_size")])
+@pytest.mark.parametrize("rows,hd,match", [(10, 16, "no float8 block"), (16, 64, "block_size")])
 def test_float8_pool_shape_errors(rows, hd, match):
-    """A float8 pool's block size is rows - 1: at most head_dim (the code row), and a power of two."""
+    """A float8 pool's rows are bs plus its scale rows (no bs gives 10 rows of 16 bytes); bs a power of two."""
     q = jnp.zeros((1, 8, hd), jnp.bfloat16)
     pool = jnp.zeros((4, 2, rows, 4, hd), kv_quant.STORAGE)
     ids = jnp.zeros((1, 1, 2), jnp.int32)

@@ -91,12 +91,12 @@ class EngineShapes:
 
     @property
     def kv_dtype(self) -> jnp.dtype:
-        """The cache arrays' dtype (EngineConfig.kv_dtype: the model's, or float8's bytes with scale codes)."""
+        """The cache arrays' dtype (EngineConfig.kv_dtype: the model's, or float8's bytes with their scales)."""
         return storage_dtype(resolve_kv_dtype(self.config.kv_dtype, self.model.dtype))
 
     @property
     def kv_rows(self) -> int:
-        """Rows of a block's K (and V): block_size, plus float8's scale-code row."""
+        """Rows of a block's K (and V): block_size, plus float8's scale rows."""
         return block_rows(self.config.block_size, self.model.cfg.head_dim, self.kv_dtype)
 
     def kv(self, num_blocks: int) -> Spec:
@@ -388,7 +388,7 @@ def _recall_calls(es: EngineShapes, layout: SparseLayout, recall: int, add, host
     """The host programs of one sparse layer's recall (`HostKVPool.gather_blocks` / `gather_units` /
     `fragment_units`), added `sl_n` times; returns the staging the landing call receives."""
     cfg, plan, c = es.config, layout.plan, es.model.cfg
-    bs, dt = es.kv_rows, es.kv_dtype  # (rows of a stored block: float8's scale codes travel with it)
+    bs, dt = es.kv_rows, es.kv_dtype  # (rows of a stored block: float8's scales travel with it)
     solo = plan.selection == "solohead"
     pool = layout.pool
     if cfg.ablation.io == "coalesced":

@@ -51,10 +51,11 @@ ABLATIONS = {
     "bounds-kv": (dict(score_bounds_dtype="kv"), {}),
     "numpy-io": ({}, {"host_io": "numpy"}),
     "jnp-attention": ({}, {"attention": "jnp"}),
+    "kv-float8": (dict(kv_dtype="float8_e4m3fn"), {}),  # float8 KV: half the bytes per block, its scales inside
 }
 ABLATION_POINT = (32768, 8, 2048)  # context, batch, budget
 # the switches that change an offloaded prompt's prefill (placement, key bounds, host I/O); the others' is the default's
-PREFILL_ABLATIONS = ("device-placement", "sub-blocks-2", "two-level", "bounds-kv", "numpy-io")
+PREFILL_ABLATIONS = ("device-placement", "sub-blocks-2", "two-level", "bounds-kv", "numpy-io", "kv-float8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +182,8 @@ def ablation_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -
                   cat.sparse_decode(es, layout, typical, shardings=shardings, micro_batches=mbs))
         if name in PREFILL_ABLATIONS:
             suite.add(f"ablation/{name}/prefill/{ctx}", cat.offloaded_prefill(es, layout, ctx, shardings=shardings))
+    f8 = ablation("llama-3.1-8b", ctx, EngineConfig.of(kv_dtype="float8_e4m3fn"))  # the dense step over float8 KV
+    suite.add(f"ablation/kv-float8/dense/{ctx}x{b}", cat.dense_decode(f8, [ctx] * b, NEW_TOKENS))
     for loop, att in (("scan", "pallas"), ("scan", "jnp"), ("layerwise", "jnp")):
         es = ablation("llama-3.1-8b", ctx, EngineConfig(), attention=att, layer_loop=loop)
         suite.add(f"ablation/dense-{loop}-{att}/{ctx}x{b}", cat.dense_decode(es, [ctx] * b, NEW_TOKENS))
@@ -209,7 +212,7 @@ def calibration_points(suite: Suite) -> None:
 def kernel_cases(suite: Suite, quick: bool = False) -> None:
     """Each Pallas kernel at bench/kernels.py's Llama-3.1-8B shapes (Hq 32, Hkv 8, hd 128, bs 16, bf16) and the
     grouped matmul at Qwen3-30B-A3B's expert shapes; the sparse decode attention also over a float8 cache (values
-    and scale codes, bs + 1 rows: kv_dtype="float8_e4m3fn") at the 2,048-token budget."""
+    and bfloat16 scales, bs + 1 rows: kv_dtype="float8_e4m3fn") at the 2,048-token budget."""
     hq, hkv, hd, bs = 32, 8, 128, 16
     f8 = jnp.float8_e4m3fn
     batches = (1, 16) if quick else (1, 4, 16, 64)

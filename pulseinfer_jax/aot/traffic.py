@@ -24,6 +24,7 @@ import re
 from collections.abc import Callable
 
 from pulseinfer_jax.aot.hlo import Array, Computation, Instruction
+from pulseinfer_jax.kv_quant import SCALE_BYTES, block_tokens
 
 NO_KERNEL = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all", "partition-id",
              "replica-id", "opt-barrier", "add-dependency", "domain", "iota"}
@@ -56,14 +57,17 @@ def _sparse_decode_attention(ops: list[tuple[Array, ...]], outs: tuple[Array, ..
     """q [B, Hkv, Gp, hd], pool (as K) [N, 2, bs, Hkv, hd], pool (as V), ids [B, S, Kp], lens: each (b, h)
     program reads its head's [bs, hd] K and V tile of every listed entry that holds tokens (padding entries are
     masked, not fetched): `valid` of the listed entries, as the caller knows them (1 = every entry). A float8 pool's
-    blocks have bs + 1 rows: the program reads bs values rows and bs bytes of the scale-code row."""
+    blocks have bs + r rows: the program reads bs value rows and the 2 scale bytes of each token."""
     q, pool, _, ids, lens = (o[0] for o in ops)
     b, hkv, _, hd = q.dims
     rows = pool.dims[2]
     entries = b * hkv * ids.dims[2] * valid
     item = pool.bytes // max(1, _numel(pool))
-    float8 = pool.dtype == "u8" or pool.dtype.startswith("f8")  # (a float8 cache is stored as bytes)
-    per_tile = (rows - 1) * (hd + 1) if float8 else rows * hd
+    if pool.dtype == "u8" or pool.dtype.startswith("f8"):  # a float8 cache's bytes: values, then 2 scale bytes a token
+        bs = block_tokens(rows, hd, "float8_e4m3fn")
+        per_tile = bs * (hd + SCALE_BYTES)
+    else:
+        per_tile = rows * hd
     return int(q.bytes + ids.bytes + lens.bytes + entries * 2 * per_tile * item), sum(o.bytes for o in outs)
 
 
