@@ -38,21 +38,24 @@ from jaxtyping import Array, Float, Int
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 Granularity = Literal["token", "block"]
-KV_DTYPES = ("auto", "float8_e4m3fn")  # EngineConfig.kv_dtype: the model's dtype, or float8 with scale codes
-STORAGE = jnp.dtype(jnp.uint8)  # the float8 cache's array dtype: e4m3 bytes and scale codes
+KV_DTYPES = ("auto", "float8_e4m3fn")  # EngineConfig.kv_dtype: the model's dtype, or float8 with scales
+STORAGE = jnp.dtype(jnp.uint8)  # the float8 cache's array dtype: e4m3 bytes and the scales' bytes
+ScaleCode = Literal["bf16", "e5m2", "pow2"]
 SCALE_BIAS = 64  # (code="pow2": code b -> 2^(b - 64))
 CODE_MIN, CODE_MAX = 1, 126  # (code="pow2": scales 2^-63 .. 2^62)
 SCALE_BYTES = 2  # the cache's scales: bfloat16
 E5M2_TINY, E5M2_MAX = 2.0 ** -16, float(jnp.finfo(jnp.float8_e5m2).max)
 
 
-def quantize(x: Float[Array, "... bs H hd"], granularity: Granularity = "token", *, code: str | None = None
+def quantize(x: Float[Array, "... bs H hd"], granularity: Granularity = "token", *, code: ScaleCode | None = None
              ) -> tuple[Float[Array, "... bs H hd"], Float[Array, "... s H 1"]]:
     """(x / scale as float8_e4m3fn, scale float32) with scale = amax / 448 per (token, head) ("token": s = bs) or per
-    (block, head) ("block": s = 1); with `code` that scale rounded up to what a one-byte code holds: "pow2" (a power
-    of two) or "e5m2" (a float8_e5m2 value)."""
+    (block, head) ("block": s = 1); with `code` that scale as a narrower number holds it: "bf16" (rounded to nearest;
+    the cache's), or one byte, rounded up: "e5m2" (a float8_e5m2 value) or "pow2" (a power of two)."""
     if granularity not in ("token", "block"):
         raise ValueError(f"granularity={granularity!r}; use 'token' or 'block'")
+    if code not in (None, "bf16", "e5m2", "pow2"):
+        raise ValueError(f"code={code!r}; use None (float32 scales), 'bf16', 'e5m2' or 'pow2'")
     xf = x.astype(jnp.float32)
     axes = (-1,) if granularity == "token" else (-3, -1)
     amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
@@ -62,6 +65,7 @@ def quantize(x: Float[Array, "... bs H hd"], granularity: Granularity = "token",
         scale = _e5m2_up(amax / FP8_MAX).astype(jnp.float32)
     elif code == "bf16":
         scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.bfloat16).astype(jnp.float32)
+        scale = jnp.maximum(scale, float(jnp.finfo(jnp.bfloat16).tiny))  # (never 0: a denormal amax would divide by it)
     else:
         scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
     return jnp.clip(xf / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale

@@ -116,7 +116,8 @@ def test_block_scores_compiles_without_spills(compiler, group, hd, k, per_head, 
                          sub_blocks=m)))
 
 
-@pytest.mark.parametrize("dtype,bs,hkv,hd", [("bfloat16", 16, 8, 128), ("float32", 8, 3, 64)])
+@pytest.mark.parametrize("dtype,bs,hkv,hd", [("bfloat16", 16, 8, 128), ("float32", 8, 3, 64),
+                                           ("uint8", 17, 8, 128)])  # uint8: a float8 cache's blocks, bs 16 + scales
 def test_gather_scatter_compile(compiler, dtype, bs, hkv, hd):
     pool = spec((100, 2, bs, hkv, hd), dtype)
     idx = spec((37,), I32)

@@ -118,3 +118,32 @@ def test_the_startup_check_runs_the_float8_kernel():
     from pulseinfer_jax.backends import probe_pallas
 
     assert probe_pallas(jax.devices()[0], jnp.bfloat16, kv_dtype="float8_e4m3fn", interpret=True) is None
+
+
+def test_spill_recall_land_move_float8_blocks_bit_for_bit(tiny4, monkeypatch):
+    """Every recalled float8 block lands in its GPU slot byte for byte as its host row holds it (values and scales):
+    what the spill wrote is what attention reads, never re-quantised on the way."""
+    from pulseinfer_jax import layer_ops, pipeline
+
+    land = layer_ops.land_attend_finish
+    checked = []
+
+    def checking(model, lp, x, q, kv, layer, plan, staging, early, **kw):
+        kv, x = land(model, lp, x, q, kv, layer, plan, staging, early, **kw)
+        if staging is not None:
+            n, recall, got = int(plan.count), np.asarray(plan.recall), np.asarray(kv[int(layer)])
+            stage = np.asarray(staging)
+            for i in range(n):
+                assert np.array_equal(got[recall[0, i]], stage[i])  # landed = staged
+                host = engine.host_pool.read(int(layer) - engine.host_pool.first_layer, int(recall[2, i]))
+                assert np.array_equal(stage[i], host)  # staged = the spilled host row
+                checked.append(1)
+        return kv, x
+
+    monkeypatch.setattr(pipeline.layer_ops, "land_attend_finish", checking)
+    cfg = EngineConfig.of(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1,
+                          mode="offload", budget_tokens=24, dense_layers=2, kv_dtype="float8_e4m3fn")
+    engine = Engine(tiny4, cfg)
+    prompts = [np.random.default_rng(i).integers(3, tiny4.cfg.vocab_size, n).tolist() for i, n in enumerate((61, 38))]
+    res = generate_long(prompts, engine, max_new_tokens=8, ignore_eos=True)
+    assert all(r.stats["recalled_blocks"] > 0 for r in res) and len(checked) > 20

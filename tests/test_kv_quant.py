@@ -69,6 +69,8 @@ def test_dtype_and_bad_granularity():
     assert dequantize(q, s, jnp.bfloat16).dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="granularity"):
         quantize(x, "head")
+    with pytest.raises(ValueError, match="code"):
+        quantize(x, code="int4")
 
 
 def test_the_fp8_bench_runs_on_a_real_checkpoint(tmp_path):

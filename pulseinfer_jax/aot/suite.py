@@ -250,6 +250,12 @@ def kernel_cases(suite: Suite, quick: bool = False) -> None:
                 f"{n * hkv} units")
         _kernel(suite, "scatter_block_heads", gather_scatter.scatter_block_heads,
                 (cache, units, units, spec((n * hkv, 2, bs, hd), BF16)), f"{n * hkv} units")
+    f8_rows = kv_quant.block_rows(bs, hd, kv_quant.STORAGE)  # a float8 cache's blocks (bytes, scales included)
+    f8_pool, f8_cache, n = spec((16384, 2, f8_rows, hkv, hd), kv_quant.STORAGE), spec((1024, 2, f8_rows, hkv, hd),
+                                                                                    kv_quant.STORAGE), 512
+    _kernel(suite, "gather_blocks", gather_scatter.gather_blocks, (f8_pool, spec((n,), I32)), f"{n} blocks float8")
+    _kernel(suite, "scatter_blocks", gather_scatter.scatter_blocks,
+            (f8_cache, spec((n,), I32), spec((n, 2, f8_rows, hkv, hd), kv_quant.STORAGE)), f"{n} blocks float8")
     d, e, f = 2048, 128, 768  # Qwen3-30B-A3B: hidden, experts, expert width
     for tile, tiles, dt in ((16, 68, BF16), (64, 40, BF16), (128, 24, BF16), (128, 24, jnp.float32)):
         tg = spec((tiles,), I32)
