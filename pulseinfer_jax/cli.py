@@ -239,6 +239,7 @@ def _info(args: argparse.Namespace) -> int:
 
     import jax.numpy as jnp
 
+    from pulseinfer_jax.kv_quant import STORAGE, layer_block_bytes
     from pulseinfer_jax.models.loading import describe_model
     from pulseinfer_jax.models.transformer import resolve_dtype
 
@@ -253,6 +254,8 @@ def _info(args: argparse.Namespace) -> int:
         "weight_bytes": c.num_parameters() * itemsize,
         "kv_bytes_per_token": c.kv_bytes_per_token(itemsize),
         "kv_bytes_per_16_token_block_per_layer": 2 * 16 * c.kv_dim * itemsize,
+        # kv_dtype="float8_e4m3fn" at block size 16: e4m3 values and their bfloat16 scales
+        "float8_kv_bytes_per_token": c.num_layers * layer_block_bytes(16, c.num_kv_heads, c.head_dim, STORAGE) // 16,
         "tokenizer": None if tok is None else {"vocab_size": tok.vocab_size, "eos_token_ids": list(tok.eos_token_ids),
                                                "chat_template": tok.has_chat_template},
     }

@@ -150,6 +150,7 @@ def test_cli_generate_and_info(capsys, tmp_path):
     info = json.loads(capsys.readouterr().out)
     assert info["parameters"] == pytest.approx(8.03e9, rel=0.01)
     assert info["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 4
+    assert info["float8_kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 17 // 16  # e4m3 bytes + a scale row per block
 
 
 def test_cli_subprocess_no_traceback():
