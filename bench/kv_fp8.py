@@ -7,6 +7,10 @@ layer's K and V to float8 e4m3 with per-(token, head) scales (float32, or powers
 K, V and the attention output, and the KL divergence of the attention weights. Bytes per KV element with the scales.
 
     python -m bench.kv_fp8 --tokens 2048 --name kv_fp8_cpu
+    python -m bench.kv_fp8 --tokens 2048 --hadamard --name kv_fp8_cpu_hadamard
+
+`--hadamard` first rotates every head's q, k and v by the orthonormal Hadamard matrix of head_dim (q.k is unchanged; a
+head's outlier channels spread over all of them), as a rotated float8 cache would store them.
 """
 
 from __future__ import annotations
@@ -64,6 +68,16 @@ def layer_errors(q, k, v, *, block_size: int, granularity: str, queries: int) ->
             "kl_max": jnp.max(kl)}
 
 
+def _hadamard(n: int) -> jax.Array:
+    """The orthonormal n x n Hadamard matrix (Sylvester; n a power of two)."""
+    if n & (n - 1):
+        raise SystemExit(f"--hadamard needs a power-of-two head_dim, not {n}")
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return jnp.asarray(h / np.sqrt(n), jnp.float32)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -71,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=2048, help="context length (a multiple of --block-size)")
     ap.add_argument("--queries", type=int, default=64, help="last positions whose attention is compared")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--hadamard", action="store_true", help="rotate q, k, v by a Hadamard matrix before quantising")
     ap.add_argument("--name", default="kv_fp8_cpu")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -96,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     finish = jax.jit(lambda lp, x, q, k, v: tr.layer_finish(lp, x, tr.causal_attention(q, k, v)))
     x = tr.embed(params, tokens)
     per_layer: dict[str, list[dict]] = {g: [] for g in GRANULARITIES}
+    rot = _hadamard(model.cfg.head_dim) if a.hadamard else jnp.eye(model.cfg.head_dim, dtype=jnp.float32)
     for i, lp in enumerate(split_layers(params)):
         q, k, v = qkv(lp, x, cos, sin)
         for g in GRANULARITIES:
-            errs = layer_errors(q[0], k[0], v[0], block_size=a.block_size, granularity=g, queries=a.queries)
+            errs = layer_errors(q[0] @ rot, k[0] @ rot, v[0] @ rot, block_size=a.block_size, granularity=g,
+                                queries=a.queries)
             per_layer[g].append({"layer": i, **{n: float(e) for n, e in errs.items()}})
         x = finish(lp, x, q, k, v)
         print(f"layer {i}: " + "  ".join(f"{g} out {per_layer[g][-1]['out_rel_err']:.2e} "
@@ -119,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                       "bytes_per_kv_element": 1 + scales_per_elt}
         print(g, summary[g])
     write_result(a.name, {"model": model.source, "text": str(text_path), "tokens": a.tokens, "queries": a.queries,
+                          "hadamard": a.hadamard,
                           "block_size": a.block_size, "bf16_bytes_per_kv_element": 2, "summary": summary,
                           "per_layer": per_layer}, pathlib.Path(a.out) if a.out else None)
     return 0
