@@ -316,7 +316,8 @@ def test_gpu_backends_fall_back_when_their_check_fails(tiny, monkeypatch, caplog
     r = backends.resolve_backends(EngineConfig.of(mode="offload", decode_attention="pallas", host_io="xla"), gpu, tiny)
     assert (r.decode_attention, r.host_io, calls) == ("pallas", "xla", [])
     # only the float8 bounds fail: the bounds fall back to the KV dtype, Pallas kept
-    monkeypatch.setattr(backends, "probe_pallas", lambda d, dt, sc, kv_dtype=None: None if sc.bounds_dtype == "kv" else "fp8")
+    monkeypatch.setattr(backends, "probe_pallas",
+                        lambda d, dt, sc, kv_dtype=None: None if sc.bounds_dtype == "kv" else "fp8")
     with pytest.warns(RuntimeWarning, match="score_bounds_dtype kv"):
         r = backends.resolve_backends(EngineConfig.of(mode="offload", host_io="xla"), gpu, tiny)
     assert (r.sparse_attention, r.scoring.bounds_dtype) == ("pallas", "kv")
