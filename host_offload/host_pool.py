@@ -231,7 +231,11 @@ def probe_host_io(device: jax.Device, *, block_size: int, num_kv_heads: int, hea
     """Run every transfer of backend `io` once on `device` with a tiny pool of the real block shape and
     dtype, checked bit for bit against numpy. None if all of it works, else what failed (one line)."""
     shape = (2, 4, 2, block_rows(block_size, head_dim, dtype), num_kv_heads, head_dim)  # layer 0 dense, 1 sparse
-    kv_np = np.random.default_rng(0).standard_normal(shape, np.float32).astype(jnp.dtype(dtype))
+    rng = np.random.default_rng(0)
+    if jnp.issubdtype(jnp.dtype(dtype), jnp.integer):  # a float8 cache's bytes: any byte
+        kv_np = rng.integers(0, 256, shape).astype(jnp.dtype(dtype))
+    else:
+        kv_np = rng.standard_normal(shape, np.float32).astype(jnp.dtype(dtype))
     try:
         pool = HostKVPool(num_rows=4, first_layer=1, num_layers=2, block_size=block_size,
                           num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device, io=io)

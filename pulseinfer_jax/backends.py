@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pulseinfer_jax.config import EngineConfig
-from pulseinfer_jax.kv_quant import pack_blocks, resolve_kv_dtype
+from pulseinfer_jax.kv_quant import pack_blocks, resolve_kv_dtype, storage_dtype
 from pulseinfer_jax.models.moe import MoEOptions
 from pulseinfer_jax.sparse import BlockScoring
 
@@ -138,7 +138,8 @@ def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBack
 
         c = model.cfg
         host_io, err = resolve_host_io(b.host_io, device, on_gpu=True, block_size=config.block_size,
-                                       num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=r.kv_dtype)
+                                       num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                       dtype=storage_dtype(r.kv_dtype))
         if err is not None:
             why.append(f"host_io numpy: pinned-host transfers failed their check ({err}); pageable RAM, slower")
     if moe is not None and moe.grouped_kernel == "pallas":

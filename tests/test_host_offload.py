@@ -87,9 +87,9 @@ def test_gathers_from_a_pool_no_write_back_has_touched(io):
 
 
 @pytest.mark.parametrize("io", ["xla", "numpy"])
-def test_probe_host_io_passes_where_the_backend_works(io):
-    assert probe_host_io(jax.devices()[0], block_size=BS, num_kv_heads=HKV, head_dim=HD, dtype=jnp.bfloat16,
-                         io=io) is None
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.uint8])  # (uint8: a float8 cache's bytes, scale rows included)
+def test_probe_host_io_passes_where_the_backend_works(io, dtype):
+    assert probe_host_io(jax.devices()[0], block_size=BS, num_kv_heads=HKV, head_dim=HD, dtype=dtype, io=io) is None
 
 
 def test_probe_host_io_reports_failures_and_wrong_bits(monkeypatch):

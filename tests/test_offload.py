@@ -567,7 +567,7 @@ def test_auto_kernels_fall_back_on_a_gpu_that_rejects_them(tiny4, monkeypatch, e
                                               ("all", "jnp", "float8_e4m3fn", "decode_attention jnp: the Pallas")]:
         calls = []
 
-        def probe(device, dtype=None, scoring=BlockScoring(), rejects=rejects, calls=calls):
+        def probe(device, dtype=None, scoring=BlockScoring(), kv_dtype=None, rejects=rejects, calls=calls):
             calls.append(scoring.bounds_dtype)
             return "NotImplementedError: no" if rejects in ("all", scoring.bounds_dtype) else None
 
