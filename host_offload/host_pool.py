@@ -4,7 +4,8 @@ Layout (the GPU cache's, minus the dense layers):
 
     pool: [Ls, R, 2, bs, Hkv, hd]   in host memory;  Ls = num_layers - dense_layers (the sparse layers)
 
-(float8 KV, kv_quant.py: bs + 1 rows, the last holding the scale codes, moved with the block bit for bit.)
+(float8 KV, kv_quant.py: uint8 bytes, bs + ceil(2 bs / hd) rows, the last ones holding the scales, moved with the
+block bit for bit.)
 
 Row 0 is the null row (never allocated): padded entries of a transfer read it, so transfers keep a few
 bucketed shapes without masking. Rows are handed out by a `BlockAllocator`, one row per logical block of an

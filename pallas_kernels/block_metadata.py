@@ -122,7 +122,7 @@ def block_key_bounds_reference(
     return jnp.stack(kmins), jnp.stack(kmaxs)
 
 
-def _round_directed(x: Float[Array, "..."], dtype: jnp.dtype, *, down: bool) -> Array:
+def round_directed(x: Float[Array, "..."], dtype: jnp.dtype, *, down: bool) -> Array:
     """x (any float) -> `dtype`, rounded toward -inf (down) or +inf, saturating at the dtype's finite range."""
     dt = jnp.dtype(dtype)
     bits = dt.itemsize * 8
@@ -157,7 +157,7 @@ def round_bounds_outward(
     dt = jnp.dtype(dtype)
     if not jnp.issubdtype(dt, jnp.floating) or dt.itemsize not in (1, 2, 4):
         raise ValueError(f"key bounds need a 1-, 2- or 4-byte float dtype, got {dt}")
-    return _round_directed(kmin, dt, down=True), _round_directed(kmax, dt, down=False)
+    return round_directed(kmin, dt, down=True), round_directed(kmax, dt, down=False)
 
 
 def init_bounds(num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[Array, Array]:

@@ -160,7 +160,7 @@ def _sparse_decode_kernel(
             kscale, vscale = (kv_quant.scale_from_bytes(*(
                 plt.load(ref.at[(safe_ids, *kv_quant.scale_position(tok_slot, byte, bs, hd))], mask=valid, other=0)
                 for byte in range(kv_quant.SCALE_BYTES))) for ref in (k_ref, v_ref))  # [T] f32 each
-            s = s * kscale[None, :]  # exact: powers of two
+            s = s * kscale[None, :]  # K's scales weigh the scores, not the [T, hd] tile
         s = jnp.where(valid[None, :], s, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # [Gp]
         m_off = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # keeps exp() away from -inf - -inf

@@ -27,7 +27,7 @@ from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.host_offload.blocks import BlockAllocator, bucket
 from pulseinfer_jax.ioaa import IOAAConfig
 from pulseinfer_jax.kv_cache import CacheSpec, bucket_blocks
-from pulseinfer_jax.kv_quant import block_rows, layer_block_bytes, storage_dtype
+from pulseinfer_jax.kv_quant import layer_block_bytes, storage_dtype
 from pulseinfer_jax.models.loading import LoadedModel
 from pulseinfer_jax.parallel.layout import DeviceLayout
 from pulseinfer_jax.runner import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
@@ -79,7 +79,6 @@ class Engine:
             raise ValueError(f"selection={ab.selection!r} with io={ab.io!r} moves per-(block, head) units, which the "
                              "'xla' host I/O runs on one device only; under tensor_parallel use selection='solohead' "
                              "with io='coalesced', or host_io='numpy'")
-        block_rows(config.block_size, model.cfg.head_dim, self.kv_dtype)  # (refuses a float8 block it cannot scale)
         compile_seconds()  # start counting compile time (step stats leave compiling steps out of TPOT)
         # the jitted model: the loaded one with this engine's MoE options (how expert layers compute on its device)
         moe = self.backends.moe

@@ -19,9 +19,9 @@ by sequence length. Real data therefore never aliases garbage writes.
 
 Token t of a request lives in block `table[t // block_size]`, slot `t % block_size`.
 
-With `kv_dtype="float8_e4m3fn"` the cache is float8 and a block's K and V each have one more row, `block_size + 1`,
-the last holding every (token, head)'s scale code (kv_quant.py): `kv: [L, NB, 2, block_size + 1, Hkv, hd]`, one
-contiguous run per block as before, 1 + 1 / block_size bytes per element.
+With `kv_dtype="float8_e4m3fn"` the cache holds bytes (uint8) and a block's K and V each have r = ceil(2 block_size /
+head_dim) more rows, holding every (token, head)'s bfloat16 scale (kv_quant.py): `kv: [L, NB, 2, block_size + r, Hkv,
+hd]`, one contiguous run per block as before (at block size 16, head_dim 64 or 128: 1 + 1 / 16 bytes per element).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class CacheSpec:
     num_kv_heads: int
     block_size: int
     head_dim: int
-    dtype: jnp.dtype  # storage: the model's dtype, or float8_e4m3fn with scale codes (kv_quant.py)
+    dtype: jnp.dtype  # storage: the model's dtype, or uint8: float8 values and their scales (kv_quant.py)
 
     @property
     def rows(self) -> int:

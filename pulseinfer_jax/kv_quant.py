@@ -44,7 +44,7 @@ ScaleCode = Literal["bf16", "e5m2", "pow2"]
 SCALE_BIAS = 64  # (code="pow2": code b -> 2^(b - 64))
 CODE_MIN, CODE_MAX = 1, 126  # (code="pow2": scales 2^-63 .. 2^62)
 SCALE_BYTES = 2  # the cache's scales: bfloat16
-E5M2_TINY, E5M2_MAX = 2.0 ** -16, float(jnp.finfo(jnp.float8_e5m2).max)
+E5M2_TINY = 2.0 ** -16  # (code="e5m2": its smallest subnormal)
 
 
 def quantize(x: Float[Array, "... bs H hd"], granularity: Granularity = "token", *, code: ScaleCode | None = None
@@ -61,23 +61,17 @@ def quantize(x: Float[Array, "... bs H hd"], granularity: Granularity = "token",
     amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
     if code == "pow2":
         scale = jnp.ldexp(jnp.float32(1.0), _exponent(amax))
-    elif code == "e5m2":
-        scale = _e5m2_up(amax / FP8_MAX).astype(jnp.float32)
+    elif code == "e5m2":  # (rounded up from the smallest subnormal: an all-zero group keeps a nonzero scale)
+        from pulseinfer_jax.pallas_kernels.block_metadata import round_directed  # (it reads kv_quant itself)
+
+        scale = round_directed(jnp.maximum(amax / FP8_MAX, E5M2_TINY), jnp.float8_e5m2, down=False)
+        scale = scale.astype(jnp.float32)
     elif code == "bf16":
         scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.bfloat16).astype(jnp.float32)
         scale = jnp.maximum(scale, float(jnp.finfo(jnp.bfloat16).tiny))  # (never 0: a denormal amax would divide by it)
     else:
         scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
     return jnp.clip(xf / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
-
-
-def _e5m2_up(s: Array) -> Array:
-    """float32 s >= 0 -> the float8_e5m2 at or above it (within e5m2's finite range; 0 -> its smallest subnormal)."""
-    s = jnp.clip(s, E5M2_TINY, E5M2_MAX)
-    near = s.astype(jnp.float8_e5m2)
-    bits = jax.lax.bitcast_convert_type(near, jnp.uint8)
-    bits = jnp.where(near.astype(jnp.float32) < s, bits + 1, bits)  # (positive: the next pattern is the next value)
-    return jax.lax.bitcast_convert_type(bits, jnp.float8_e5m2)
 
 
 def _exponent(amax: Array) -> Int[Array, "..."]:

@@ -34,15 +34,13 @@ def _pool(rng, nb, hkv, bs, hd, dtype):
     return jnp.asarray(kv, dtype)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("bs,group,hd", [(8, 1, 64), (16, 4, 64), (32, 2, 128), (16, 8, 64)])
-def test_decode_attention_matches_dense(dtype, bs, group, hd):
-    rng = np.random.default_rng(bs * 100 + group + hd)
-    hkv = 2
-    lengths = [1, bs - 1, bs, bs + 1, 5 * bs + 3]
+def _write_sequences(rng, kv, lengths, scale=1.0):
+    """Random K / V of `lengths` tokens written token by token through the decode writer into layer 1 of `kv`, in
+    shuffled blocks: (kv, block tables, [(k, v)] per sequence)."""
+    from pulseinfer_jax.kv_quant import tokens_per_block
+
+    nb, hkv, hd, bs = kv.shape[1], kv.shape[4], kv.shape[5], tokens_per_block(kv)
     mb = max(-(-n // bs) for n in lengths) + 1
-    nb = 1 + sum(-(-n // bs) for n in lengths) + 3
-    kv = _pool(rng, nb, hkv, bs, hd, dtype)
     ids = rng.permutation(np.arange(1, nb))  # shuffled physical blocks
     tables = np.zeros((len(lengths), mb), np.int32)
     seqs, used = [], 0
@@ -50,12 +48,23 @@ def test_decode_attention_matches_dense(dtype, bs, group, hd):
         nblk = -(-n // bs)
         tables[b, :nblk] = ids[used:used + nblk]
         used += nblk
-        k = rng.standard_normal((n, hkv, hd)).astype(np.float32)
-        v = rng.standard_normal((n, hkv, hd)).astype(np.float32)
+        k = rng.standard_normal((n, hkv, hd)).astype(np.float32) * scale
+        v = rng.standard_normal((n, hkv, hd)).astype(np.float32) * scale
         seqs.append((k, v))
-        for t in range(n):  # write token by token through the decode writer
+        for t in range(n):
             kv = write_decode_kv(kv, jnp.int32(1), jnp.asarray(k[t:t + 1]), jnp.asarray(v[t:t + 1]),
                                  jnp.asarray(tables[b:b + 1]), jnp.asarray([t]))
+    return kv, tables, seqs
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("bs,group,hd", [(8, 1, 64), (16, 4, 64), (32, 2, 128), (16, 8, 64)])
+def test_decode_attention_matches_dense(dtype, bs, group, hd):
+    rng = np.random.default_rng(bs * 100 + group + hd)
+    hkv = 2
+    lengths = [1, bs - 1, bs, bs + 1, 5 * bs + 3]
+    nb = 1 + sum(-(-n // bs) for n in lengths) + 3
+    kv, tables, seqs = _write_sequences(rng, _pool(rng, nb, hkv, bs, hd, dtype), lengths)
     q = rng.standard_normal((len(lengths), hkv * group, hd)).astype(np.float32)
     out = paged_decode_attention(jnp.asarray(q, dtype), kv, jnp.int32(1), jnp.asarray(tables),
                                  jnp.asarray(lengths))
@@ -131,21 +140,8 @@ def test_float8_decode_attention_reads_what_was_written(bs, group):
     rng = np.random.default_rng(bs + group)
     hkv, hd = 2, 64
     lengths = [1, bs - 1, bs, bs + 1, 3 * bs + 3]
-    mb = max(-(-n // bs) for n in lengths) + 1
     nb = 1 + sum(-(-n // bs) for n in lengths) + 2
-    kv = _fp8_pool(nb, hkv, bs, hd)
-    ids = rng.permutation(np.arange(1, nb))
-    tables = np.zeros((len(lengths), mb), np.int32)
-    seqs, used = [], 0
-    for b, n in enumerate(lengths):
-        nblk = -(-n // bs)
-        tables[b, :nblk] = ids[used:used + nblk]
-        used += nblk
-        k, v = (rng.standard_normal((n, hkv, hd)).astype(np.float32) * 3 for _ in "kv")
-        seqs.append((k, v))
-        for t in range(n):
-            kv = write_decode_kv(kv, jnp.int32(1), jnp.asarray(k[t:t + 1]), jnp.asarray(v[t:t + 1]),
-                                 jnp.asarray(tables[b:b + 1]), jnp.asarray([t]))
+    kv, tables, seqs = _write_sequences(rng, _fp8_pool(nb, hkv, bs, hd), lengths, scale=3.0)
     q = rng.standard_normal((len(lengths), hkv * group, hd)).astype(np.float32)
     out = np.asarray(paged_decode_attention(jnp.asarray(q), kv, jnp.int32(1), jnp.asarray(tables),
                                             jnp.asarray(lengths)))

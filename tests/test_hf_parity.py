@@ -37,30 +37,39 @@ def test_full_forward_logits(family):
         assert np.abs(ours - logits).max() <= ATOL, name
 
 
+def paged_logits(m, prompt, kv_dtype=jnp.float32, block_size=16, chunk=16):
+    """Prefill the first half of `prompt` in chunks through a paged cache of `kv_dtype` (shuffled blocks), then decode
+    the rest token by token: (half, logits [n - half + 1, V] of positions half - 1 .. n - 1)."""
+    c = m.cfg
+    kv = CacheSpec(c.num_layers, 40, c.num_kv_heads, block_size, c.head_dim, kv_dtype).allocate()
+    n = len(prompt)
+    nblk = -(-n // block_size)
+    table = np.zeros(16, np.int32)
+    table[:nblk] = np.random.default_rng(n).permutation(np.arange(1, 40))[:nblk]  # shuffled blocks
+    half = max(1, n // 2)
+    for start in range(0, half, chunk):
+        k = min(chunk, half - start)
+        toks = np.zeros(chunk, np.int32)
+        toks[:k] = prompt[start:start + k]
+        kv, last = prefill_step(m.transformer, m.params, kv, jnp.asarray(toks), jnp.int32(start), jnp.int32(k),
+                                jnp.asarray(table), key_chunk=chunk)
+    out = [np.asarray(last)]
+    for pos in range(half, n):
+        kv, lg = decode_step(m.transformer, m.params, kv, jnp.asarray([prompt[pos]], jnp.int32),
+                             jnp.asarray([pos], jnp.int32), jnp.asarray(table[None]))
+        out.append(np.asarray(lg[0]))
+    return half, np.stack(out)
+
+
 @pytest.mark.parametrize("block_size,chunk", [(4, 8), (16, 16)])
 def test_paged_prefill_then_decode_logits(family, block_size, chunk):
     """Prefill the first half through the paged cache in chunks, then decode the rest token by token."""
     name, m, gold = family
-    c = m.cfg
-    spec = CacheSpec(c.num_layers, 40, c.num_kv_heads, block_size, c.head_dim, jnp.float32)
     for prompt, logits, _ in gold:
-        kv = spec.allocate()
-        n = len(prompt)
-        nblk = -(-n // block_size)
-        table = np.zeros(16, np.int32)
-        table[:nblk] = np.random.default_rng(n).permutation(np.arange(1, 40))[:nblk]  # shuffled blocks
-        half = max(1, n // 2)
-        for start in range(0, half, chunk):
-            k = min(chunk, half - start)
-            toks = np.zeros(chunk, np.int32)
-            toks[:k] = prompt[start:start + k]
-            kv, last = prefill_step(m.transformer, m.params, kv, jnp.asarray(toks), jnp.int32(start), jnp.int32(k),
-                                    jnp.asarray(table), key_chunk=chunk)
-        assert np.abs(np.asarray(last) - logits[half - 1]).max() <= ATOL, name
-        for pos in range(half, n):
-            kv, lg = decode_step(m.transformer, m.params, kv, jnp.asarray([prompt[pos]], jnp.int32),
-                                 jnp.asarray([pos], jnp.int32), jnp.asarray(table[None]))
-            assert np.abs(np.asarray(lg[0]) - logits[pos]).max() <= ATOL, (name, pos)
+        half, got = paged_logits(m, prompt, block_size=block_size, chunk=chunk)
+        assert np.abs(got[0] - logits[half - 1]).max() <= ATOL, name
+        for pos, lg in zip(range(half, len(prompt)), got[1:], strict=True):
+            assert np.abs(lg - logits[pos]).max() <= ATOL, (name, pos)
 
 
 @pytest.mark.parametrize("block_size,batched", [(4, True), (16, True), (16, False)])

@@ -9,38 +9,13 @@ import numpy as np
 import pytest
 from conftest import TINY, TINY_FAMILIES
 from pulseinfer_jax.models.loading import load_model
-from test_hf_parity import _golden
+from test_hf_parity import _golden, paged_logits
 
 from pulseinfer_jax import Engine, EngineConfig, attention, generate_long
 from pulseinfer_jax import kv_quant as kq
-from pulseinfer_jax.kv_cache import CacheSpec
-from pulseinfer_jax.runner import decode_step, prefill_step
 
 FP8 = kq.STORAGE  # the float8 cache's arrays: e4m3 bytes and bfloat16 scale bytes as uint8
 GOLDEN_MEAN_ERR = 0.15  # mean |logit error| over the golden positions, in units of the logits' std (measured <= 0.093)
-
-
-def _logits(m, prompt, kv_dtype, bs=16, chunk=16):
-    """Prefill the first half of `prompt` in chunks through a shuffled paged cache of `kv_dtype`, decode the rest;
-    every position's logits [n - half + 1, V]."""
-    c = m.cfg
-    kv = CacheSpec(c.num_layers, 40, c.num_kv_heads, bs, c.head_dim, kv_dtype).allocate()
-    n = len(prompt)
-    table = np.zeros(16, np.int32)
-    table[:-(-n // bs)] = np.random.default_rng(n).permutation(np.arange(1, 40))[:-(-n // bs)]
-    half = max(1, n // 2)
-    for start in range(0, half, chunk):
-        k = min(chunk, half - start)
-        toks = np.zeros(chunk, np.int32)
-        toks[:k] = prompt[start:start + k]
-        kv, last = prefill_step(m.transformer, m.params, kv, jnp.asarray(toks), jnp.int32(start), jnp.int32(k),
-                                jnp.asarray(table), key_chunk=chunk)
-    out = [np.asarray(last)]
-    for pos in range(half, n):
-        kv, lg = decode_step(m.transformer, m.params, kv, jnp.asarray([prompt[pos]], jnp.int32),
-                             jnp.asarray([pos], jnp.int32), jnp.asarray(table[None]))
-        out.append(np.asarray(lg[0]))
-    return np.stack(out), half
 
 
 def _rounded(x):
@@ -54,13 +29,13 @@ def test_float8_cache_is_the_model_with_rounded_kv(monkeypatch, family):
     rounded the same way (kv_quant.encode): nothing else is lost, nothing re-quantised, no stray slot read."""
     m = load_model(TINY / family)
     prompt = _golden(family)[0][0]
-    fp8, _ = _logits(m, prompt, FP8, bs=4, chunk=8)
+    _, fp8 = paged_logits(m, prompt, FP8, block_size=4, chunk=8)
     pack, write = attention.pack_blocks, attention.write_tokens
     monkeypatch.setattr(attention, "pack_blocks", lambda x, dt: pack(_rounded(x), dt))
     monkeypatch.setattr(attention, "write_tokens", lambda kv, li, bi, off, k, v: write(kv, li, bi, off, _rounded(k),
                                                                                        _rounded(v)))
     jax.clear_caches()  # (the float32 programs must trace the patched writers)
-    rounded, _ = _logits(m, prompt, jnp.float32, bs=4, chunk=8)
+    _, rounded = paged_logits(m, prompt, jnp.float32, block_size=4, chunk=8)
     monkeypatch.undo()
     jax.clear_caches()
     np.testing.assert_allclose(fp8, rounded, atol=1e-5, rtol=1e-5)
@@ -73,7 +48,7 @@ def test_float8_logits_near_the_goldens():
     for family in TINY_FAMILIES:
         m = load_model(TINY / family)
         for prompt, logits, _ in _golden(family):
-            got, half = _logits(m, prompt, FP8)
+            half, got = paged_logits(m, prompt, FP8)
             want = logits[half - 1:]
             assert np.isfinite(got).all()
             err = np.abs(got - want).mean() / want.std()
