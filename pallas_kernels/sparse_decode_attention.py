@@ -44,7 +44,9 @@ integer shifts and a bitcast (`kv_quant.scale_from_bytes`: all of which Triton l
 into the [Gp, T] scores and probabilities instead of the [T, hd] tiles: s = dot(q, K8^T) * scale * kscale[t],
 and the second dot takes p * vscale[t] (l sums the unscaled p): hd times fewer multiplies than dequantising
 the tiles, each in float32. The compute dtype is q's (float32 queries) or bfloat16 (other queries: float16
-lacks the scales' exponent range), and q is cast to it, not to float8.
+lacks the scales' exponent range), and q is cast to it, not to float8. The stored values are in the cache's
+rotated basis (`kv_quant.rotate`, a Hadamard matrix per head): the wrapper rotates q before the kernel and the
+merged output back after it (two [B, Hq, hd] x [hd, hd] products; the scores are unchanged by the rotation).
 
 Defaults: P gives about 64 tokens per step (P >= 16 / bs, P <= next_pow2(K)); split_k aims for
 about 256 programs (B * Hkv * split_k) with at least 2 steps per split, at most 16 splits;
@@ -394,7 +396,8 @@ def sparse_decode_attention(
     ids = jnp.pad(block_ids.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)), constant_values=-1)
     lens = jnp.pad(block_lens.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)))
 
-    q_grouped = q.astype(cdt).reshape(b, hkv, g, hd)
+    quantized = kv_quant.is_quantized(pool.dtype)  # (float8: the pool's basis is rotated; so are q and, back, o)
+    q_grouped = (kv_quant.rotate(q) if quantized else q).astype(cdt).reshape(b, hkv, g, hd)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [B, Hkv, Gp, hd]
 
     acc, m, l = on_platform(lambda interp: _sparse_decode_call(  # noqa: E741
@@ -403,7 +406,9 @@ def sparse_decode_attention(
         num_warps=num_warps, num_stages=num_stages, interpret=interp,
     ), interpret)
     acc, m, l = acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]  # noqa: E741  drop padded query rows
-    o, m, l = merge_stacked_partials(acc, m, l, out_dtype=q.dtype, normalized=False)  # noqa: E741
+    o, m, l = merge_stacked_partials(acc, m, l, out_dtype=jnp.float32 if quantized else q.dtype,  # noqa: E741
+                                     normalized=False)
+    o = kv_quant.rotate(o).astype(q.dtype) if quantized else o
     return o.reshape(b, hq, hd), m.reshape(b, hq), l.reshape(b, hq)
 
 
@@ -421,7 +426,7 @@ def sparse_decode_attention_reference(
 ) -> tuple[Float[Array, "B Hq hd"], Float[Array, "B Hq"], Float[Array, "B Hq"]]:
     """Same contract as `sparse_decode_attention`, by gathering the listed blocks with jnp (f32 math; a float8
     pool's gathered values and scale bytes are dequantised with `kv_quant.scale_from_bytes`, the pool itself never
-    is)."""
+    is, and attended in the pool's rotated basis)."""
     _check_inputs(q, pool, block_ids, block_lens)
     b, hq, hd = q.shape
     hkv = pool.shape[3]
@@ -452,7 +457,8 @@ def sparse_decode_attention_reference(
     vv = jnp.where(valid[..., None], vv, 0.0).reshape(b, hkv, k * bs, hd)
     valid = valid.reshape(b, hkv, 1, k * bs)
 
-    qg = q.astype(jnp.float32).reshape(b, hkv, g, hd)
+    quantized = kv_quant.is_quantized(pool.dtype)  # (float8: attend in the pool's rotated basis, o rotated back)
+    qg = (kv_quant.rotate(q) if quantized else q.astype(jnp.float32)).reshape(b, hkv, g, hd)
     hi = jax.lax.Precision.HIGHEST
     s = jnp.einsum("bhgd,bhtd->bhgt", qg, kk, precision=hi) * scale
     s = jnp.where(valid, s, -jnp.inf)
@@ -461,6 +467,7 @@ def sparse_decode_attention_reference(
     p = jnp.where(valid, jnp.exp(s - m_off[..., None]), 0.0)
     l = jnp.sum(p, axis=-1)  # noqa: E741
     o = jnp.einsum("bhgt,bhtd->bhgd", p, vv, precision=hi) / jnp.where(l > 0, l, 1.0)[..., None]
+    o = kv_quant.rotate(o) if quantized else o
     return o.reshape(b, hq, hd).astype(q.dtype), m.reshape(b, hq), l.reshape(b, hq)
 
 

@@ -21,7 +21,13 @@ in the r = ceil(2 bs / hd) *scale rows* after them, each head's scales as bytes:
 and 2t + 1 (high) of head h's scale rows read as one run (`scale_bytes`). A block therefore stays one contiguous
 run with its scales (one transfer for spill and recall, moved bit for bit: nothing is re-quantised between write
 and read), the null block and padding stay plain bytes, and tensor parallelism's split by KV head carries each
-head's scales with it. Dequantised values (e4m3 x bfloat16: 12 significant bits) are exact in float32.
+head's scales with it. A stored value times its scale (e4m3 x bfloat16: 12 significant bits) is exact in float32.
+Each head's K and V are stored in a rotated basis: x H, H the orthonormal Hadamard matrix of head_dim (`rotate`;
+symmetric, its own inverse). The rotation spreads a head's outlier channel over every feature, so the per-token amax
+no longer sits on one channel that alone decides the scale (measured on SmolLM2, bench/kv_fp8.py --hadamard: the
+attention KL halves). q.k and softmax(.) v are unchanged when q is rotated the same way and the output rotated back:
+the readers that attend over the stored values (the Pallas kernel, its reference, the jnp decode and prefill paths)
+do that, `unpack_blocks` rotates back for the others (key bounds), and a block's bytes never change in between.
 The arrays hold the bytes as uint8 (STORAGE), read as float8 only where attention converts them: XLA:CPU has no
 native float8 scatter and rewrote each one-token cache write into a copy of the whole cache (measured: 200 ms per
 write into a 390 MB cache, against 0.015 ms for the same write in uint8); readers accept either dtype.
@@ -29,10 +35,12 @@ write into a 390 MB cache, against 0.015 ms for the same write in uint8); reader
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 FP8 = jnp.float8_e4m3fn
@@ -159,10 +167,46 @@ def scale_from_bytes(low: Array, high: Array) -> Float[Array, "..."]:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+@functools.cache
+def hadamard(head_dim: int) -> np.ndarray:
+    """The orthonormal, symmetric head_dim x head_dim rotation of the float8 cache: Sylvester's Hadamard matrix over
+    the largest power of two p dividing head_dim, repeated along the diagonal (head_dim 64 / 128: one matrix)."""
+    p = head_dim & -head_dim
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < p:
+        h = np.block([[h, h], [h, -h]])
+    return np.kron(np.eye(head_dim // p, dtype=np.float32), h / np.float32(np.sqrt(p)))
+
+
+def rotate(x: Float[Array, "... hd"]) -> Float[Array, "... hd"]:
+    """x H over the last axis, in float32 (H = `hadamard(hd)`, its own inverse: rotate(rotate(x)) == x up to float32
+    rounding). Computed as the fast Walsh-Hadamard transform: H_p is H_2 applied along each of log2(p) binary axes of
+    the features, so it is log2(p) elementwise sums and differences, whose rounding is the same whatever the batch
+    shape or the backend (a matmul's accumulation order is not): every reader gets the same bits for the same token."""
+    hd = x.shape[-1]
+    p = hd & -hd
+    bits = p.bit_length() - 1
+    y = x.astype(jnp.float32).reshape(*x.shape[:-1], hd // p, *([2] * bits))
+    for i, axis in enumerate(range(y.ndim - bits, y.ndim)):
+        a, b = jnp.split(y, 2, axis=axis)
+        y = jnp.concatenate([a + b, a - b], axis=axis)
+        if i % 2:  # (1/2 per two stages, exact: the sums never grow past sqrt(p) x the largest element)
+            y = y * np.float32(0.5)
+    y = y * np.float32(0.5 ** 0.5) if bits % 2 else y
+    return y.reshape(x.shape)
+
+
+def round_trip(x: Float[Array, "... H hd"]) -> Float[Array, "... H hd"]:
+    """Tokens' K or V as a float8 cache gives them back (`unpack_blocks`): rotated, rounded to e4m3 under a bfloat16
+    scale per (token, head), rotated back; float32."""
+    values, scale = quantize(rotate(x)[..., None, :, :], "token", code="bf16")
+    return rotate(dequantize(values, scale)[..., 0, :, :])
+
+
 def encode(x: Float[Array, "... H hd"]) -> tuple[Array, Array]:
-    """Tokens' K or V -> (e4m3 value bytes [..., H, hd], scale bytes [..., H, 2] low then high), uint8 (STORAGE):
-    per (token, head) bfloat16 scales."""
-    values, scale = quantize(x[..., None, :, :], "token", code="bf16")  # scale [..., 1, H, 1]
+    """Tokens' K or V -> (e4m3 value bytes [..., H, hd] of the rotated x (`rotate`), scale bytes [..., H, 2] low then
+    high), uint8 (STORAGE): per (token, head) bfloat16 scales."""
+    values, scale = quantize(rotate(x)[..., None, :, :], "token", code="bf16")  # scale [..., 1, H, 1]
     bits = jax.lax.bitcast_convert_type(scale[..., 0, :, 0].astype(jnp.bfloat16), jnp.uint16).astype(jnp.int32)
     scale_bytes = jnp.stack([bits & 0xFF, bits >> 8], axis=-1).astype(STORAGE)
     return jax.lax.bitcast_convert_type(values[..., 0, :, :], STORAGE), scale_bytes
@@ -191,14 +235,14 @@ def block_scales(blocks: Array) -> Float[Array, "... bs H"]:
     return jnp.swapaxes(scale_from_bytes(run[..., 0], run[..., 1]), -1, -2)
 
 
-def unpack_blocks(blocks: Array, dtype) -> Float[Array, "... bs H hd"]:
-    """Stored blocks of K or V [..., rows, H, hd] -> their values in `dtype` (float8: value x scale, exact in
-    float32)."""
+def unpack_blocks(blocks: Array, dtype, *, rotated: bool = False) -> Float[Array, "... bs H hd"]:
+    """Stored blocks of K or V [..., rows, H, hd] -> their values in `dtype` (float8: value x scale rotated back; with
+    `rotated` left in the stored basis, value x scale exact in float32, for readers that rotate q and the output)."""
     if not is_quantized(blocks.dtype):
         return blocks.astype(dtype)
     bs = tokens_per_block(blocks)
-    values = as_float8(blocks[..., :bs, :, :]).astype(jnp.float32)
-    return (values * block_scales(blocks)[..., None]).astype(dtype)
+    values = as_float8(blocks[..., :bs, :, :]).astype(jnp.float32) * block_scales(blocks)[..., None]
+    return (values if rotated else rotate(values)).astype(dtype)
 
 
 def write_tokens(kv: Array, li: Int[Array, " B"], bi: Int[Array, " B"], off: Int[Array, " B"],

@@ -118,11 +118,11 @@ def test_decode_write_lands_in_the_right_slot():
 
 
 def _fake_quant(x):
-    """K or V as a float8 cache returns it: per-(token, head) power-of-two scale, e4m3 values (kv_quant.py)."""
-    from pulseinfer_jax.kv_quant import quantize
+    """K or V as a float8 cache returns it (kv_quant.round_trip: rotated, e4m3 under a bfloat16 scale per (token,
+    head), rotated back)."""
+    from pulseinfer_jax.kv_quant import round_trip
 
-    q, s = quantize(jnp.asarray(x)[:, None], "token", code="bf16")  # [n, 1, H, hd]: one token per group
-    return np.asarray(q.astype(jnp.float32) * s)[:, 0]
+    return np.asarray(round_trip(jnp.asarray(x)))
 
 
 def _fp8_pool(nb, hkv, bs, hd):

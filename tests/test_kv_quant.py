@@ -105,14 +105,18 @@ def test_packed_blocks_hold_values_and_scales_and_unpack_exactly(bs, hd):
     r = kq.scale_rows(bs, hd)
     assert r == -(-2 * bs // hd) and blocks.shape == (3, bs + r, 2, hd) and blocks.dtype == kq.STORAGE
     assert kq.tokens_per_block(blocks) == bs
-    q, s = quantize(jnp.asarray(x), "token", code="bf16")
-    back = np.asarray(kq.unpack_blocks(blocks, jnp.float32))
-    assert np.array_equal(back, np.asarray(dequantize(q, s)))  # values x bfloat16 scales: exact in float32
+    xr = np.asarray(kq.rotate(jnp.asarray(x)))  # the stored basis: each head's features rotated
+    q, s = quantize(jnp.asarray(xr), "token", code="bf16")
+    stored = np.asarray(kq.unpack_blocks(blocks, jnp.float32, rotated=True))
+    assert np.array_equal(stored, np.asarray(dequantize(q, s)))  # values x bfloat16 scales: exact in float32
+    back = np.asarray(kq.unpack_blocks(blocks, jnp.float32))  # rotated back
+    np.testing.assert_allclose(back, np.asarray(kq.rotate(jnp.asarray(stored))), rtol=0, atol=1e-6 * np.abs(x).max())
+    np.testing.assert_allclose(back, np.asarray(kq.round_trip(jnp.asarray(x))), rtol=0, atol=1e-6 * np.abs(x).max())
     assert np.all(back[1] == 0.0)
     np.testing.assert_array_equal(np.asarray(kq.block_scales(blocks)), np.asarray(s)[..., 0])
-    # the amax element (a head's outlier channel) is kept to bfloat16's precision, not float8's
-    amax = np.abs(x).max(-1)
-    got = np.take_along_axis(np.abs(back), np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    # the amax element of each stored row is kept to bfloat16's precision, not float8's
+    amax = np.abs(xr).max(-1)
+    got = np.take_along_axis(np.abs(stored), np.abs(xr).argmax(-1)[..., None], -1)[..., 0]
     assert np.all(np.abs(got - amax) <= amax * 2.0 ** -8)
     # scale bytes fill 2 bs bytes of each head's scale rows, zeros after
     run = np.swapaxes(np.asarray(blocks[:, bs:]), 1, 2).reshape(3, 2, r * hd)
@@ -128,11 +132,39 @@ def test_extreme_magnitudes_saturate_without_nan():
 
     x = np.zeros((1, 4, 1, 16), np.float32)
     x[0, 0] = 1e-30
-    x[0, 1] = 3e38
+    x[0, 1] = 3e37  # (the rotation may grow an element by sqrt(hd): float32's max / 4 at hd 16 stays finite)
     x[0, 2, 0, 0] = -7.0
     back = np.asarray(kq.unpack_blocks(kq.pack_blocks(jnp.asarray(x), FP8), jnp.float32))
     assert np.all(np.isfinite(back))
-    assert back[0, 2, 0, 0] == -7.0 and np.allclose(back[0, 1, 0], 3e38, rtol=2.0 ** -8)
+    assert back[0, 2, 0, 0] == -7.0 and np.allclose(back[0, 1, 0], 3e37, rtol=2.0 ** -8)
+
+
+@pytest.mark.parametrize("hd", [16, 64, 128, 80])
+def test_rotation_is_orthonormal_and_its_own_inverse(hd):
+    """The cache's basis: H symmetric with H H = I (80 = 5 x 16: Sylvester's 16 x 16 matrix along the diagonal)."""
+    from pulseinfer_jax import kv_quant as kq
+
+    h = kq.hadamard(hd)
+    np.testing.assert_array_equal(h, h.T)
+    np.testing.assert_allclose(h @ h, np.eye(hd), atol=1e-6)
+    p = hd & -hd
+    assert set(np.unique(np.abs(h[:p, :p]))) == {np.float32(p ** -0.5)}
+    x = jnp.asarray(_kv(5, (4, 2, hd)))
+    np.testing.assert_allclose(np.asarray(kq.rotate(kq.rotate(x))), np.asarray(x), atol=1e-5)
+
+
+def test_round_trip_error_is_the_stored_basis_error():
+    """The rotation is orthonormal, so a token's error norm after rotating back is its error in the stored basis:
+    within e4m3's half step (2^-4 relative for normals, 2^-10 scale at the bottom) of every stored element; an
+    outlier channel 50x the others included."""
+    from pulseinfer_jax import kv_quant as kq
+
+    x = _kv(6, (64, 2, 64))
+    x[:32, :, 3] *= 50.0
+    err = np.linalg.norm(np.asarray(kq.round_trip(jnp.asarray(x))) - x, axis=-1)  # [tokens, heads]
+    xr = np.asarray(kq.rotate(jnp.asarray(x)))
+    bound = 2.0 ** -4 * np.linalg.norm(xr, axis=-1) + 8 * 2.0 ** -10 * np.abs(xr).max(-1) / FP8_MAX
+    assert np.all(err <= bound * (1 + 1e-5)) and np.all(err > 0)
 
 
 def test_write_tokens_appends_without_touching_the_block():
