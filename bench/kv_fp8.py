@@ -10,7 +10,7 @@ K, V and the attention output, and the KL divergence of the attention weights. B
     python -m bench.kv_fp8 --tokens 2048 --hadamard --name kv_fp8_cpu_hadamard
 
 `--hadamard` first rotates every head's q, k and v by the orthonormal Hadamard matrix of head_dim (q.k is unchanged; a
-head's outlier channels spread over all of them), as a rotated float8 cache would store them.
+head's outlier channels spread over all of them), as the engine's float8 cache stores them (`kv_quant.rotate`).
 """
 
 from __future__ import annotations
@@ -68,16 +68,6 @@ def layer_errors(q, k, v, *, block_size: int, granularity: str, queries: int) ->
             "kl_max": jnp.max(kl)}
 
 
-def _hadamard(n: int) -> jax.Array:
-    """The orthonormal n x n Hadamard matrix (Sylvester; n a power of two)."""
-    if n & (n - 1):
-        raise SystemExit(f"--hadamard needs a power-of-two head_dim, not {n}")
-    h = np.ones((1, 1), np.float32)
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return jnp.asarray(h / np.sqrt(n), jnp.float32)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -96,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from pulseinfer_jax.models.rope import rope_tables
     from pulseinfer_jax.models.transformer import split_layers
 
+    from pulseinfer_jax import kv_quant
     from pulseinfer_jax.kv_quant import block_rows
 
     model = load_model(a.model)
@@ -111,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     finish = jax.jit(lambda lp, x, q, k, v: tr.layer_finish(lp, x, tr.causal_attention(q, k, v)))
     x = tr.embed(params, tokens)
     per_layer: dict[str, list[dict]] = {g: [] for g in GRANULARITIES}
-    rot = _hadamard(model.cfg.head_dim) if a.hadamard else jnp.eye(model.cfg.head_dim, dtype=jnp.float32)
+    hd = model.cfg.head_dim
+    rot = jnp.asarray(kv_quant.hadamard(hd)) if a.hadamard else jnp.eye(hd, dtype=jnp.float32)
     for i, lp in enumerate(split_layers(params)):
         q, k, v = qkv(lp, x, cos, sin)
         for g in GRANULARITIES:

@@ -73,8 +73,10 @@ def test_dtype_and_bad_granularity():
         quantize(x, code="int4")
 
 
-def test_the_fp8_bench_runs_on_a_real_checkpoint(tmp_path):
-    """bench/kv_fp8.py end to end on the tiny SmolLM2 twin: every layer's errors finite, K / V within float8's step."""
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_the_fp8_bench_runs_on_a_real_checkpoint(tmp_path, hadamard):
+    """bench/kv_fp8.py end to end on the tiny SmolLM2 twin, plain and in the cache's rotated basis: every layer's errors
+    finite, K / V within float8's step."""
     import json
 
     from conftest import TINY
@@ -84,7 +86,7 @@ def test_the_fp8_bench_runs_on_a_real_checkpoint(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     assert main(["--model", str(TINY / "smollm2"), "--text", str(text), "--tokens", "64", "--queries", "8",
-                 "--out", str(tmp_path)]) == 0
+                 "--out", str(tmp_path)] + ["--hadamard"] * hadamard) == 0
     r = json.loads((tmp_path / "kv_fp8_cpu.json").read_text())
     for g in ("token", "token-pow2", "token-e5m2", "token-bf16", "block"):
         rows = r["per_layer"][g]
