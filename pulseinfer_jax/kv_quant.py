@@ -180,20 +180,10 @@ def hadamard(head_dim: int) -> np.ndarray:
 
 def rotate(x: Float[Array, "... hd"]) -> Float[Array, "... hd"]:
     """x H over the last axis, in float32 (H = `hadamard(hd)`, its own inverse: rotate(rotate(x)) == x up to float32
-    rounding). Computed as the fast Walsh-Hadamard transform: H_p is H_2 applied along each of log2(p) binary axes of
-    the features, so it is log2(p) elementwise sums and differences, whose rounding is the same whatever the batch
-    shape or the backend (a matmul's accumulation order is not): every reader gets the same bits for the same token."""
-    hd = x.shape[-1]
-    p = hd & -hd
-    bits = p.bit_length() - 1
-    y = x.astype(jnp.float32).reshape(*x.shape[:-1], hd // p, *([2] * bits))
-    for i, axis in enumerate(range(y.ndim - bits, y.ndim)):
-        a, b = jnp.split(y, 2, axis=axis)
-        y = jnp.concatenate([a + b, a - b], axis=axis)
-        if i % 2:  # (1/2 per two stages, exact: the sums never grow past sqrt(p) x the largest element)
-            y = y * np.float32(0.5)
-    y = y * np.float32(0.5 ** 0.5) if bits % 2 else y
-    return y.reshape(x.shape)
+    rounding). One [.., hd] x [hd, hd] product at float32 precision (no TF32 on a GPU): one pass over x, where the
+    fast transform's log2(hd) stages each wrote the whole array (XLA:GPU does not fuse them)."""
+    h = jnp.asarray(hadamard(x.shape[-1]))
+    return jnp.einsum("...d,de->...e", x.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST)
 
 
 def round_trip(x: Float[Array, "... H hd"]) -> Float[Array, "... H hd"]:
