@@ -31,9 +31,10 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import add_block_layout_args, write_result  # noqa: E402
+from bench.common import RESULTS, add_block_layout_args, write_result  # noqa: E402
 
 TEXTS = [pathlib.Path("/usr/share/common-licenses/GPL-3"), pathlib.Path(sysconfig.get_paths()["stdlib"]) / "idlelib"
          / "NEWS.txt"]
@@ -134,6 +135,9 @@ def main() -> int:
     ap.add_argument("--kv-dtypes", default="auto",
                     help="EngineConfig.kv_dtype values, each a dense run plus the sparse grid (default: auto)")
     ap.add_argument("--no-passkey", action="store_true", help="teacher-forced agreement only (quick exploration)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows of an unfinished bench/results/NAME.json run with the same arguments and run "
+                         "only the rest (the dense reference's logits are recomputed)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="accuracy_cpu", help="result file name (bench/results/NAME.json)")
     ap.add_argument("--out", default=None)
@@ -182,8 +186,16 @@ def main() -> int:
 
     grid = [("dense", None)] + [(v, int(b)) for b in args.budgets.split(",") for v in args.variants.split(",")]
     runs = [(kv, v, b) for kv in args.kv_dtypes.split(",") for v, b in grid]
-    rows, dense_logits = [], None
-    for kv_dtype, variant, budget in runs:
+    name = "accuracy_smoke" if args.smoke else args.name
+    rows, dense_logits, resumed = [], None, None
+    if args.resume:
+        rows, resumed = _resumable_rows(pathlib.Path(args.out or RESULTS) / f"{name}.json", runs, base)
+    for kv_dtype, variant, budget in runs[len(rows):]:
+        jax.clear_caches()  # (each configuration compiles its own programs: XLA:CPU ran out of memory for code)
+        if dense_logits is None and rows:  # the reference of the kept rows: the first run's teacher-forced logits
+            ref_kv, ref_variant, ref_budget = runs[0]
+            dense_logits = teacher_forced_logits(model, engine_config(ref_variant, ref_budget, None,
+                                                                      dict(base, kv_dtype=ref_kv)), prefix, targets)
         t0 = time.perf_counter()
         heads = None
         kv_base = dict(base, kv_dtype=kv_dtype)
@@ -205,14 +217,31 @@ def main() -> int:
         print(f"{variant:15s} kv {kv_dtype:13s} budget {budget or '-':>5}: passkey {row['passkey_accuracy'] or 0:.2f} "
               f"{ {n: sum(f) for n, f in pk.items()} }, teacher-forced top-1 {top1:.4f}, KL {kl:.5f} "
               f"({row['seconds']:.0f} s)", flush=True)
-        name = "accuracy_smoke" if args.smoke else args.name
         write_result(name, {"model": args.model or "SmolLM2-135M-Instruct (GGUF)", "text": str(text_path),
                             "text_tokens": len(ids), "tf_context": args.tf_context, "tf_tokens": args.tf_tokens,
                             "lengths": lengths, "depths": depths, "engine": base,
                             "scoring": dataclasses.asdict(engine_config("dense", None, None, base).scoring),
-                            "rows": rows,
+                            "rows": rows, **({"resumed": resumed} if resumed else {}),
                             "complete": len(rows) == len(runs)}, args.out)
     return 0
+
+
+def _resumable_rows(path: pathlib.Path, runs: list[tuple], base: dict) -> tuple[list[dict], dict | None]:
+    """The rows an unfinished run left in `path`, if they are the first of `runs` under the same engine settings,
+    and where they came from; nothing to resume: ([], None)."""
+    import json
+
+    if not path.is_file():
+        return [], None
+    old = json.loads(path.read_text())
+    kept = old.get("rows", [])
+    if old.get("complete") or old.get("engine") != base or len(kept) >= len(runs):
+        raise SystemExit(f"--resume: {path} is complete or was run with other settings; run without --resume")
+    for row, (kv, variant, budget) in zip(kept, runs, strict=False):
+        if (row["kv_dtype"], row["variant"], row["budget_tokens"]) != (kv, variant, budget):
+            raise SystemExit(f"--resume: {path}'s rows are not the first runs of these arguments")
+    prior = old.get("resumed") or {"rows": len(kept), "git": old.get("git"), "date": old.get("date")}
+    return kept, prior
 
 
 if __name__ == "__main__":
