@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -36,12 +37,18 @@ def machine() -> dict:
     }
 
 
+@functools.cache
 def git_rev() -> str:
+    """The commit the bench runs: read once, at the first call (bench.common's import), so a result written after a
+    long run still names the code it ran, not a commit made meanwhile."""
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=pathlib.Path(__file__).parent).stdout.strip()
     except OSError:
         return ""
+
+
+git_rev()
 
 
 def add_block_layout_args(ap) -> None:

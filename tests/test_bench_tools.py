@@ -380,3 +380,26 @@ def test_capacity_accounting_counts_what_the_pools_hold(tiny4):
     many = admit(c, off, [100] * 5, budget, 1 << 40, 1e13)
     assert many.admitted == 5 and 5 * steady <= 3 * need + 1
     assert admit(c, off, [100] * 5, budget, need * per_block, 1e13).admitted == 1  # a host row: every layer
+
+
+def test_accuracy_resume_keeps_only_a_matching_unfinished_prefix(tmp_path):
+    """bench/accuracy.py --resume: an unfinished run's rows are kept when they are the first runs of the same
+    arguments and engine settings (and say where they came from); a finished run, other settings or other runs are
+    refused rather than mixed in."""
+    import json
+
+    from bench.accuracy import _resumable_rows
+
+    runs = [("auto", "dense", None), ("auto", "normalized_sum", 512), ("float8_e4m3fn", "dense", None)]
+    base = {"block_size": 16}
+    path = tmp_path / "acc.json"
+    assert _resumable_rows(path, runs, base) == ([], None)  # nothing to resume
+    rows = [{"kv_dtype": kv, "variant": v, "budget_tokens": b} for kv, v, b in runs[:2]]
+    path.write_text(json.dumps({"git": "abc", "date": "d", "engine": base, "rows": rows, "complete": False}))
+    kept, prior = _resumable_rows(path, runs, base)
+    assert kept == rows and prior == {"rows": 2, "git": "abc", "date": "d"}
+    for bad in ({"engine": {"block_size": 32}}, {"complete": True},
+                {"rows": [rows[1], rows[0]]}):
+        path.write_text(json.dumps({"git": "abc", "engine": base, "rows": rows, "complete": False, **bad}))
+        with pytest.raises(SystemExit, match="--resume"):
+            _resumable_rows(path, runs, base)
