@@ -397,8 +397,9 @@ def sparse_decode_attention(
     lens = jnp.pad(block_lens.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)))
 
     quantized = kv_quant.is_quantized(pool.dtype)  # (float8: the pool's basis is rotated; so are q and, back, o)
-    q_grouped = (kv_quant.rotate(q) if quantized else q).astype(cdt).reshape(b, hkv, g, hd)
-    q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [B, Hkv, Gp, hd]
+    q_grouped = jnp.pad(q.reshape(b, hkv, g, hd), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [B, Hkv, Gp, hd]
+    # (rotated after the padding: XLA:GPU fuses the pad into the rotation's reduction, one kernel for both)
+    q_grouped = (kv_quant.rotate(q_grouped) if quantized else q_grouped).astype(cdt)
 
     acc, m, l = on_platform(lambda interp: _sparse_decode_call(  # noqa: E741
         q_grouped, pool, ids, lens,

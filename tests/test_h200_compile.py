@@ -65,8 +65,10 @@ def test_sparse_decode_attention_compiles(compiler, dtype, b, hkv, group, hd, bs
     row = _ok(compiler(_kernel(sparse_decode_attention.sparse_decode_attention, args, "sparse_decode_attention")))
     assert row["max_shared_memory"] <= 232448
     # the paddings (query rows to 16; the 37 entries to whole splits), the kernel, and the split-K merge as
-    # elementwise fusions in at most two kernels (its reductions over the splits were four)
-    assert row["cost"]["launches"] <= 6, [k["name"] for k in row["kernels"]]
+    # elementwise fusions in at most two kernels (its reductions over the splits were four); float8: q rotated into
+    # the cache's basis with its padding, and the output rotated back, one more kernel
+    most = 6 + kv_quant.is_quantized(dtype)
+    assert row["cost"]["launches"] <= most, [k["name"] for k in row["kernels"]]
 
 
 @pytest.mark.parametrize("bs,hd", [(16, 128), (8, 64)])

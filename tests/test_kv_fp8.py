@@ -15,7 +15,7 @@ from pulseinfer_jax import Engine, EngineConfig, attention, generate_long
 from pulseinfer_jax import kv_quant as kq
 
 FP8 = kq.STORAGE  # the float8 cache's arrays: e4m3 bytes and bfloat16 scale bytes as uint8
-GOLDEN_MEAN_ERR = 0.15  # mean |logit error| over the golden positions, in units of the logits' std (measured <= 0.093)
+GOLDEN_MEAN_ERR = 0.15  # mean |logit error| over the golden positions, in units of the logits' std (measured <= 0.107)
 
 
 def _rounded(x):
