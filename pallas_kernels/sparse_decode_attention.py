@@ -45,8 +45,8 @@ into the [Gp, T] scores and probabilities instead of the [T, hd] tiles: s = dot(
 and the second dot takes p * vscale[t] (l sums the unscaled p): hd times fewer multiplies than dequantising
 the tiles, each in float32. The compute dtype is q's (float32 queries) or bfloat16 (other queries: float16
 lacks the scales' exponent range), and q is cast to it, not to float8. The stored values are in the cache's
-rotated basis (`kv_quant.rotate`, a Hadamard matrix per head): the wrapper rotates q before the kernel and the
-merged output back after it (two [B, Hq, hd] x [hd, hd] products; the scores are unchanged by the rotation).
+rotated basis (`kv_quant.rotate`, a Hadamard matrix per head): the wrapper rotates q before the kernel (fused with
+its padding) and the merged output back after it (fused with the merge); the scores are unchanged by the rotation.
 
 Defaults: P gives about 64 tokens per step (P >= 16 / bs, P <= next_pow2(K)); split_k aims for
 about 256 programs (B * Hkv * split_k) with at least 2 steps per split, at most 16 splits;

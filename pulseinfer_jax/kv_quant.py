@@ -175,7 +175,9 @@ def hadamard(head_dim: int) -> np.ndarray:
     h = np.ones((1, 1), np.float32)
     while h.shape[0] < p:
         h = np.block([[h, h], [h, -h]])
-    return np.kron(np.eye(head_dim // p, dtype=np.float32), h / np.float32(np.sqrt(p)))
+    out = np.kron(np.eye(head_dim // p, dtype=np.float32), h / np.float32(np.sqrt(p)))
+    out.flags.writeable = False  # (cached: shared by every caller)
+    return out
 
 
 def rotate(x: Float[Array, "... hd"]) -> Float[Array, "... hd"]:
