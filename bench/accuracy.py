@@ -190,12 +190,12 @@ def main() -> int:
     rows, dense_logits, resumed = [], None, None
     if args.resume:
         rows, resumed = _resumable_rows(pathlib.Path(args.out or RESULTS) / f"{name}.json", runs, base)
+    if rows:  # the kept rows' reference: the first run's teacher-forced logits
+        ref_kv, ref_variant, ref_budget = runs[0]
+        dense_logits = teacher_forced_logits(model, engine_config(ref_variant, ref_budget, None,
+                                                                  dict(base, kv_dtype=ref_kv)), prefix, targets)
     for kv_dtype, variant, budget in runs[len(rows):]:
         jax.clear_caches()  # (each configuration compiles its own programs: XLA:CPU ran out of memory for code)
-        if dense_logits is None and rows:  # the reference of the kept rows: the first run's teacher-forced logits
-            ref_kv, ref_variant, ref_budget = runs[0]
-            dense_logits = teacher_forced_logits(model, engine_config(ref_variant, ref_budget, None,
-                                                                      dict(base, kv_dtype=ref_kv)), prefix, targets)
         t0 = time.perf_counter()
         heads = None
         kv_base = dict(base, kv_dtype=kv_dtype)

@@ -102,12 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     finish = jax.jit(lambda lp, x, q, k, v: tr.layer_finish(lp, x, tr.causal_attention(q, k, v)))
     x = tr.embed(params, tokens)
     per_layer: dict[str, list[dict]] = {g: [] for g in GRANULARITIES}
-    hd = model.cfg.head_dim
-    rot = jnp.asarray(kv_quant.hadamard(hd)) if a.hadamard else jnp.eye(hd, dtype=jnp.float32)
+    rot = kv_quant.rotate if a.hadamard else (lambda x: x.astype(jnp.float32))
     for i, lp in enumerate(split_layers(params)):
         q, k, v = qkv(lp, x, cos, sin)
         for g in GRANULARITIES:
-            errs = layer_errors(q[0] @ rot, k[0] @ rot, v[0] @ rot, block_size=a.block_size, granularity=g,
+            errs = layer_errors(rot(q[0]), rot(k[0]), rot(v[0]), block_size=a.block_size, granularity=g,
                                 queries=a.queries)
             per_layer[g].append({"layer": i, **{n: float(e) for n, e in errs.items()}})
         x = finish(lp, x, q, k, v)

@@ -396,10 +396,9 @@ def sparse_decode_attention(
     ids = jnp.pad(block_ids.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)), constant_values=-1)
     lens = jnp.pad(block_lens.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)))
 
-    quantized = kv_quant.is_quantized(pool.dtype)  # (float8: the pool's basis is rotated; so are q and, back, o)
     q_grouped = jnp.pad(q.reshape(b, hkv, g, hd), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [B, Hkv, Gp, hd]
-    # (rotated after the padding: XLA:GPU fuses the pad into the rotation's reduction, one kernel for both)
-    q_grouped = (kv_quant.rotate(q_grouped) if quantized else q_grouped).astype(cdt)
+    # (into the pool's basis after the padding: XLA:GPU fuses the pad into float8's rotation, one kernel for both)
+    q_grouped = kv_quant.cache_basis(q_grouped, pool.dtype).astype(cdt)
 
     acc, m, l = on_platform(lambda interp: _sparse_decode_call(  # noqa: E741
         q_grouped, pool, ids, lens,
@@ -407,9 +406,10 @@ def sparse_decode_attention(
         num_warps=num_warps, num_stages=num_stages, interpret=interp,
     ), interpret)
     acc, m, l = acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]  # noqa: E741  drop padded query rows
+    quantized = kv_quant.is_quantized(pool.dtype)  # (float8: the output rotated back from float32)
     o, m, l = merge_stacked_partials(acc, m, l, out_dtype=jnp.float32 if quantized else q.dtype,  # noqa: E741
                                      normalized=False)
-    o = kv_quant.rotate(o).astype(q.dtype) if quantized else o
+    o = kv_quant.cache_basis(o, pool.dtype).astype(q.dtype)
     return o.reshape(b, hq, hd), m.reshape(b, hq), l.reshape(b, hq)
 
 
@@ -458,8 +458,7 @@ def sparse_decode_attention_reference(
     vv = jnp.where(valid[..., None], vv, 0.0).reshape(b, hkv, k * bs, hd)
     valid = valid.reshape(b, hkv, 1, k * bs)
 
-    quantized = kv_quant.is_quantized(pool.dtype)  # (float8: attend in the pool's rotated basis, o rotated back)
-    qg = (kv_quant.rotate(q) if quantized else q.astype(jnp.float32)).reshape(b, hkv, g, hd)
+    qg = kv_quant.cache_basis(q, pool.dtype).astype(jnp.float32).reshape(b, hkv, g, hd)  # (float8: rotated)
     hi = jax.lax.Precision.HIGHEST
     s = jnp.einsum("bhgd,bhtd->bhgt", qg, kk, precision=hi) * scale
     s = jnp.where(valid, s, -jnp.inf)
@@ -468,7 +467,7 @@ def sparse_decode_attention_reference(
     p = jnp.where(valid, jnp.exp(s - m_off[..., None]), 0.0)
     l = jnp.sum(p, axis=-1)  # noqa: E741
     o = jnp.einsum("bhgt,bhtd->bhgd", p, vv, precision=hi) / jnp.where(l > 0, l, 1.0)[..., None]
-    o = kv_quant.rotate(o) if quantized else o
+    o = kv_quant.cache_basis(o, pool.dtype)  # (float8: rotated back)
     return o.reshape(b, hq, hd).astype(q.dtype), m.reshape(b, hq), l.reshape(b, hq)
 
 

@@ -13,7 +13,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pulseinfer_jax.kv_quant import is_quantized, pack_blocks, rotate, tokens_per_block, unpack_blocks, write_tokens
+from pulseinfer_jax.kv_quant import (
+    cache_basis,
+    is_quantized,
+    pack_blocks,
+    tokens_per_block,
+    unpack_blocks,
+    write_tokens,
+)
 from pulseinfer_jax.pallas_kernels.common import matmul_precision
 
 NEG_INF = -1e30
@@ -57,12 +64,11 @@ def paged_decode_attention(
     # XLA write (and re-read) them at twice their bytes (ahead-of-time cost on an H200, bench/RESULTS.md); a float8
     # cache's are dequantised into float32, where value x bfloat16 scale is exact (the Pallas kernel instead folds the
     # scales into its float32 scores and probabilities), and left in their rotated basis: q is rotated, o rotated back
-    quantized = is_quantized(kv.dtype)
-    dt = jnp.float32 if quantized else kv.dtype
+    dt = jnp.float32 if is_quantized(kv.dtype) else kv.dtype
     k = unpack_blocks(blocks[:, :, 0], dt, rotated=True).reshape(b, mb * bs, hkv * hd)
     v = unpack_blocks(blocks[:, :, 1], dt, rotated=True).reshape(b, mb * bs, hkv * hd)
     eye = jnp.eye(hkv, dtype=jnp.float32)
-    qbd = (rotate(q) if quantized else q.astype(jnp.float32)).reshape(b, hkv, g, 1, hd) * eye[None, :, None, :, None]
+    qbd = cache_basis(q, kv.dtype).astype(jnp.float32).reshape(b, hkv, g, 1, hd) * eye[None, :, None, :, None]
     qbd = (qbd.reshape(b, hq, hkv * hd) * (hd ** -0.5)).astype(dt)
     prec = matmul_precision(dt)  # true f32 for f32 caches (no TF32 on GPU)
     f32 = jnp.float32
@@ -75,7 +81,7 @@ def paged_decode_attention(
     o = o.reshape(b, hkv, g, hkv, hd)
     o = jnp.einsum("bhghd->bhgd", o)  # each head's own KV head (the block diagonal)
     o = o / jnp.sum(p, axis=-1).reshape(b, hkv, g)[..., None]
-    return (rotate(o) if quantized else o).reshape(b, hq, hd).astype(q.dtype)
+    return cache_basis(o, kv.dtype).reshape(b, hq, hd).astype(q.dtype)
 
 
 def paged_decode_attention_pallas(
@@ -158,13 +164,12 @@ def chunked_prefill_attention(
     bs, hkv = tokens_per_block(kv), kv.shape[4]
     g = hq // hkv
     kc_blocks = key_chunk // bs
-    quantized = is_quantized(kv.dtype)  # (float8: attend in the stored, rotated basis; the output rotated back)
-    qg = (rotate(q) if quantized else q.astype(jnp.float32)) * (hd ** -0.5)
+    qg = cache_basis(q, kv.dtype).astype(jnp.float32) * (hd ** -0.5)  # (float8: the stored, rotated basis)
     qg = qg.reshape(c, hkv, g, hd).transpose(1, 2, 0, 3)
     qg = qg.reshape(hkv, g * c, hd)  # [Hkv, G*C, hd]
     q_pos = jnp.tile(start + jnp.arange(c), g)  # [G*C], matches the (g, c) flattening
     n_chunks = (start + c + key_chunk - 1) // key_chunk
-    prec = matmul_precision(q.dtype if quantized else kv.dtype)  # true f32 for f32 (no TF32 on GPU)
+    prec = matmul_precision(q.dtype if is_quantized(kv.dtype) else kv.dtype)  # true f32 for f32 (no TF32 on GPU)
     # pad the table so the last key chunk's dynamic slice stays in bounds
     table = jnp.concatenate([block_table, jnp.zeros((kc_blocks,), block_table.dtype)])
 
@@ -189,5 +194,5 @@ def chunked_prefill_attention(
             jnp.zeros((hkv, g * c), jnp.float32))
     acc, _, denom = jax.lax.fori_loop(0, n_chunks, body, init)
     o = acc / denom[..., None]  # [Hkv, G*C, hd]
-    o = rotate(o) if quantized else o
+    o = cache_basis(o, kv.dtype)  # (float8: rotated back)
     return o.reshape(hkv, g, c, hd).transpose(2, 0, 1, 3).reshape(c, hq, hd).astype(q.dtype)

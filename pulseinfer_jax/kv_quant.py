@@ -190,6 +190,13 @@ def rotate(x: Float[Array, "... hd"]) -> Float[Array, "... hd"]:
     return jnp.sum(x.astype(jnp.float32)[..., :, None] * h, axis=-2)
 
 
+def cache_basis(x: Float[Array, "... hd"], kv_dtype) -> Array:
+    """x (queries, or an attention output) in the basis a cache of `kv_dtype` holds K / V in: rotated, in float32, for
+    float8; unchanged otherwise. Its own inverse: a reader attending over the stored values moves q into that basis
+    and its output back out with it."""
+    return rotate(x) if is_quantized(kv_dtype) else x
+
+
 def round_trip(x: Float[Array, "... H hd"]) -> Float[Array, "... H hd"]:
     """Tokens' K or V as a float8 cache gives them back (`unpack_blocks`): rotated, rounded to e4m3 under a bfloat16
     scale per (token, head), rotated back; float32."""
