@@ -5,7 +5,7 @@
 #   ./run.sh test [args]   ruff + the test suite (what .ci/run runs first)
 #   ./run.sh compile-gpu [args]  the GPU gate without a GPU (what .ci/run runs second): in .venv-gpuc (jax's CUDA
 #                          plugin + ptxas, CPU backend), the compile tests, then every GPU program of the engine
-#                          compiled for an H200 (python -m pulseinfer_jax.aot.check [args])
+#                          compiled for an H200 (python -m bench.aot.check [args])
 #   ./run.sh pulseinfer …  any CLI command;  ./run.sh python …  the venv's python;  ./run.sh gpu-python …  .venv-gpuc's
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -74,7 +74,7 @@ case "$cmd" in
     compile-gpu)
         setup_gpuc
         JAX_PLATFORMS=cpu "$GPUC_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_h200_compile.py
-        exec env JAX_PLATFORMS=cpu "$GPUC_VENV/bin/python" -m pulseinfer_jax.aot.check "$@" ;;
+        exec env JAX_PLATFORMS=cpu "$GPUC_VENV/bin/python" -m bench.aot.check "$@" ;;
     gpu-python) setup_gpuc; exec env JAX_PLATFORMS=cpu "$GPUC_VENV/bin/python" "$@" ;;
     pulseinfer) setup; exec "$VENV/bin/pulseinfer" "$@" ;;
     python) setup; exec "$VENV/bin/python" "$@" ;;

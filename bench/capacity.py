@@ -5,8 +5,8 @@
 
 Accounting (default): for each system (dense, offload-headwise, PulseInfer offloading every request, PulseInfer with
 IOAA), the longest single prompt the engine admits and the most requests of each length it decodes at once. It runs
-the engine's sizing (`offload.pool_sizes`), scheduler and offload placer (`scheduler.Scheduler`,
-`offload.OffloadPlacer`) over requests that are only bookkeeping: prefill is a step per request, no model is built,
+the engine's sizing (`pools.pool_sizes`), scheduler and offload placer (`scheduler.Scheduler`,
+`placer.OffloadPlacer`) over requests that are only bookkeeping: prefill is a step per request, no model is built,
 and the host pool is its row allocator only, `--host-gb` of pinned memory. The GPU KV budget is what the engine takes
 on a GPU of `--hbm-gb` next to the model's bf16 weights (`aot.suite.kv_cap`: 85% of jax's share after the weights).
 IOAA admits offloaded requests while their predicted recall fits `ioaa_slack` of a decode step at `--h2d-gbs`
@@ -43,7 +43,7 @@ class HostRows:
     """The part of a host KV pool admission reads: its row allocator and the size of a row (no storage)."""
 
     def __init__(self, rows: int, align: int, layer_block_bytes: int):
-        from pulseinfer_jax.host_offload.blocks import BlockAllocator, ExtentAllocator
+        from pulseinfer_jax.kv.blocks import BlockAllocator, ExtentAllocator
 
         self.allocator = BlockAllocator(rows) if align == 1 else ExtentAllocator(rows, align)
         self.row_align = align
@@ -66,13 +66,13 @@ class Run:
 
 def admit(model_cfg, config, prompts: list[int], gpu_budget: int, host_bytes: int, h2d: float) -> Run:
     """Submit `prompts` together; run admission (prefill one request per step, nobody finishes) until it settles."""
-    from pulseinfer_jax.host_offload.blocks import BlockAllocator, blocks_for
-
-    from pulseinfer_jax.ioaa import IOAAConfig
-    from pulseinfer_jax.kv_quant import layer_block_bytes, resolve_kv_dtype, storage_dtype
-    from pulseinfer_jax.offload import OffloadPlacer, metadata_bytes, pool_sizes
-    from pulseinfer_jax.sampling import SamplingParams
-    from pulseinfer_jax.scheduler import FixedStepTime, Request, Scheduler
+    from pulseinfer_jax.kv.blocks import BlockAllocator, blocks_for
+    from pulseinfer_jax.kv.quant import layer_block_bytes, resolve_kv_dtype, storage_dtype
+    from pulseinfer_jax.request import Request, SamplingParams
+    from pulseinfer_jax.sched.admission import IOAAConfig
+    from pulseinfer_jax.sched.placer import OffloadPlacer
+    from pulseinfer_jax.sched.pools import metadata_bytes, pool_sizes
+    from pulseinfer_jax.sched.scheduler import FixedStepTime, Scheduler
 
     c, bs = model_cfg, config.block_size
     kv = storage_dtype(resolve_kv_dtype(config.kv_dtype, "bfloat16"))  # a bf16 model's KV, or float8's bytes
@@ -127,7 +127,7 @@ def accounting(args) -> dict:
     from pulseinfer_jax.models.config import ModelConfig
     from pulseinfer_jax.models.presets import PRESETS
 
-    from pulseinfer_jax.aot.suite import kv_cap
+    from bench.aot.suite import kv_cap
     from pulseinfer_jax.config import EngineConfig
 
     cfg = ModelConfig.from_hf_dict(PRESETS[args.model], name=args.model)

@@ -163,7 +163,7 @@ def run_point(model, system: str, prompt_len: int, batch: int, steps: int, warm:
     run after the timed ones under `jax.profiler.trace` (a Perfetto trace there; the timed steps are not
     profiled)."""
     from pulseinfer_jax import SamplingParams
-    from pulseinfer_jax.scheduler import Status
+    from pulseinfer_jax.request import Status
 
     cache = {} if cache is None else cache
     eng, cfg = engine_for(model, system, base, replay, cache)

@@ -7,7 +7,7 @@
 The KV pool is filled synthetically (random values, shuffled block tables: labelled as such in the
 JSON) so long contexts cost no prefill time; decode cost does not depend on the values. Step time is the
 median over --steps timed steps after a warm-up (compile) step, synchronised with block_until_ready.
-`--layer-loop` compares the two ways a step runs its layers (pulseinfer_jax/runner.py): "scan" (one jitted
+`--layer-loop` compares the two ways a step runs its layers (pulseinfer_jax/runner/dense.py): "scan" (one jitted
 call over the stacked weights) and "layerwise" (one jitted call per layer on per-layer weight arrays). The
 JSON is rewritten after every grid point, so a timeout keeps what was measured.
 A separate end-to-end run (`engine`) prefills a real prompt through generate_long and decodes, to time
@@ -34,10 +34,9 @@ from bench.common import write_result  # noqa: E402
 def step_times(model, ctx: int, batch: int, steps: int, block_size: int, attention: str = "jnp",
                layer_loop: str = "scan", split: list[dict] | None = None) -> dict:
     """split: the per-layer weights (LoadedModel.layer_params) for layer_loop="layerwise"."""
-    from pulseinfer_jax.host_offload.blocks import blocks_for, bucket
-
-    from pulseinfer_jax.kv_cache import CacheSpec
-    from pulseinfer_jax.runner import decode_step, decode_step_layerwise
+    from pulseinfer_jax.kv.blocks import blocks_for, bucket
+    from pulseinfer_jax.kv.cache import CacheSpec
+    from pulseinfer_jax.runner.dense import decode_step, decode_step_layerwise
 
     c = model.cfg
     per_seq = blocks_for(ctx + steps + 1, block_size)
@@ -101,7 +100,7 @@ def main() -> int:
     ap.add_argument("--max-kv-tokens", type=int, default=600_000, help="skip grid points above this many KV tokens")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--attention", default="jnp", help="comma list of decode attentions: jnp,pallas")
-    ap.add_argument("--layer-loop", default="scan", help="comma list of scan,layerwise (runner.py)")
+    ap.add_argument("--layer-loop", default="scan", help="comma list of scan,layerwise (runner/dense.py)")
     ap.add_argument("--engine-prompt", type=int, default=8192)
     ap.add_argument("--engine-batch", type=int, default=4)
     ap.add_argument("--smoke", action="store_true", help="tiny model and sizes (CPU check of the script)")

@@ -31,8 +31,8 @@ t0=$(date +%s)
 {
     date -u; nvidia-smi 2>/dev/null || echo "no nvidia-smi"; free -g 2>/dev/null
     "$PY" -c "import jax, flax, transformers; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'transformers', transformers.__version__)"
-    # the GPU's own target description, for the compile-only check (replaces pulseinfer_jax/aot/targets/h200.txtpb)
-    "$PY" -c "from pulseinfer_jax.aot.target import device_target_config as c; open('$OUT/h200_target_config.txtpb', 'w').write(c())" \
+    # the GPU's own target description, for the compile-only check (replaces bench/aot/targets/h200.txtpb)
+    "$PY" -c "from bench.aot.target import device_target_config as c; open('$OUT/h200_target_config.txtpb', 'w').write(c())" \
         && echo "saved $OUT/h200_target_config.txtpb" || echo "no GPU target config saved (not a GPU?)"
 } > "$OUT/env.txt" 2>&1
 tail -4 "$OUT/env.txt"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The evaluation's full throughput sweep, for a GPU session after bench/gpu_suite.sh has passed (one call,
+# The evaluation's full throughput sweep, for a GPU machine after bench/gpu_suite.sh has passed (one call,
 # < 10 minutes on an H200; each part under its own timeout, JSON rewritten after every point):
 #   1. random Llama-3.1-8B bf16: contexts 32K / 64K / 128K x batches 1, 2, 4, 8 for dense, per-head
 #      offloading, PulseInfer and PulseInfer with every request offloaded (TPOT at equal batch) under a 33 GiB

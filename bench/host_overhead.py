@@ -12,9 +12,9 @@ step (`time.thread_time`: the driver's Python, numpy and JAX dispatch; XLA's com
 the wall time. On a 2-core CPU XLA:CPU still runs some work inline and competes for the cores: compare versions of
 the driver on the same machine with it, not with a GPU.
 
-History: until the eleventh session the slot caches were planned on the host (numpy over the micro-batch, the
-reference `host_offload.slot_cache.SlotTable`); `git checkout 9efdaf0 && python bench/host_overhead.py` measures
-that planner alone (its `--mode plan`). The plan now runs on the device (`pulseinfer_jax/slot_plan.py`).
+History: until commit 9efdaf0 the slot caches were planned on the host (numpy over the micro-batch, the
+reference `selection.slot_table.SlotTable`); `git checkout 9efdaf0 && python bench/host_overhead.py` measures
+that planner alone (its `--mode plan`). The plan now runs on the device (`pulseinfer_jax/selection/slot_plan.py`).
 """
 
 from __future__ import annotations
@@ -36,21 +36,21 @@ from bench.common import write_result  # noqa: E402
 
 class Breakdown:
     """Main-thread CPU time per call of the driver's per-layer work during a `with` block: the layer calls
-    (layer_ops), the decoder's host steps and the host pool's transfers, wrapped (and restored on exit). Nested:
+    (sparse_layer), the decoder's host steps and the host pool's transfers, wrapped (and restored on exit). Nested:
     the pool's calls run inside `_issue_recall` (and stage_blocks inside gather_blocks); every call includes
     whatever XLA:CPU ran on the calling thread."""
 
-    TARGETS = (("layer_ops", ("sparse_pre", "attend", "land_attend_finish", "dense_layer", "embed", "logits")),
+    TARGETS = (("sparse_layer", ("sparse_pre", "attend", "land_attend_finish", "dense_layer", "embed", "logits")),
                ("SparseDecoder", ("_issue_recall", "_read_plan", "_step_inputs", "_prepare_slots")),
                ("HostKVPool", ("gather_blocks", "stage_blocks", "write_back")))
 
     def __init__(self):
         from pulseinfer_jax.host_offload.host_pool import HostKVPool
 
-        from pulseinfer_jax import layer_ops
-        from pulseinfer_jax.pipeline import SparseDecoder
+        from pulseinfer_jax.runner import sparse_layer
+        from pulseinfer_jax.runner.sparse_decoder import SparseDecoder
 
-        owners = {"layer_ops": layer_ops, "SparseDecoder": SparseDecoder, "HostKVPool": HostKVPool}
+        owners = {"sparse_layer": sparse_layer, "SparseDecoder": SparseDecoder, "HostKVPool": HostKVPool}
         self.sites = [(owners[o], o, n) for o, names in self.TARGETS for n in names]
         self.cpu_s: dict[str, float] = {}
         self.calls: dict[str, int] = {}

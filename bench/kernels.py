@@ -13,7 +13,7 @@ Sections (each runs on its own; a failing or missing one is recorded in the JSON
 - scoring: `pallas_kernels.block_scoring.block_scores` over every block of a context (Quest min/max
   metadata in the KV dtype, and in float8 as the engine keeps it by default: rows `... f8`) alone: per KV
   head (group sums), per query head (the engine's SoloHead default) and per query head with 2 sub-blocks
-  (`score_sub_blocks=2`: twice the rows); then fused in one jit with `pulseinfer_jax.sparse.select_blocks`
+  (`score_sub_blocks=2`: twice the rows); then fused in one jit with `pulseinfer_jax.selection.policy.select_blocks`
   as the engine runs them (solohead on per-query-head scores, headwise on group sums; `jax.lax.top_k` on the
   head-summed scores if that module is missing), on float8 bounds. GB/s counts the metadata rows read
   (2 * m * B * K * Hkv * hd * itemsize, m sub-blocks). At the largest batch also two-level scoring
@@ -194,7 +194,7 @@ def _selectors(a, kb: int, g: int, scale_of) -> dict:
     """name -> (per_head, jittable (scores [B, S, K], n_total [B]) -> ids): select_blocks as the engine calls it
     (solohead on per-query-head scores, headwise on group sums, at `scale_of(hd, g, per_head)`), or lax.top_k if
     missing."""
-    sel, why = lazy_import("pulseinfer_jax.sparse", "select_blocks")
+    sel, why = lazy_import("pulseinfer_jax.selection.policy", "select_blocks")
     if sel is None:
         print(f"  scoring: select_blocks unavailable, timing lax.top_k on head-summed scores ({why})", flush=True)
         return {"top_k(sum over heads)": (False, lambda s, n: jax.lax.top_k(jnp.sum(s, axis=1), kb)[1])}
@@ -260,16 +260,16 @@ def bench_scoring(a, tk) -> dict:
 
 
 def _two_level_row(a, scores_fn, q, lo, hi, cand, kb: int, cfg: str, tk) -> dict:
-    """`layer_ops.two_level_scores` (EngineConfig.score_coarse_group / _keep = --coarse-group / --coarse-keep) on the
+    """`sparse_layer.two_level_scores` (EngineConfig.score_coarse_group / _keep = --coarse-group / --coarse-keep) on the
     float8 bounds: the groups' rows (random, one per group), then the kept groups' blocks. GB/s counts the rows it
     reads: every group's and the kept groups' blocks'."""
-    two_level, why = lazy_import("pulseinfer_jax.layer_ops", "two_level_scores")
+    two_level, why = lazy_import("pulseinfer_jax.runner.sparse_layer", "two_level_scores")
     name = f"two-level g{a.coarse_group} k{a.coarse_keep:g} f8"
     if two_level is None:
         return {"impl": name, "config": cfg, "error": why}
     from pulseinfer_jax.pallas_kernels.block_scoring import default_scale
 
-    from pulseinfer_jax.sparse import BlockScoring, coarse_groups_kept
+    from pulseinfer_jax.selection.policy import BlockScoring, coarse_groups_kept
 
     b, kc = cand.shape
     f = a.coarse_group
@@ -298,7 +298,7 @@ class _Scatter:
 
 
 def bench_gather(a, tk) -> dict:
-    from pulseinfer_jax.pallas_kernels import gather_scatter as gs
+    from bench import gather_scatter as gs
 
     hkv, hd, bs, dt = a.hkv, a.hd, a.bs, jnp.dtype(a.dtype)
     block_bytes = 2 * bs * hkv * hd * dt.itemsize

@@ -1,4 +1,4 @@
-"""float8 KV on a real model's keys and values: which scale granularity keeps attention (pulseinfer_jax/kv_quant.py).
+"""float8 KV on a real model's keys and values: which scale granularity keeps attention (pulseinfer_jax/kv/quant.py).
 
 Runs the model over a real text (the accuracy bench's: GPL-3 or CPython's NEWS), and at every layer quantises that
 layer's K and V to float8 e4m3 with per-(token, head) scales (float32, or powers of two: the cache's stored format,
@@ -34,7 +34,7 @@ GRANULARITIES = ("token", "token-pow2", "token-e5m2", "token-bf16", "block")
 def layer_errors(q, k, v, *, block_size: int, granularity: str, queries: int) -> dict:
     """Errors of one layer's attention for its last `queries` queries with K / V quantised (q [t, Hq, hd], k / v
     [t, Hkv, hd], t a multiple of block_size)."""
-    from pulseinfer_jax.kv_quant import dequantize, quantize
+    from pulseinfer_jax.kv.quant import dequantize, quantize
 
     t, hkv, hd = k.shape
     g = q.shape[1] // hkv
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     from pulseinfer_jax.models.rope import rope_tables
     from pulseinfer_jax.models.transformer import split_layers
 
-    from pulseinfer_jax import kv_quant
-    from pulseinfer_jax.kv_quant import block_rows
+    from pulseinfer_jax.kv import quant as kv_quant
+    from pulseinfer_jax.kv.quant import block_rows
 
     model = load_model(a.model)
     text_path = pathlib.Path(a.text) if a.text else next((p for p in TEXTS if p.is_file()), None)

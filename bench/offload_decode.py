@@ -64,7 +64,7 @@ def run_system(model, name: str, prompts: list, steps: int, base: dict) -> dict:
 
 def _run_once(model, name: str, prompts: list, steps: int, base: dict) -> dict:
     from pulseinfer_jax import Engine, EngineConfig, SamplingParams
-    from pulseinfer_jax.scheduler import Status
+    from pulseinfer_jax.request import Status
 
     cfg = EngineConfig.of(**base, **SYSTEMS[name])
     if name == "pulseinfer-cache1x":  # the smallest slot cache: only what one step selects (LRU across steps)

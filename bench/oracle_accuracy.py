@@ -16,7 +16,7 @@ accuracy bench's teacher-forced context: the last `--context` + `--tokens` token
 once, keeping every layer's K/V. The `--tokens` targets then run as the rows of one teacher-forced pass: row i
 is the decode step that feeds targets[i] at position P + i, attending over the prompt's K/V and the earlier
 rows' own (which, like the engine's, come from sparse-attended hidden states). In every sparse layer each row
-attends only over the blocks its policy selects (`pulseinfer_jax.sparse.select_blocks`, the engine's own
+attends only over the blocks its policy selects (`pulseinfer_jax.selection.policy.select_blocks`, the engine's own
 selection code: sinks, window, budget, tie-breaks):
   - quest-solohead / quest-headwise: scored from the blocks' key min / max (the engine's policy: the check that
     this harness reproduces `bench/accuracy.py`);
@@ -34,13 +34,13 @@ combinable: `quest-solohead:perhead:beta=0.5:temp=2`):
     `score_sub_blocks`);
   - `:middle`: score only the middle blocks from their bounds (the engine with `score_kept_blocks=False`: the sink
     and window blocks carry no mass in SoloHead's softmax); without it the sink and window blocks are scored too,
-    from their keys up to the row's own position, with the engine's code (`pulseinfer_jax.kept_scores`);
+    from their keys up to the row's own position, with the engine's code (`pulseinfer_jax.selection.kept_blocks`);
   - `:bounds=D`: the middle blocks' bounds stored as the engine stores them in dtype D (`float8_e4m3fn`, the
     engine's default, rounded outward) or `kv` (exact, as computed from the model's keys);
   - `:coarse=F` (with `:keep=X`, default 2): two-level scoring (the engine's `score_coarse_group` /
     `score_coarse_keep`): groups of F consecutive blocks are scored first from the min / max of their middle
     blocks' bounds, and only the blocks of the best groups (X times the middle budget's worth,
-    `sparse.top_groups`) are scored from their own bounds and compete for the budget.
+    `policy.top_groups`) are scored from their own bounds and compete for the budget.
 An option of every non-dense policy: `:est` (or `:est=mid`) adds every unselected, wholly visible block of a sparse
 layer to the attention as one pseudo-token (its mean key, or the midpoint of its key bounds, with log(block size)
 added to the logit, and its mean value): the "estimated tail" of centroid-based systems (measured: no gain over the
@@ -68,7 +68,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import add_block_layout_args, write_result  # noqa: E402
-from pulseinfer_jax.sparse import BOUNDS_DTYPES, BlockScoring  # noqa: E402
+from pulseinfer_jax.selection.policy import BOUNDS_DTYPES, BlockScoring  # noqa: E402
 
 POLICIES = ("quest-solohead", "quest-headwise", "oracle-solohead", "oracle-headwise")
 
@@ -154,7 +154,7 @@ def _coarse_keep(qf: jax.Array, kmin: jax.Array, kmax: jax.Array, mid: jax.Array
     [R, NB] the row's middle blocks -> [R, NB] bool, the blocks of its `kept_groups` best groups."""
     from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference
 
-    from pulseinfer_jax.sparse import membership_mask, top_groups
+    from pulseinfer_jax.selection.policy import membership_mask, top_groups
 
     f, m = opt["coarse"], opt["sub"]
     r, nb = mid.shape
@@ -179,8 +179,8 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
     from pulseinfer_jax.pallas_kernels.block_metadata import round_bounds_outward
     from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference, default_scale
 
-    from pulseinfer_jax.kept_scores import score_kept_from_keys
-    from pulseinfer_jax.sparse import select_blocks
+    from pulseinfer_jax.selection.kept_blocks import score_kept_from_keys
+    from pulseinfer_jax.selection.policy import select_blocks
 
     c = model.cfg
     policy, opt = parse_policy(policy)

@@ -2,6 +2,9 @@
 
     python bench/plots.py bench/results/io_sweep_gpu.json --out bench/results
     python bench/plots.py A.json B.json --out DIR      # one PNG per JSON: DIR/<json stem>.png
+    python -m bench.plots bench/results/accuracy_cpu_grid.json bench/results/accuracy_cpu_f8.json \
+        --combine accuracy_budget --labels "beta 1 per KV head" "defaults" --out bench/results
+        # several JSONs of one kind overlaid in DIR/<NAME>.png, each JSON's lines suffixed with its --labels entry
 
 Each JSON is dispatched on its "kind" field (or, for files without one, the file name's prefix) to a plotter
 in PLOTTERS; adding a result kind = writing one `plot_<kind>(data, title, path)` and registering it.
@@ -12,6 +15,10 @@ in PLOTTERS; adding a result kind = writing one `plot_<kind>(data, title, path)`
     coalesced, which is the comparison the engine's I/O design rests on.
   - decode_throughput (bench/decode_throughput.py): decode tokens/s against the batch reached per system (one
     panel per context) and the step-time (TPOT) distribution per system at the largest batch.
+  - accuracy (bench/accuracy.py): passkeys found and teacher-forced top-1 agreement with dense against the sparse
+    budget, one line per selection variant (and per JSON with --combine), dense as a dotted reference.
+  - h200_predict (bench/predict.py): PREDICTED decode tokens/s per system at each GPU-suite point (A, B, ...),
+    horizontal bars, one panel per point, with the placements (dense / offloaded / waiting) each system got.
 """
 
 from __future__ import annotations
@@ -154,10 +161,136 @@ def plot_decode_throughput(data: dict, title: str, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+# ---- accuracy -------------------------------------------------------------------------------------
+
+VARIANT_LABELS = {"normalized_sum": "SoloHead (normalized_sum)", "retrieval_head": "SoloHead (retrieval_head)",
+                  "headwise": "headwise (per KV head)"}
+
+
+def accuracy_series(runs: list[tuple[str | None, dict]]) -> tuple[dict[str, list[tuple[int, int, float]]],
+                                                                   tuple[int, float] | None, int]:
+    """(label -> [(budget tokens, passkeys found, teacher-forced top-1 %)] sorted by budget, dense's (passkeys
+    found, top-1 %) from the first run that has it, passkeys asked per row). A run is (its label, JSON); with
+    several runs each line's label ends with its run's."""
+    series: dict[str, list[tuple[int, int, float]]] = {}
+    dense, asked = None, 0
+    for run_label, data in runs:
+        run = run_label if len(runs) > 1 else None
+        for r in data["rows"]:
+            found = sum(sum(v) for v in r.get("passkey", {}).values()) if r.get("passkey") else None
+            asked = max(asked, sum(len(v) for v in r.get("passkey", {}).values()))
+            top1 = 100.0 * r["tf_top1_agreement"] if r.get("tf_top1_agreement") is not None else None
+            if r["budget_tokens"] is None:
+                dense = dense or (found, top1)
+                continue
+            label = VARIANT_LABELS.get(r["variant"], r["variant"]) + (f"; {run}" if run else "")
+            series.setdefault(label, []).append((r["budget_tokens"], found, top1))
+    return {k: sorted(v) for k, v in series.items()}, dense, asked
+
+
+def plot_accuracy(data: dict, title: str, path: pathlib.Path) -> None:
+    plot_accuracy_runs([(None, data)], title, path)
+
+
+def plot_accuracy_runs(runs: list[tuple[str | None, dict]], title: str, path: pathlib.Path) -> None:
+    plt = _pyplot()
+    series, dense, asked = accuracy_series(runs)
+    if not series:
+        raise SystemExit("no sparse row in these accuracy JSONs")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6.5), constrained_layout=True)
+    panels = ((axes[0], 1, f"passkeys found (of {asked})"),
+              (axes[1], 2, "teacher-forced top-1 agreement with dense (%)"))
+    budgets = sorted({b for pts in series.values() for b, *_ in pts})
+    markers = "osD^vP*X"
+    for ax, i, ylabel in panels:
+        for k, (label, pts) in enumerate(series.items()):  # marker size falls so that equal points stay visible
+            pts = [p for p in pts if p[i] is not None]
+            ax.plot([p[0] for p in pts], [p[i] for p in pts], marker=markers[k % len(markers)], ms=9 - 1.5 * k,
+                    ls="--" if "retrieval_head" in label else "-", label=label, alpha=0.85)
+        if dense and dense[i - 1] is not None:
+            ax.axhline(dense[i - 1], color="black", ls=":", label="dense (all tokens)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [f"{b:,}" for b in budgets])
+        ax.set_xlabel("sparse budget (tokens attended per sparse layer)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    lowest = min((p[1] for pts in series.values() for p in pts if p[1] is not None), default=0)
+    axes[0].set_ylim(max(0, lowest - 2), asked + 0.5)
+    axes[1].set_ylim(top=101)
+    fig.legend(*axes[1].get_legend_handles_labels(), loc="outside lower center", ncol=2, fontsize=8)
+    d = runs[0][1]
+    dates = ", ".join(sorted({r.get("date", "?") for _, r in runs}))
+    backend = d.get("machine", {}).get("jax_backend", "?")
+    fig.suptitle(f"{title.split(' - ')[0]} ({backend}, {dates})\n{d.get('model', '')}; passkeys"
+                 f" at {d.get('lengths')} tokens x {len(d.get('depths', []))} depths; teacher-forced top-1 over"
+                 f" {d.get('tf_tokens')} tokens after {d.get('tf_context')}", fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- h200_predict ----------------------------------------------------------------------------------
+
+def predicted_points(data: dict) -> dict[str, list[dict]]:
+    """point -> its predictions with tokens/s, in predict.py's system order."""
+    out: dict[str, list[dict]] = {}
+    for p in data["predictions"]:
+        if p.get("tokens_per_s") is not None:
+            out.setdefault(p["point"], []).append(p)
+    return dict(sorted(out.items()))
+
+
+def _system_colour(system: str) -> str:
+    if system.startswith("dense"):
+        return "tab:gray"
+    if system.startswith("offload"):
+        return "tab:red"
+    if system == "pulseinfer":
+        return "tab:blue"
+    return "tab:orange" if system.startswith("sparse") else "lightsteelblue"
+
+
+def plot_h200_predict(data: dict, title: str, path: pathlib.Path) -> None:
+    plt = _pyplot()
+    points = predicted_points(data)
+    if not points:
+        raise SystemExit("no prediction with tokens/s in this JSON")
+    n = max(len(v) for v in points.values())
+    fig, axes = plt.subplots(1, len(points), figsize=(7 * len(points), 1.2 + 0.42 * n), squeeze=False,
+                             constrained_layout=True)
+    for ax, (name, preds) in zip(axes[0], points.items(), strict=True):
+        ys = list(range(len(preds)))[::-1]
+        tps = [p["tokens_per_s"] for p in preds]
+        ax.barh(ys, tps, color=[_system_colour(p["system"]) for p in preds])
+        for y, p in zip(ys, preds, strict=True):
+            pl = p.get("placements", {})
+            ax.text(p["tokens_per_s"], y, f" {p['tokens_per_s']:.0f}  ({pl.get('dense', 0)}/{pl.get('offload', 0)}/"
+                    f"{pl.get('wait', 0)}, {p['step_s'] * 1e3:.1f} ms)", va="center", fontsize=7)
+        ax.set_yticks(ys, [p["system"] for p in preds], fontsize=8)
+        ax.set_xlim(0, max(tps) * 1.45)
+        ax.set_xlabel("predicted decode tokens/s")
+        pt = data.get("points", {}).get(name, {})
+        gib = pt.get("gpu_kv_budget", 0) / (1 << 30)
+        ax.set_title(f"point {name}: {pt.get('batch', '?')} x {pt.get('prompt', 0):,}-token prompts, "
+                     f"{gib:g} GiB GPU KV", fontsize=10)
+        ax.grid(True, axis="x", alpha=0.3)
+    m, device = data.get("model", {}), data.get("machine", {}).get("device", "?")
+    fig.suptitle(f"{title.split(' - ')[0]}, {data.get('date', '?')}: PREDICTED, not measured\nH200 cost model "
+                 f"({m.get('bandwidth', 0) / 1e12:.2f} TB/s, t_launch {m.get('t_launch', 0) * 1e6:.2f} us), programs "
+                 f"compiled for the H200 on a {device} machine; bar labels: tokens/s (requests dense / offloaded / "
+                 f"waiting, step time)", fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 PLOTTERS: dict[str, Callable[[dict, str, pathlib.Path], None]] = {
-    "io_sweep": plot_io_sweep, "decode_throughput": plot_decode_throughput}
+    "io_sweep": plot_io_sweep, "decode_throughput": plot_decode_throughput, "accuracy": plot_accuracy,
+    "h200_predict": plot_h200_predict}
+COMBINERS: dict[str, Callable[[list[tuple[str, dict]], str, pathlib.Path], None]] = {
+    "accuracy": plot_accuracy_runs}
 TITLES = {"io_sweep": "Host-to-device bandwidth by transfer size",
-          "decode_throughput": "Decode throughput: dense vs offloading vs PulseInfer"}
+          "decode_throughput": "Decode throughput: dense vs offloading vs PulseInfer",
+          "accuracy": "Sparse decoding accuracy against the budget",
+          "h200_predict": "Predicted decode throughput per system"}
 
 
 def plot_file(path: pathlib.Path, out_dir: pathlib.Path | None) -> pathlib.Path:
@@ -172,11 +305,35 @@ def plot_file(path: pathlib.Path, out_dir: pathlib.Path | None) -> pathlib.Path:
     return png
 
 
+def plot_combined(paths: list[pathlib.Path], name: str, out_dir: pathlib.Path | None,
+                  labels: list[str] | None = None) -> pathlib.Path:
+    """Several JSONs of one kind overlaid in one PNG, out_dir/<name>.png; labels (one per JSON) name their lines."""
+    if labels and len(labels) != len(paths):
+        raise SystemExit(f"--labels: {len(labels)} labels for {len(paths)} JSONs")
+    loaded = [(lab, json.loads(p.read_text())) for lab, p in zip(labels or [p.stem for p in paths], paths,
+                                                                  strict=True)]
+    kinds = sorted({result_kind(d, p) for p, (_, d) in zip(paths, loaded, strict=True)})
+    if len(kinds) != 1 or kinds[0] not in COMBINERS:
+        raise SystemExit(f"--combine needs JSONs of one kind among {', '.join(COMBINERS)}; got {kinds}")
+    kind = kinds[0]
+    out_dir = out_dir or paths[0].parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = out_dir / f"{name}.png"
+    COMBINERS[kind](loaded, title_of(loaded[0][1], TITLES.get(kind, kind)), png)
+    return png
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", type=pathlib.Path, help="result JSON files")
     ap.add_argument("--out", type=pathlib.Path, default=None, help="PNG directory (default: next to each JSON)")
+    ap.add_argument("--combine", metavar="NAME", default=None,
+                    help="overlay every JSON (one kind) in one PNG, NAME.png (kinds: accuracy)")
+    ap.add_argument("--labels", nargs="+", default=None, help="with --combine: one label per JSON")
     args = ap.parse_args(argv)
+    if args.combine:
+        print(f"wrote {plot_combined(args.results, args.combine, args.out, args.labels)}")
+        return 0
     for path in args.results:
         print(f"wrote {plot_file(path, args.out)}")
     return 0

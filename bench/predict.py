@@ -4,11 +4,11 @@
 
 No GPU runs. Each system's decode step at the GPU suite's points (bench/gpu_suite.sh: A = 8 requests of 32K tokens
 under a 16 GiB GPU KV budget, B = 4 of 128K under 33 GiB; random Llama-3.1-8B, bf16, budget 2,048) is built as the
-engine builds it (pulseinfer_jax/aot/catalogue.py: pool sizes, the IOAA admission of every request at once as
+engine builds it (bench/aot/catalogue.py: pool sizes, the IOAA admission of every request at once as
 Scheduler.admit makes it, the dense requests' step and the offloaded ones' micro-batches), compiled for the
-compile-only H200 and costed (pulseinfer_jax/aot/cost.py: HBM bytes, kernel launches, host syncs). Recall per
+compile-only H200 and costed (bench/aot/cost.py: HBM bytes, kernel launches, host syncs). Recall per
 sparse layer is the replayed SmolLM2 trace's (bench/results/traces, as the bench replays it: each engine
-layer the trace layer at its relative depth) through the system's slot caches (LRU, host_offload/slot_cache.py).
+layer the trace layer at its relative depth) through the system's slot caches (LRU, selection/slot_table.py).
 
 Time model (stated, not measured; each term printed):
   GPU time of a program        bytes / bandwidth + launches x t_launch   (t_launch, t_sync calibrated below)
@@ -74,12 +74,11 @@ def _engine_config(system: str, point: dict):
 def admission(cfg, model_cfg, prompts: list[int], new: int, h2d: float) -> tuple[list[str], object]:
     """How the engine places requests submitted together (Scheduler.admit at the first step, everything waiting):
     the placement per request ("dense" / "offload" / "wait") and the pool sizes."""
-    from pulseinfer_jax.host_offload.blocks import blocks_for
-
-    from pulseinfer_jax.aot.catalogue import _Request
-    from pulseinfer_jax.ioaa import Candidate, IOAAConfig, admit_batch
-    from pulseinfer_jax.offload import offload_blocks, pool_sizes
-    from pulseinfer_jax.scheduler import FixedStepTime
+    from bench.aot.catalogue import _Request
+    from pulseinfer_jax.kv.blocks import blocks_for
+    from pulseinfer_jax.sched.admission import Candidate, IOAAConfig, admit_batch
+    from pulseinfer_jax.sched.pools import offload_blocks, pool_sizes
+    from pulseinfer_jax.sched.scheduler import FixedStepTime
 
     reqs = [_Request(n, new) for n in prompts]
     meta_item = cfg.scoring.metadata_dtype("bfloat16").itemsize
@@ -106,7 +105,7 @@ def admission(cfg, model_cfg, prompts: list[int], new: int, h2d: float) -> tuple
 def lru_misses(cfg, plan, trace, point: dict) -> np.ndarray:
     """Mean misses per engine sparse layer and request over the bench's timed steps, replaying `trace` through
     LRU slot caches of the engine's capacity (per lane; headwise lanes replay trace lane h % S)."""
-    from pulseinfer_jax.host_offload.slot_cache import SlotCache
+    from pulseinfer_jax.selection.slot_table import SlotCache
 
     r_count, t_count, ls_t, s_t, _ = trace.sel.shape
     tl = np.round(np.arange(plan.sparse_layers) * (ls_t - 1) / max(1, plan.sparse_layers - 1)).astype(int)
@@ -150,8 +149,8 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
     from pulseinfer_jax.models.config import ModelConfig
     from pulseinfer_jax.models.presets import PRESETS
 
+    from bench.aot import catalogue as cat
     from bench.traces import load_trace
-    from pulseinfer_jax.aot import catalogue as cat
 
     point = POINTS[point_name]
     model_cfg = ModelConfig.from_hf_dict(PRESETS["llama-3.1-8b"], name="llama-3.1-8b")
@@ -175,7 +174,7 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
         if cfg.ablation.placement == "device":  # every block stays on the GPU: nothing is recalled
             per_request = np.zeros_like(per_request)
         misses = [float(m) * len(off_idx) / mbs for m in per_request]
-        from pulseinfer_jax.host_offload.blocks import bucket
+        from pulseinfer_jax.kv.blocks import bucket
 
         for r in sorted({bucket(max(1, round(m))) if m else 0 for m in misses}):
             sparse_calls[r] = cat.sparse_decode(es, layout, r, shardings=shardings, micro_batches=mbs)
@@ -257,7 +256,7 @@ def calibrate(rows: dict, bandwidth: float) -> dict:
 
 
 def calibration_steps() -> dict:
-    from pulseinfer_jax.aot import suite
+    from bench.aot import suite
 
     s = suite.Suite({}, {})
     suite.calibration_points(s)
@@ -266,7 +265,7 @@ def calibration_steps() -> dict:
 
 def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
     """Predicted seconds of one decode step (module docstring), with its terms."""
-    from pulseinfer_jax.host_offload.blocks import bucket
+    from pulseinfer_jax.kv.blocks import bucket
 
     cost = {k: r["cost"] for k, r in rows.items()}
     dense_s = sum(m.gpu(cost[c.program.key], c.count) for c in st.dense)
@@ -319,10 +318,10 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
 
 
 def main() -> int:
+    from bench.aot import check
+    from bench.aot.cost import H200_STREAM_BW
+    from bench.aot.target import CompileTarget, use_cpu_backend
     from bench.decode_throughput import SYSTEMS
-    from pulseinfer_jax.aot import check
-    from pulseinfer_jax.aot.cost import H200_STREAM_BW
-    from pulseinfer_jax.aot.target import CompileTarget, use_cpu_backend
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="A,B")

@@ -10,7 +10,7 @@ computes the true softmax attention of every query head over the blocks its posi
 fraction of it ("attention recall") that the blocks each policy selects would keep:
   - quest-solohead / quest-headwise: the engine's selection itself (`pallas_kernels.block_scoring`'s Quest
     bounds from per-block key min / max, the sink / window blocks scored from their keys where the engine does,
-    `pulseinfer_jax.kept_scores`; `pulseinfer_jax.sparse.select_blocks` with the same sinks / window;
+    `selection.kept_blocks`; `selection.policy.select_blocks` with the same sinks / window;
     SoloHead normalized_sum: one set for all heads; headwise: each KV head its own set; without the resident-block
     bonus, which needs the decode history of a slot cache: `bench/accuracy.py` measures it);
   - oracle-solohead / oracle-headwise: the same budget filled by the true attention mass (the best a
@@ -64,8 +64,8 @@ def quest_select(q: np.ndarray, keys: np.ndarray, positions: np.ndarray, budget:
     from pulseinfer_jax.pallas_kernels.block_metadata import round_bounds_outward
     from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference, default_scale
 
-    from pulseinfer_jax.kept_scores import score_kept_from_keys
-    from pulseinfer_jax.sparse import BlockScoring, select_blocks
+    from pulseinfer_jax.selection.kept_blocks import score_kept_from_keys
+    from pulseinfer_jax.selection.policy import BlockScoring, select_blocks
 
     scoring = scoring or BlockScoring()
     p, hq, hd = q.shape
@@ -130,7 +130,7 @@ def main() -> int:
     from bench.accuracy import TEXTS
     from pulseinfer_jax.calibration import capture_queries_and_keys
     from pulseinfer_jax.config import EngineConfig
-    from pulseinfer_jax.sparse import block_attention_mass
+    from pulseinfer_jax.selection.policy import block_attention_mass
 
     scoring = EngineConfig().scoring
     scoring = dataclasses.replace(scoring, beta=scoring.beta if args.score_beta is None else args.score_beta,

@@ -122,8 +122,9 @@ def workload(args, n: int, seed: int) -> list[tuple[int, int]]:
 
 def launch(args, rest: list[str]):
     """This repository's server on a free port of this process: (ServerThread, model name, vocabulary size)."""
-    from pulseinfer_jax.cli import _add_engine_args, engine_config, load_for
-    from pulseinfer_jax.engine import Engine
+    from pulseinfer_jax.cli import _add_engine_args, engine_config
+    from pulseinfer_jax.console import load_for
+    from pulseinfer_jax.engine.core import Engine
     from pulseinfer_jax.serving.app import ServerThread
     from pulseinfer_jax.serving.engine_loop import EngineLoop
 

@@ -22,10 +22,9 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from pulseinfer_jax.host_offload.slot_cache import SlotCache  # noqa: E402
-
 from bench.common import RESULTS, write_result  # noqa: E402
 from bench.traces import Trace, load_trace  # noqa: E402
+from pulseinfer_jax.selection.slot_table import SlotCache  # noqa: E402
 
 
 def replay_lru(tr: Trace, multiple: float) -> dict:

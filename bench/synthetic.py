@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
-from pulseinfer_jax.host_offload.blocks import bucket
 
-from pulseinfer_jax.engine import Engine
-from pulseinfer_jax.scheduler import Request
+from pulseinfer_jax.engine.core import Engine
+from pulseinfer_jax.kv.blocks import bucket
+from pulseinfer_jax.request import Request
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -46,7 +46,7 @@ def fill_random_units(
     units: Int[Array, " n"],  # flat units (layer * NB + block) to fill (padding entries = 0, layer 0's null block)
     key: jax.Array,
 ) -> Float[Array, "L NB 2 bs Hkv hd"]:
-    """Random N(0, 1) K/V into flat units `units` (one layer of an offloaded prompt, segmented_prefill.py)."""
+    """Random N(0, 1) K/V into flat units `units` (one layer of an offloaded prompt, runner/offloaded_prefill.py)."""
     vals = jax.random.normal(key, (units.shape[0],) + kv.shape[2:], jnp.float32)
     return kv.at[units // kv.shape[1], units % kv.shape[1]].set(vals.astype(kv.dtype))
 

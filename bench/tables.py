@@ -13,7 +13,7 @@ Known kinds (the JSON's "kind", else its file name's prefix):
     Pallas issue's targets: >= 60% of copy bandwidth at batch >= 16, faster than paged_attention).
   - io_sweep: GB/s per mode for each volume moved (copies x copy size; best of the repeats).
   - dense_decode: per (context, batch), each attention x layer loop's median step, tokens/s and KV GB/s.
-  - h200_compile (pulseinfer_jax/aot/check.py): per Pallas kernel case, grid, threads, shared memory, registers and
+  - h200_compile (bench/aot/check.py): per Pallas kernel case, grid, threads, shared memory, registers and
     spills as compiled for the H200; compile time and launches per program group; violations.
   - h200_predict (bench/predict.py): per point and system, placements, predicted step and tokens/s, its terms.
 Anything else is listed as not tabulated.

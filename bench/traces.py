@@ -25,9 +25,9 @@ import json
 import pathlib
 
 import numpy as np
-from pulseinfer_jax.host_offload.blocks import blocks_for
 
-from pulseinfer_jax.selector import Selector
+from pulseinfer_jax.kv.blocks import blocks_for
+from pulseinfer_jax.selection.hooks import Selector
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ Layout (the GPU cache's, minus the dense layers):
 
     pool: [Ls, R, 2, bs, Hkv, hd]   in host memory;  Ls = num_layers - dense_layers (the sparse layers)
 
-(float8 KV, kv_quant.py: uint8 bytes, bs + ceil(2 bs / hd) rows, the last ones holding the scales, moved with the
+(float8 KV, kv/quant.py: uint8 bytes, bs + ceil(2 bs / hd) rows, the last ones holding the scales, moved with the
 block bit for bit.)
 
 Row 0 is the null row (never allocated): padded entries of a transfer read it, so transfers keep a few
@@ -38,11 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
-from pulseinfer_jax.host_offload.blocks import BlockAllocator, ExtentAllocator, OutOfBlocksError, bucket
 from pulseinfer_jax.host_offload.numpy_io import NumpyHostIO
 from pulseinfer_jax.host_offload.xla_io import XlaHostIO
 
-from pulseinfer_jax.kv_quant import block_rows
+from pulseinfer_jax.kv.blocks import BlockAllocator, ExtentAllocator, OutOfBlocksError, bucket
+from pulseinfer_jax.kv.quant import block_rows
 from pulseinfer_jax.parallel.layout import DeviceLayout
 
 NULL_ROW = 0

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
+from pulseinfer_jax.kv.cache import device_zeros_program
+
 HOST_KIND = "pinned_host"
 
 
@@ -38,7 +40,7 @@ def zeros_program(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding
     memory space (out_shardings alone leaves a pinned-host array typed as device memory, and the first call of
     each program it meets compiles once more for it)."""
     if (memory_kind or sharding.memory_kind) != "pinned_host":
-        return jax.jit(lambda: jax.device_put(jnp.zeros(shape, dtype), jax.memory.Space.Device), out_shardings=sharding)
+        return device_zeros_program(shape, dtype, sharding)
     from jax.experimental.compute_on import compute_on
 
     # written by the host, in place: zeros made on the device and copied over would need the pool's size in HBM

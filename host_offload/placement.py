@@ -7,7 +7,7 @@ A *sparse* request decodes with block selection. Its placement is either
         one included) plus one spare for the block that starts next; new tokens are written here;
       * the slot cache: `slot_blocks` GPU blocks whose layer-l slices hold the blocks layer l recalled
         (SoloHead: slot i = a whole block; headwise: column h of slot i = head h of a block, one LRU lane
-        per head); the slot caches on the device say which (pulseinfer_jax/slot_plan.py);
+        per head); the slot caches on the device say which (pulseinfer_jax/selection/slot_plan.py);
       * dense-layer packs: the first `dense_layers` layers attend densely, so every logical block's KV of those
         layers stays on the GPU, packed `L // dense_layers` blocks to one GPU block: logical block j, dense
         layer d -> z = j * dense_layers + d -> GPU block packs[z // L], layer slice z % L (flat unit
@@ -16,7 +16,7 @@ A *sparse* request decodes with block selection. Its placement is either
         block's host row (kept by the engine, not here).
     When a block leaves the window it is written back to its host row (asynchronously), its metadata is
     computed, and its GPU block becomes the spare.
-    The prompt is prefilled layer by layer (pulseinfer_jax/segmented_prefill.py): all chunks of layer l write
+    The prompt is prefilled layer by layer (pulseinfer_jax/runner/offloaded_prefill.py): all chunks of layer l write
     their K/V into *prefill units* (flat units of the request's own slot blocks, every layer slice of them, empty
     until decoding starts, plus `scratch_blocks` more GPU blocks when the slots hold fewer than one layer of the
     prompt), then layer l is spilled: sparse layers to the host rows (with their key metadata), dense layers into
@@ -37,7 +37,8 @@ import dataclasses
 
 import numpy as np
 from jaxtyping import Int
-from pulseinfer_jax.host_offload.blocks import blocks_for
+
+from pulseinfer_jax.kv.blocks import blocks_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +150,7 @@ class SparseKV:
         self.table: list[int] = []  # device placement: the request's GPU blocks (logical block j in table[j])
         slots = plan.slots_for(n_max)
         # the slot caches of every sparse layer and lane live on the device, one table row per request
-        # (pulseinfer_jax/slot_plan.py; the engine hands out the rows). Device placement keeps them as bookkeeping
+        # (selection/slot_plan.py; the engine hands out the rows). Device placement keeps them as bookkeeping
         # only (no slot blocks, nothing recalled), so that it selects exactly what host placement does (the
         # resident-block bonus reads them)
         self.slot_capacity = slots
@@ -190,7 +191,7 @@ class SparseKV:
         """The prompt's blocks take their roles: returns (logical blocks to write to their host rows, logical blocks
         whose metadata to compute (the full ones outside sinks and window), (logical block, own GPU block) of the
         resident blocks, which take a copy of the prompt's KV there). Host placement calls it before the prefill
-        (segmented_prefill.py spills each layer as it is computed); nothing here reads the KV."""
+        (runner/offloaded_prefill.py spills each layer as it is computed); nothing here reads the KV."""
         p = self.plan
         n = blocks_for(prompt_tokens, p.block_size)
         self.num_blocks = n

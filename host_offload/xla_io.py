@@ -2,7 +2,7 @@
 
 This is PulseInfer's intended path on a GPU: the pool is page-locked DRAM the GPU's copy engines read and write
 directly. What each program compiles to for an H200 (read from its optimised HLO and thunks by the ahead-of-time
-check, pulseinfer_jax/aot; bench/RESULTS.md "Host offload on an H200"):
+check, bench/aot; bench/RESULTS.md "Host I/O" and bench/notes/offload_cpu_details.md):
 
   - write_back: one device gather of the blocks, then per block one dynamic-update-slice of the host pool, which
     XLA issues as an asynchronous device-to-host copy into the block's row (`dynamic-update-slice-start/done`), in

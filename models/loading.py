@@ -19,11 +19,11 @@ import jax.numpy as jnp
 from pulseinfer_jax.models.config import ModelConfig
 from pulseinfer_jax.models.presets import PRESETS
 from pulseinfer_jax.models.safetensors_dir import SafetensorsDir
+from pulseinfer_jax.models.sharding import WeightPlacement
 from pulseinfer_jax.models.transformer import Transformer, resolve_dtype, split_layers, stacked_layers
 from pulseinfer_jax.models.weights import CheckpointError, params_from_hf
 
 from pulseinfer_jax.parallel.layout import DeviceLayout
-from pulseinfer_jax.parallel.weights import WeightPlacement
 
 if TYPE_CHECKING:
     from pulseinfer_jax.models.tokenizer import Tokenizer

@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from pulseinfer_jax.models.config import ModelConfig
-
-from pulseinfer_jax.parallel.weights import WeightPlacement
+from pulseinfer_jax.models.sharding import WeightPlacement
 
 # our layer param path -> HF suffix under `model.layers.{i}.`; kernels are transposed [out,in] -> [in,out].
 _LAYER_KERNELS = {

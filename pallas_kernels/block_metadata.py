@@ -1,6 +1,6 @@
 """Quest-style per-block key metadata: element-wise min/max of the keys of each KV block.
 
-For one layer's pool `pool: [NB, 2, bs, Hkv, hd]` (see `pulseinfer_jax.kv_cache`), the metadata of
+For one layer's pool `pool: [NB, 2, bs, Hkv, hd]` (see `pulseinfer_jax.kv.cache`), the metadata of
 block `b` and KV head `h` is the pair of vectors
 
     kmin[b, h, d] = min_t K[b, t, h, d]      kmax[b, h, d] = max_t K[b, t, h, d]
@@ -10,7 +10,7 @@ of every q.k inside the block. The engine keeps per-layer arrays `meta_min/meta_
 to the (possibly offloaded) cache, in float8_e4m3fn by default (rounded outward by `round_bounds_outward`, so
 they still bound; `BlockScoring.bounds_dtype`) or in the KV dtype (exact), and refreshes a block's rows when the
 block fills (`update_bounds`); the sink and window blocks (the partial last one included) have no metadata rows
-while they are resident: where SoloHead scores them, `pulseinfer_jax.kept_scores` bounds them from their keys each
+while they are resident: where SoloHead scores them, `selection.kept_blocks` bounds them from their keys each
 step.
 With m = `sub_blocks` > 1 each block has m rows, the bounds of its m equal token slices (finer bounds,
 m times the bytes; `block_scoring` combines them).
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pulseinfer_jax import kv_quant
+from pulseinfer_jax.kv import quant as kv_quant
 
 
 def _check_inputs(pool: Array, block_ids: Array, block_lens: Array, full_cache: bool = False) -> None:
@@ -122,30 +122,6 @@ def block_key_bounds_reference(
     return jnp.stack(kmins), jnp.stack(kmaxs)
 
 
-def round_directed(x: Float[Array, "..."], dtype: jnp.dtype, *, down: bool) -> Array:
-    """x (any float) -> `dtype`, rounded toward -inf (down) or +inf, saturating at the dtype's finite range."""
-    dt = jnp.dtype(dtype)
-    bits = dt.itemsize * 8
-    uint = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bits]
-    fmax = float(jnp.finfo(dt).max)
-    xc = jnp.clip(x.astype(jnp.float32), -fmax, fmax)
-    y = xc.astype(dt)  # round to nearest
-    yf = y.astype(jnp.float32)
-    b = jax.lax.bitcast_convert_type(y, uint)
-    sign = jnp.asarray(1 << (bits - 1), uint)
-    one = jnp.asarray(1, uint)
-    neg, zero = b >= sign, (b & (sign - one)) == 0
-    # IEEE-style sign-magnitude: the next value away from zero is bits + 1, toward zero bits - 1; from +-0 the
-    # next value down is the smallest negative subnormal (sign | 1), up the smallest positive one (1)
-    if down:
-        wrong = yf > xc
-        nxt = jnp.where(zero, sign | one, jnp.where(neg, b + one, b - one))
-    else:
-        wrong = yf < xc
-        nxt = jnp.where(zero, one, jnp.where(neg, b - one, b + one))
-    return jax.lax.bitcast_convert_type(jnp.where(wrong, nxt, b), dt)
-
-
 def round_bounds_outward(
     kmin: Float[Array, "*s"], kmax: Float[Array, "*s"], dtype
 ) -> tuple[Float[Array, "*s"], Float[Array, "*s"]]:
@@ -157,7 +133,7 @@ def round_bounds_outward(
     dt = jnp.dtype(dtype)
     if not jnp.issubdtype(dt, jnp.floating) or dt.itemsize not in (1, 2, 4):
         raise ValueError(f"key bounds need a 1-, 2- or 4-byte float dtype, got {dt}")
-    return round_directed(kmin, dt, down=True), round_directed(kmax, dt, down=False)
+    return kv_quant.round_directed(kmin, dt, down=True), kv_quant.round_directed(kmax, dt, down=False)
 
 
 def init_bounds(num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[Array, Array]:

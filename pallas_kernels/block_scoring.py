@@ -24,7 +24,8 @@ mid = (kmax + kmin) / 2, half = (kmax - kmin) / 2:
 which is still two dot products, score = a . kmax + c . kmin with a = ((1+beta) q+ + (1-beta) q-) / 2 and
 c = ((1-beta) q+ + (1+beta) q-) / 2 (folded the same way; at beta = 1, a = q+ and c = q- exactly). A bound
 is an upper estimate of a block's best logit; SoloHead turns scores into estimated attention shares, where
-the full range overrates wide blocks (measured: beta 0.5 drops the KL to dense by 25-50%, bench/RESULTS.md).
+the full range overrates wide blocks (measured: beta 0.5 drops the KL to dense by 25-50%, bench/RESULTS.md, "Accuracy
+of sparse decoding against the budget" and bench/notes/accuracy_history.md).
 
 Sub-blocks (`sub_blocks` = m > 1): the metadata then holds the bounds of m equal slices of every block (rows
 id * m + j, j < m, as `block_metadata.block_key_bounds(..., sub_blocks=m)` writes them), and a block's score

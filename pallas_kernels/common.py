@@ -4,7 +4,7 @@ Every kernel's public function takes `interpret: bool | None = None`; None lets 
 *compiled for* choose (`on_platform`): Pallas interpret mode in a program lowered for a CPU (the tests), the
 Triton kernel (`pl.pallas_call`'s Triton lowering) in one lowered for a GPU, whatever the default backend of
 the process that compiles it, so an ahead-of-time compile for a GPU from a CPU-only machine compiles the real
-kernel (pulseinfer_jax/aot). Block tables and index lists are passed as ordinary inputs (Triton has no scalar
+kernel (bench/aot). Block tables and index lists are passed as ordinary inputs (Triton has no scalar
 prefetch).
 """
 

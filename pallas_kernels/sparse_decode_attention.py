@@ -3,7 +3,7 @@
     sparse_decode_attention(q, pool, block_ids, block_lens) -> (o, m, l)
 
 q [B, Hq, hd] attends (GQA, Hq = G * Hkv) to the tokens of the blocks listed in `block_ids`
-[B, S, K] of one layer's pool [NB, 2, rows, Hkv, hd] (see pulseinfer_jax/kv_cache.py; rows = bs, or
+[B, S, K] of one layer's pool [NB, 2, rows, Hkv, hd] (see pulseinfer_jax/kv/cache.py; rows = bs, or
 bs + r for a float8 pool, below). S == 1 is SoloHead (one list per sequence, shared by every KV
 head); S == Hkv is headwise selection (one list per (sequence, KV head)). Entry k covers slots
 0 .. block_lens[..., k] - 1 of its block; ids < 0 are padding and are never read. The result is the
@@ -89,7 +89,7 @@ from pulseinfer_jax.pallas_kernels.common import (
 )
 from pulseinfer_jax.pallas_kernels.merge import merge_stacked_partials
 
-from pulseinfer_jax import kv_quant
+from pulseinfer_jax.kv import quant as kv_quant
 
 MIN_DOT_DIM = 16  # Triton's tensor-core dots want every operand dim >= 16
 TOKENS_PER_STEP = 64  # default tokens gathered per online-softmax step (P = TOKENS_PER_STEP // bs)

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pulseinfer_jax.config import EngineConfig
-from pulseinfer_jax.kv_quant import pack_blocks, resolve_kv_dtype, storage_dtype
+from pulseinfer_jax.kv.quant import pack_blocks, resolve_kv_dtype, storage_dtype
 from pulseinfer_jax.models.moe import MoEOptions
-from pulseinfer_jax.sparse import BlockScoring
+from pulseinfer_jax.selection.policy import BlockScoring
 
 log = logging.getLogger("pulseinfer_jax")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # device platforms (and lowering platforms) that are a GPU
@@ -33,7 +33,7 @@ class ResolvedBackends:
     """What an engine runs: each config "auto" replaced by a concrete choice, and why."""
 
     platform: str  # "gpu" on any GPU platform, else the device's platform
-    kv_dtype: str  # the KV cache's format: the model's dtype, or "float8_e4m3fn" (kv_quant.py; stored as bytes)
+    kv_dtype: str  # the KV cache's format: the model's dtype, or "float8_e4m3fn" (kv/quant.py; stored as bytes)
     decode_attention: str  # dense decode: "jnp" | "pallas"
     layer_loop: str  # "scan" | "layerwise"
     moe: MoEOptions | None  # None: the model has no experts

@@ -4,8 +4,8 @@
     EngineConfig.of(..., solohead="retrieval_head", retrieval_heads=heads)
 
 One dense forward over the calibration prompt captures, per layer, the queries of its last `queries`
-positions and every key; `sparse.block_attention_mass` turns them into the true attention mass per block and
-`sparse.calibrate_retrieval_head` picks, per layer, the KV head whose top-k selection (same budget, sinks
+positions and every key; `policy.block_attention_mass` turns them into the true attention mass per block and
+`policy.calibrate_retrieval_head` picks, per layer, the KV head whose top-k selection (same budget, sinks
 and window as at run time) covers the most mass of all heads. The forward attends with full O(T^2) scores
 per layer, so keep calibration prompts to a few thousand tokens, and several times longer than the budget
 (a prompt inside the budget is rejected: every head would cover all of it; measured: calibrating a 2,048-token
@@ -23,7 +23,7 @@ from jaxtyping import Array, Float
 
 from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.models.loading import LoadedModel
-from pulseinfer_jax.sparse import block_attention_mass, calibrate_retrieval_head
+from pulseinfer_jax.selection.policy import block_attention_mass, calibrate_retrieval_head
 
 MAX_CALIBRATION_TOKENS = 8192
 

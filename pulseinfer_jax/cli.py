@@ -8,6 +8,7 @@ import sys
 import typing
 from collections.abc import Sequence
 
+from pulseinfer_jax.console import load_for, say
 from pulseinfer_jax.models.config import UnsupportedModelError
 from pulseinfer_jax.models.weights import CheckpointError
 
@@ -151,30 +152,9 @@ def _print_stats(results) -> None:
         print(json.dumps({"prompt": k, "finish_reason": r.finish_reason, **r.stats}), file=sys.stderr)
 
 
-def say(message: str) -> None:
-    """One status line on stderr (what the command is doing while it does it)."""
-    print(f"pulseinfer: {message}", file=sys.stderr, flush=True)
-
-
-def load_for(config, model: str | None, dtype: str):
-    """Load `model` laid out as an engine with `config` reads it on this machine's device, saying so."""
-    import time
-
-    from pulseinfer_jax.api import load_for_engine
-
-    say(f"loading {model or 'the embedded SmolLM2-135M-Instruct'} ({dtype}) ...")
-    t0 = time.perf_counter()
-    m = load_for_engine(model, dtype, config)
-    say(f"loaded {m.source}: {m.cfg.num_layers} layers, {m.cfg.num_parameters() / 1e6:.0f}M parameters, in "
-        f"{time.perf_counter() - t0:.1f} s")
-    if m.placement is not None:
-        say(m.placement.describe())
-    return m
-
-
 def _generate(args: argparse.Namespace) -> int:
     from pulseinfer_jax.api import generate_long
-    from pulseinfer_jax.engine import Engine
+    from pulseinfer_jax.engine.core import Engine
 
     config = engine_config(args, progress=True)
     prompt = _read_prompt(args)
@@ -215,7 +195,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import pathlib
 
-    from pulseinfer_jax.engine import Engine
+    from pulseinfer_jax.engine.core import Engine
 
     try:
         from pulseinfer_jax.serving.app import serve
@@ -239,7 +219,7 @@ def _info(args: argparse.Namespace) -> int:
 
     import jax.numpy as jnp
 
-    from pulseinfer_jax.kv_quant import STORAGE, layer_block_bytes
+    from pulseinfer_jax.kv.quant import STORAGE, layer_block_bytes
     from pulseinfer_jax.models.loading import describe_model
     from pulseinfer_jax.models.transformer import resolve_dtype
 

@@ -2,7 +2,7 @@
 
     EngineConfig                 serving: mode, batch, blocks, GPU memory
       .offload: OffloadConfig    sparse decode with host-offloaded KV: budget, window, sinks, dense layers, pools, IOAA
-        .scoring: BlockScoring   how blocks are scored (pulseinfer_jax/sparse.py)
+        .scoring: BlockScoring   how blocks are scored (pulseinfer_jax/selection/policy.py)
         .ablation: OffloadAblation  selection / I/O / recall / placement switches the benchmarks flip
       .backends: Backends        how the work runs on the device ("auto" choices: pulseinfer_jax/backends.py)
 
@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any, Literal
 
 from pulseinfer_jax.options import check_choices, option, replace_flat, section
-from pulseinfer_jax.sparse import BlockScoring
+from pulseinfer_jax.selection.policy import BlockScoring
 
 Mode = Literal["dense", "offload", "auto"]
 Selection = Literal["solohead", "headwise"]
@@ -47,7 +47,7 @@ class OffloadAblation:
     solohead: SoloHeadVariant = option("normalized_sum", "SoloHead aggregate: normalized_sum, or retrieval_head "
                                        "(needs retrieval_heads)")
     retrieval_heads: tuple[int, ...] | None = option(None, "KV head per sparse layer for solohead=retrieval_head "
-                                                     "(sparse.calibrate_retrieval_head)", cli=False)
+                                                     "(policy.calibrate_retrieval_head)", cli=False)
     io: IOMode = option("coalesced", "coalesced: one gathered copy per layer and step; fragmented: one copy per "
                         "(block, head)")
     recall: RecallMode = option("interruptible", "interruptible: attend resident blocks while recall is in flight; "
@@ -59,7 +59,7 @@ class OffloadAblation:
         check_choices(self)
         if self.solohead == "retrieval_head" and self.retrieval_heads is None:
             raise ValueError("solohead='retrieval_head' needs retrieval_heads (one KV head per sparse layer; see "
-                             "sparse.calibrate_retrieval_head)")
+                             "policy.calibrate_retrieval_head)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,8 +41,8 @@ def run_demo(model=None, dtype: str = "float32", tokens: int = 2000, depth: floa
     """Load the model, build the haystack, generate greedily; print answer and timing. True if found.
     `config`: an EngineConfig (e.g. mode="offload"); default: dense, progress bar on."""
     from pulseinfer_jax.api import generate_long
-    from pulseinfer_jax.cli import load_for, say  # status lines on stderr, as it happens
     from pulseinfer_jax.config import EngineConfig
+    from pulseinfer_jax.console import load_for, say  # status lines on stderr, as it happens
 
     config = config or EngineConfig.of(progress=True)
     t0 = time.perf_counter()

@@ -67,7 +67,7 @@ def emulated_gpu(monkeypatch):
     its start-up checks (real, or scripted by the test) for every "auto" choice."""
     import types
 
-    import pulseinfer_jax.engine as engine_mod
+    import pulseinfer_jax.engine.core as engine_mod
     from pulseinfer_jax import backends
 
     gpu = types.SimpleNamespace(platform="gpu")

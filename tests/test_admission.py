@@ -7,13 +7,15 @@ import dataclasses
 
 import numpy as np
 import pytest
-from pulseinfer_jax.host_offload.blocks import BlockAllocator, blocks_for
 from pulseinfer_jax.host_offload.host_pool import HostKVPool
 
 from pulseinfer_jax import EngineConfig, SamplingParams
-from pulseinfer_jax.ioaa import IOAAConfig
-from pulseinfer_jax.offload import OffloadPlacer, metadata_bytes, pool_sizes
-from pulseinfer_jax.scheduler import FixedStepTime, Request, Scheduler, Status
+from pulseinfer_jax.kv.blocks import BlockAllocator, blocks_for
+from pulseinfer_jax.request import Request, Status
+from pulseinfer_jax.sched.admission import IOAAConfig
+from pulseinfer_jax.sched.placer import OffloadPlacer
+from pulseinfer_jax.sched.pools import metadata_bytes, pool_sizes
+from pulseinfer_jax.sched.scheduler import FixedStepTime, Scheduler
 
 BASE = dict(block_size=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1, budget_tokens=24)
 

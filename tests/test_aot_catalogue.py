@@ -1,4 +1,4 @@
-"""The ahead-of-time catalogue (pulseinfer_jax/aot/catalogue.py) covers every program the engine compiles.
+"""The ahead-of-time catalogue (bench/aot/catalogue.py) covers every program the engine compiles.
 
 A tiny engine runs on CPU in the GPU's default configurations (layer-wise dense decode with the Pallas attention in
 interpret mode; offloaded decode with SoloHead, coalesced recall, two micro-batches, pinned-host I/O) and in the
@@ -18,13 +18,13 @@ import re
 import jax
 import numpy as np
 import pytest
-from pulseinfer_jax.host_offload.blocks import blocks_for
 from pulseinfer_jax.models.loading import load_model
 
+from bench.aot import catalogue as cat
 from pulseinfer_jax import EngineConfig, SamplingParams
-from pulseinfer_jax.aot import catalogue as cat
 from pulseinfer_jax.backends import plan_backends
-from pulseinfer_jax.engine import Engine
+from pulseinfer_jax.engine.core import Engine
+from pulseinfer_jax.kv.blocks import blocks_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS = [150, 141]  # 10 and 9 blocks of 16: tables stay 16 wide while 8 tokens are generated

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pathlib
 
-from pulseinfer_jax.aot import hlo, thunks
-from pulseinfer_jax.aot.check import KernelReport, limit_violations, verdict
-from pulseinfer_jax.aot.cost import TimeModel, program_cost
-from pulseinfer_jax.aot.ptxas import parse_report
-from pulseinfer_jax.aot.target import H200, GpuLimits
+from bench.aot import hlo, thunks
+from bench.aot.check import KernelReport, limit_violations, verdict
+from bench.aot.cost import TimeModel, program_cost
+from bench.aot.ptxas import parse_report
+from bench.aot.target import H200, GpuLimits
 
 FIXTURE = pathlib.Path(__file__).resolve().parent / "goldens" / "aot"
 
@@ -116,7 +116,7 @@ def test_verdicts():
 
 
 def test_collectives_count_results_not_the_async_starts_operands():
-    from pulseinfer_jax.aot.tensor_parallel import collectives
+    from bench.aot.tensor_parallel import collectives
 
     text = """HloModule m
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pulseinfer_jax.attention import (
+from pulseinfer_jax.runner.paged_attention import (
     chunked_prefill_attention,
     paged_decode_attention,
     write_decode_kv,
@@ -37,7 +37,7 @@ def _pool(rng, nb, hkv, bs, hd, dtype):
 def _write_sequences(rng, kv, lengths, scale=1.0):
     """Random K / V of `lengths` tokens written token by token through the decode writer into layer 1 of `kv`, in
     shuffled blocks: (kv, block tables, [(k, v)] per sequence)."""
-    from pulseinfer_jax.kv_quant import tokens_per_block
+    from pulseinfer_jax.kv.quant import tokens_per_block
 
     nb, hkv, hd, bs = kv.shape[1], kv.shape[4], kv.shape[5], tokens_per_block(kv)
     mb = max(-(-n // bs) for n in lengths) + 1
@@ -120,7 +120,7 @@ def test_decode_write_lands_in_the_right_slot():
 def _fake_quant(x):
     """K or V as a float8 cache returns it (kv_quant.round_trip: rotated, e4m3 under a bfloat16 scale per (token,
     head), rotated back)."""
-    from pulseinfer_jax.kv_quant import round_trip
+    from pulseinfer_jax.kv.quant import round_trip
 
     return np.asarray(round_trip(jnp.asarray(x)))
 
@@ -128,7 +128,7 @@ def _fake_quant(x):
 def _fp8_pool(nb, hkv, bs, hd):
     """A float8 cache [2, nb, 2, bs + r, Hkv, hd] (its uint8 storage) of e4m3 NaN bytes (0x7f) everywhere, scale rows
     included."""
-    from pulseinfer_jax.kv_quant import block_rows
+    from pulseinfer_jax.kv.quant import block_rows
 
     return jnp.full((2, nb, 2, block_rows(bs, hd, jnp.uint8), hkv, hd), 0x7F, jnp.uint8)
 

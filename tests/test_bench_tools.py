@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pulseinfer_jax.host_offload.blocks import blocks_for
 
 from bench.synthetic import SyntheticKVEngine, fill_random_kv
 from bench.traces import BlockMap, RecordingSelector, ReplaySelector, load_trace
 from pulseinfer_jax import Engine, EngineConfig, SamplingParams
+from pulseinfer_jax.kv.blocks import blocks_for
 
 BASE = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1,
             budget_tokens=32, dense_layers=2, mode="offload", progress=False)
@@ -183,7 +183,7 @@ def test_selection_quality_oracle_bounds_the_engine_selection():
     least what the engine's Quest selection keeps, per position (SoloHead: summed over heads; headwise: per KV
     group), with sinks and window always kept."""
     from bench.selection_quality import oracle_select, quest_select, recall
-    from pulseinfer_jax.sparse import block_attention_mass
+    from pulseinfer_jax.selection.policy import block_attention_mass
 
     rng = np.random.default_rng(0)
     t, hkv, g, hd, bs = 200, 2, 3, 16, 8
@@ -232,6 +232,32 @@ def test_throughput_plot_from_a_result(tmp_path):
     src.write_text(json.dumps({**data, "points": points[-1:]}))
     with pytest.raises(SystemExit, match="no measured point"):
         plots.main([str(src), "--out", str(tmp_path)])
+
+
+def test_accuracy_and_prediction_plots_from_the_committed_results(tmp_path):
+    """bench/plots.py draws RESULTS.md's two figures from the committed JSONs: accuracy against the budget (dense,
+    SoloHead, headwise; passkeys and teacher-forced top-1) and the predicted tokens/s per system at A and B."""
+    pytest.importorskip("matplotlib")
+    import json
+    import pathlib
+
+    from bench import plots
+
+    results = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results"
+    grid, f8, predict = (results / f"{n}.json" for n in ("accuracy_cpu_grid", "accuracy_cpu_f8", "h200_predict"))
+    series, dense, asked = plots.accuracy_series([("grid", json.loads(grid.read_text()))])
+    assert dense == (14, 100.0) and asked == 15
+    assert [b for b, *_ in series["SoloHead (normalized_sum)"]] == [256, 512, 1024, 2048]
+    assert series["headwise (per KV head)"][0][1:] == (12, 86.328125)
+    assert plots.main([str(grid), str(f8), "--combine", "acc", "--labels", "a", "b", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "acc.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit, match="labels"):
+        plots.main([str(grid), str(f8), "--combine", "acc", "--labels", "a", "--out", str(tmp_path)])
+    points = plots.predicted_points(json.loads(predict.read_text()))
+    assert set(points) == {"A", "B"}
+    assert {"dense", "offload-headwise", "pulseinfer", "pulseinfer-no-ioaa"} <= {p["system"] for p in points["A"]}
+    assert plots.main([str(predict), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "h200_predict.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_result_tables_compute_ratios_shares_and_reasons(tmp_path):
@@ -359,8 +385,8 @@ def test_capacity_accounting_counts_what_the_pools_hold(tiny4):
     steady footprint (plus its prefill blocks while it prefills) and host rows, so more of them run; a pinned host
     pool of one request's rows holds one."""
     from bench.capacity import admit
-    from pulseinfer_jax.offload import offload_blocks, sparse_plan
-    from pulseinfer_jax.scheduler import Request
+    from pulseinfer_jax.request import Request
+    from pulseinfer_jax.sched.pools import offload_blocks, sparse_plan
 
     c = tiny4.cfg
     per_block = c.num_layers * 2 * c.num_kv_heads * 4 * c.head_dim * 2  # bf16 in the accounting

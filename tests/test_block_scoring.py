@@ -18,7 +18,7 @@ from pulseinfer_jax.pallas_kernels.block_metadata import (
 )
 from pulseinfer_jax.pallas_kernels.block_scoring import block_scores, block_scores_reference
 
-from pulseinfer_jax import kv_quant
+from pulseinfer_jax.kv import quant as kv_quant
 
 
 def _pool(rng, nb, bs, hkv, hd, lens):

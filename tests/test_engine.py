@@ -102,8 +102,8 @@ def test_half_precision_close_to_float32(dtype, tol):
     import jax.numpy as jnp
     from pulseinfer_jax.models.loading import load_model as load
 
-    from pulseinfer_jax.kv_cache import CacheSpec
-    from pulseinfer_jax.runner import decode_step, prefill_step
+    from pulseinfer_jax.kv.cache import CacheSpec
+    from pulseinfer_jax.runner.dense import decode_step, prefill_step
 
     outs = {}
     for dt in ("float32", dtype):
@@ -139,8 +139,8 @@ def _prefilled_cache(model, tables: list[list[int]], lengths: list[int], seed: i
     sequence), plus the decode-step args (tokens, positions = lengths, tables)."""
     import jax.numpy as jnp
 
-    from pulseinfer_jax.kv_cache import CacheSpec
-    from pulseinfer_jax.runner import prefill_step
+    from pulseinfer_jax.kv.cache import CacheSpec
+    from pulseinfer_jax.runner.dense import prefill_step
 
     c = model.cfg
     kv = CacheSpec(c.num_layers, 12, c.num_kv_heads, 8, c.head_dim, jnp.float32).allocate()
@@ -156,7 +156,7 @@ def _prefilled_cache(model, tables: list[list[int]], lengths: list[int], seed: i
 def test_pallas_decode_step_logits_match_jnp(tiny):
     import jax.numpy as jnp
 
-    from pulseinfer_jax.runner import decode_step
+    from pulseinfer_jax.runner.dense import decode_step
 
     kv, args = _prefilled_cache(tiny, [[4, 9, 2, 0], [7, 1, 0, 0]], [21, 9], seed=0)  # shuffled, 0-padded
     kv2 = jnp.array(kv)
@@ -172,7 +172,7 @@ def test_layerwise_decode_step_equals_scan(tiny, attention):
     import jax.numpy as jnp
     from pulseinfer_jax.models.transformer import split_layers
 
-    from pulseinfer_jax.runner import decode_step, decode_step_layerwise
+    from pulseinfer_jax.runner.dense import decode_step, decode_step_layerwise
 
     c = tiny.cfg
     kv, args = _prefilled_cache(tiny, [[4, 9, 2, 0], [7, 1, 3, 0]], [21, 16], seed=1)  # shuffled, 0-padded

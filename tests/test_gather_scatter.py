@@ -12,7 +12,8 @@ import zlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pulseinfer_jax.pallas_kernels.gather_scatter import (
+
+from bench.gather_scatter import (
     gather_block_heads,
     gather_block_heads_reference,
     gather_blocks,

@@ -17,13 +17,15 @@ pytest.importorskip("jax_plugins.xla_cuda13", reason="needs jax's CUDA plugin: .
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from pulseinfer_jax.pallas_kernels import block_scoring, gather_scatter, grouped_matmul, sparse_decode_attention  # noqa: E402
+from pulseinfer_jax.pallas_kernels import block_scoring, grouped_matmul, sparse_decode_attention  # noqa: E402
 
-from pulseinfer_jax import kv_quant, slot_plan  # noqa: E402
-from pulseinfer_jax.aot import check  # noqa: E402
-from pulseinfer_jax.aot.programs import program, spec  # noqa: E402
-from pulseinfer_jax.aot.ptxas import PtxasRecorder  # noqa: E402
-from pulseinfer_jax.aot.target import CompileTarget, use_cpu_backend  # noqa: E402
+from bench import gather_scatter  # noqa: E402
+from bench.aot import check  # noqa: E402
+from bench.aot.programs import program, spec  # noqa: E402
+from bench.aot.ptxas import PtxasRecorder  # noqa: E402
+from bench.aot.target import CompileTarget, use_cpu_backend  # noqa: E402
+from pulseinfer_jax.kv import quant as kv_quant
+from pulseinfer_jax.selection import slot_plan  # noqa: E402
 
 I32 = jnp.int32
 
@@ -224,7 +226,7 @@ def test_tensor_parallel_steps_compile_with_megatron_all_reduces(target):
     kernels as Triton kernels per device, with the collectives tensor parallelism should need and nothing else: one
     all-reduce of [B, 1, D] after attention and one after the MLP per layer, SoloHead's [B, K] score sum per sparse
     layer, none inside the attention itself (no KV gathered)."""
-    from pulseinfer_jax.aot import tensor_parallel as tp_aot
+    from bench.aot import tensor_parallel as tp_aot
 
     report = tp_aot.run(target.config_text, 2, points=(("llama-3.1-8b", 4096, 1),))
     rows = {(p["step"], r["function"]): r for p in report["points"] for r in p["programs"]}

@@ -13,8 +13,8 @@ from conftest import TINY, TINY_FAMILIES
 from pulseinfer_jax.models.loading import load_model
 
 from pulseinfer_jax import generate_long
-from pulseinfer_jax.kv_cache import CacheSpec
-from pulseinfer_jax.runner import decode_step, prefill_step
+from pulseinfer_jax.kv.cache import CacheSpec
+from pulseinfer_jax.runner.dense import decode_step, prefill_step
 
 ATOL = 1e-4
 

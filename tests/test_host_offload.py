@@ -10,9 +10,9 @@ import pytest
 from pulseinfer_jax.host_offload import host_pool as host_pool_mod
 from pulseinfer_jax.host_offload.host_pool import NULL_ROW, HostKVPool, probe_host_io
 from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
-from pulseinfer_jax.host_offload.slot_cache import SlotCache, SlotTable
 
-from pulseinfer_jax.kv_quant import block_rows
+from pulseinfer_jax.kv.quant import block_rows
+from pulseinfer_jax.selection.slot_table import SlotCache, SlotTable
 
 L, NB, BS, HKV, HD = 4, 9, 4, 2, 8
 

@@ -1,4 +1,4 @@
-"""pulseinfer_jax/kept_scores.py: the always-kept blocks' indices, their on-the-fly scores (against the metadata
+"""selection/kept_blocks.py: the always-kept blocks' indices, their on-the-fly scores (against the metadata
 path's kernel reference on the same bounds), causal partial blocks, empty sub-block slices, NaN-poisoned slots,
 and the scatter into the candidates' scores."""
 
@@ -8,7 +8,7 @@ import pytest
 from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds_reference
 from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference, default_scale
 
-from pulseinfer_jax.kept_scores import kept_block_scores, kept_lens, kept_logical, with_kept_scores
+from pulseinfer_jax.selection.kept_blocks import kept_block_scores, kept_lens, kept_logical, with_kept_scores
 
 
 @pytest.mark.parametrize("n,want", [

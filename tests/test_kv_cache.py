@@ -3,10 +3,10 @@
 import random
 
 import pytest
-from pulseinfer_jax.host_offload.blocks import NULL_BLOCK, BlockAllocator, ExtentAllocator, OutOfBlocksError, blocks_for
 
-from pulseinfer_jax.sampling import SamplingParams
-from pulseinfer_jax.scheduler import Request, Scheduler, Status
+from pulseinfer_jax.kv.blocks import NULL_BLOCK, BlockAllocator, ExtentAllocator, OutOfBlocksError, blocks_for
+from pulseinfer_jax.request import Request, SamplingParams, Status
+from pulseinfer_jax.sched.scheduler import Scheduler
 
 
 def test_blocks_for_boundaries():

@@ -11,8 +11,9 @@ from conftest import TINY, TINY_FAMILIES
 from pulseinfer_jax.models.loading import load_model
 from test_hf_parity import _golden, paged_logits
 
-from pulseinfer_jax import Engine, EngineConfig, attention, generate_long
-from pulseinfer_jax import kv_quant as kq
+from pulseinfer_jax import Engine, EngineConfig, generate_long
+from pulseinfer_jax.kv import quant as kq
+from pulseinfer_jax.runner import paged_attention
 
 FP8 = kq.STORAGE  # the float8 cache's arrays: e4m3 bytes and bfloat16 scale bytes as uint8
 GOLDEN_MEAN_ERR = 0.15  # mean |logit error| over the golden positions, in units of the logits' std (measured <= 0.107)
@@ -30,10 +31,10 @@ def test_float8_cache_is_the_model_with_rounded_kv(monkeypatch, family):
     m = load_model(TINY / family)
     prompt = _golden(family)[0][0]
     _, fp8 = paged_logits(m, prompt, FP8, block_size=4, chunk=8)
-    pack, write = attention.pack_blocks, attention.write_tokens
-    monkeypatch.setattr(attention, "pack_blocks", lambda x, dt: pack(_rounded(x), dt))
-    monkeypatch.setattr(attention, "write_tokens", lambda kv, li, bi, off, k, v: write(kv, li, bi, off, _rounded(k),
-                                                                                       _rounded(v)))
+    pack, write = paged_attention.pack_blocks, paged_attention.write_tokens
+    monkeypatch.setattr(paged_attention, "pack_blocks", lambda x, dt: pack(_rounded(x), dt))
+    monkeypatch.setattr(paged_attention, "write_tokens",
+                        lambda kv, li, bi, off, k, v: write(kv, li, bi, off, _rounded(k), _rounded(v)))
     jax.clear_caches()  # (the float32 programs must trace the patched writers)
     _, rounded = paged_logits(m, prompt, jnp.float32, block_size=4, chunk=8)
     monkeypatch.undo()
@@ -98,9 +99,9 @@ def test_the_startup_check_runs_the_float8_kernel():
 def test_spill_recall_land_move_float8_blocks_bit_for_bit(tiny4, monkeypatch):
     """Every recalled float8 block lands in its GPU slot byte for byte as its host row holds it (values and scales):
     what the spill wrote is what attention reads, never re-quantised on the way."""
-    from pulseinfer_jax import layer_ops, pipeline
+    from pulseinfer_jax.runner import sparse_decoder, sparse_layer
 
-    land = layer_ops.land_attend_finish
+    land = sparse_layer.land_attend_finish
     checked = []
 
     def checking(model, lp, x, q, kv, layer, plan, staging, early, **kw):
@@ -115,7 +116,7 @@ def test_spill_recall_land_move_float8_blocks_bit_for_bit(tiny4, monkeypatch):
                 checked.append(1)
         return kv, x
 
-    monkeypatch.setattr(pipeline.layer_ops, "land_attend_finish", checking)
+    monkeypatch.setattr(sparse_decoder.sparse_layer, "land_attend_finish", checking)
     cfg = EngineConfig.of(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1,
                           mode="offload", budget_tokens=24, dense_layers=2, kv_dtype="float8_e4m3fn")
     engine = Engine(tiny4, cfg)

@@ -1,10 +1,10 @@
-"""float8 KV quantisation (pulseinfer_jax/kv_quant.py): error bounds per granularity, zeros, outliers, shapes."""
+"""float8 KV quantisation (pulseinfer_jax/kv/quant.py): error bounds per granularity, zeros, outliers, shapes."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pulseinfer_jax.kv_quant import FP8, FP8_MAX, dequantize, quantize
+from pulseinfer_jax.kv.quant import FP8, FP8_MAX, dequantize, quantize
 
 
 def _kv(seed=0, shape=(3, 16, 2, 64)):
@@ -98,7 +98,7 @@ def test_the_fp8_bench_runs_on_a_real_checkpoint(tmp_path, hadamard):
 # ---- the cache's float8 storage: values + a bfloat16 scale per (token, head) in the block's scale rows ------------
 @pytest.mark.parametrize("bs,hd", [(16, 64), (16, 16), (4, 16), (8, 32)])  # one scale row, two, ...
 def test_packed_blocks_hold_values_and_scales_and_unpack_exactly(bs, hd):
-    from pulseinfer_jax import kv_quant as kq
+    from pulseinfer_jax.kv import quant as kq
 
     x = _kv(3, (3, bs, 2, hd))
     x[1] = 0.0  # an all-zero block: scale 1, zeros back
@@ -130,7 +130,7 @@ def test_packed_blocks_hold_values_and_scales_and_unpack_exactly(bs, hd):
 
 
 def test_extreme_magnitudes_saturate_without_nan():
-    from pulseinfer_jax import kv_quant as kq
+    from pulseinfer_jax.kv import quant as kq
 
     x = np.zeros((1, 4, 1, 16), np.float32)
     x[0, 0] = 1e-30
@@ -144,7 +144,7 @@ def test_extreme_magnitudes_saturate_without_nan():
 @pytest.mark.parametrize("hd", [16, 64, 128, 80])
 def test_rotation_is_orthonormal_and_its_own_inverse(hd):
     """The cache's basis: H symmetric with H H = I (80 = 5 x 16: Sylvester's 16 x 16 matrix along the diagonal)."""
-    from pulseinfer_jax import kv_quant as kq
+    from pulseinfer_jax.kv import quant as kq
 
     h = kq.hadamard(hd)
     np.testing.assert_array_equal(h, h.T)
@@ -159,7 +159,7 @@ def test_round_trip_error_is_the_stored_basis_error():
     """The rotation is orthonormal, so a token's error norm after rotating back is its error in the stored basis:
     within e4m3's half step (2^-4 relative for normals, 2^-10 scale at the bottom) of every stored element; an
     outlier channel 50x the others included."""
-    from pulseinfer_jax import kv_quant as kq
+    from pulseinfer_jax.kv import quant as kq
 
     x = _kv(6, (64, 2, 64))
     x[:32, :, 3] *= 50.0
@@ -172,7 +172,7 @@ def test_round_trip_error_is_the_stored_basis_error():
 def test_write_tokens_appends_without_touching_the_block():
     """A decode append writes one token's values and its scale's two bytes; the block's other tokens stay bit for
     bit, and the result is what packing the whole block at once gives."""
-    from pulseinfer_jax import kv_quant as kq
+    from pulseinfer_jax.kv import quant as kq
 
     bs, hd = 16, 16  # two scale rows: token 9's scale bytes 18, 19 sit in the second
     x = jnp.asarray(_kv(4, (bs, 2, hd)))
@@ -190,7 +190,7 @@ def test_write_tokens_appends_without_touching_the_block():
 
 
 def test_storage_geometry_and_refusals():
-    from pulseinfer_jax import kv_quant as kq
+    from pulseinfer_jax.kv import quant as kq
 
     assert kq.block_rows(16, 64, FP8) == 17 and kq.block_rows(16, 16, FP8) == 18
     assert kq.block_rows(16, 64, "bfloat16") == 16

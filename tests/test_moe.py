@@ -106,7 +106,7 @@ def test_engine_moe_strategies_generate_the_same_tokens():
     """EngineConfig.of(moe_strategy=...) reaches the model's expert layers; every strategy generates the same greedy
     tokens on the tiny Qwen3-MoE (prefill: 20 tokens at once, decode: 1 at a time)."""
     from pulseinfer_jax import EngineConfig, generate_long
-    from pulseinfer_jax.engine import Engine
+    from pulseinfer_jax.engine.core import Engine
 
     model = load_model(TINY / "qwen3_moe")
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, model.cfg.vocab_size, 20)]
@@ -246,7 +246,7 @@ def test_grouped_pallas_is_probed_on_a_gpu_and_falls_back_to_jnp(monkeypatch):
     from pulseinfer_jax.models import moe
 
     from pulseinfer_jax import EngineConfig
-    from pulseinfer_jax.engine import Engine
+    from pulseinfer_jax.engine.core import Engine
 
     assert moe.probe_grouped_kernel(jax.devices()[0], jnp.float32) is None  # interpret mode here
     monkeypatch.setattr(moe, "grouped_matmul", lambda *a, **k: (_ for _ in ()).throw(NotImplementedError("no")))

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import record_sampled_logits
-from pulseinfer_jax.host_offload.blocks import blocks_for
 
 from pulseinfer_jax import Engine, EngineConfig, SamplingParams, generate_long
-from pulseinfer_jax.kv_quant import unpack_blocks
-from pulseinfer_jax.sparse import BlockScoring
+from pulseinfer_jax.kv.blocks import blocks_for
+from pulseinfer_jax.kv.quant import unpack_blocks
+from pulseinfer_jax.selection.policy import BlockScoring
 
 BASE = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1)
 
@@ -162,14 +162,14 @@ def test_coalesced_one_copy_per_layer_and_step_fragmented_per_unit(tiny4):
 def test_eager_recall_queues_the_early_attention_on_every_layer(tiny4, monkeypatch):
     """recall="eager" dispatches the early attention on every sparse layer, before the plan is read; the default
     only on layers that recall something (the tail computes it otherwise). Same tokens, same recalls."""
-    from pulseinfer_jax import layer_ops
+    from pulseinfer_jax.runner import sparse_layer
 
     calls = {"attend": 0, "sparse_pre": 0}
     for name in calls:
-        def counted(*a, _fn=getattr(layer_ops, name), _name=name, **k):
+        def counted(*a, _fn=getattr(sparse_layer, name), _name=name, **k):
             calls[_name] += 1
             return _fn(*a, **k)
-        monkeypatch.setattr(layer_ops, name, counted)
+        monkeypatch.setattr(sparse_layer, name, counted)
     prompts = _prompts(tiny4.cfg.vocab_size)
     seen = {}
     for recall in ("interruptible", "eager"):
@@ -332,17 +332,17 @@ def test_block_scoring_config_reaches_both_scoring_paths(tiny4, monkeypatch, sco
     """EngineConfig's score_beta / score_per_query_head / score_sub_blocks are what the pipeline's block scoring
     uses (jnp reference and Pallas kernel alike: same tokens), with the metadata written per slice; stats say
     which scoring ran."""
-    from pulseinfer_jax import layer_ops
+    from pulseinfer_jax.runner import sparse_layer
 
     seen = []
-    real = layer_ops.block_scores_reference
+    real = sparse_layer.block_scores_reference
 
     def spy(q, meta_min, *a, **k):
         seen.append((k.get("beta"), k.get("per_head"), k.get("sub_blocks"), meta_min.shape[0] % k["sub_blocks"]))
         return real(q, meta_min, *a, **k)
 
-    monkeypatch.setattr(layer_ops, "block_scores_reference", spy)
-    layer_ops.sparse_pre.clear_cache()  # retrace: the spy sees every scoring this test compiles
+    monkeypatch.setattr(sparse_layer, "block_scores_reference", spy)
+    sparse_layer.sparse_pre.clear_cache()  # retrace: the spy sees every scoring this test compiles
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(37,))
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, selection=selection, **scoring)
     a = generate_long(prompts, tiny4, max_new_tokens=6, ignore_eos=True, engine_config=EngineConfig.of(**kw))
@@ -360,17 +360,17 @@ def test_block_scoring_config_reaches_both_scoring_paths(tiny4, monkeypatch, sco
 def test_kept_blocks_scored_only_for_solohead_softmax(tiny4, monkeypatch, kw, runs):
     """The sink / window blocks are scored (from the resident cache, at their GPU units) where SoloHead's softmax
     reads scores, and only when asked; stats say so."""
-    from pulseinfer_jax import layer_ops
+    from pulseinfer_jax.runner import sparse_layer
 
     seen = []
-    real = layer_ops.kept_block_scores
+    real = sparse_layer.kept_block_scores
 
     def spy(q, pool, units, lens, **k):
         seen.append(units.shape)
         return real(q, pool, units, lens, **k)
 
-    monkeypatch.setattr(layer_ops, "kept_block_scores", spy)
-    layer_ops.sparse_pre.clear_cache()
+    monkeypatch.setattr(sparse_layer, "kept_block_scores", spy)
+    sparse_layer.sparse_pre.clear_cache()
     cfg = EngineConfig.of(**BASE, mode="offload", budget_tokens=24, dense_layers=2, **kw)
     out = generate_long(_prompts(tiny4.cfg.vocab_size, lengths=(37,)), tiny4, max_new_tokens=4, ignore_eos=True,
                         engine_config=cfg)
@@ -403,14 +403,14 @@ def test_metadata_budgeted_as_allocated(tiny4, m, bounds, dtype):
     """The GPU budget reserves exactly the metadata the sparse decoder allocates (m rows per block with
     score_sub_blocks = m), in float8 (the default) or the KV dtype (score_bounds_dtype="kv"); the float8 rows
     bound the keys of their blocks."""
-    from pulseinfer_jax import offload
+    from pulseinfer_jax.sched import pools
 
     eng = Engine(tiny4, EngineConfig.of(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_sub_blocks=m,
                                      score_bounds_dtype=bounds))
     (req,) = _run_until_last_token(eng, _prompts(tiny4.cfg.vocab_size, lengths=(45,)), 4)
     assert eng.sparse.bounds.fine.lo.dtype == eng.sparse.bounds.fine.hi.dtype == jnp.dtype(dtype)
     itemsize = eng.sparse.bounds.fine.lo.dtype.itemsize
-    want = offload.metadata_bytes(eng.sparse.plan, eng.host_pool.num_rows, tiny4.cfg.head_dim, itemsize, m)
+    want = pools.metadata_bytes(eng.sparse.plan, eng.host_pool.num_rows, tiny4.cfg.head_dim, itemsize, m)
     assert eng.sparse.metadata_bytes == want
     assert eng.sparse.bounds.fine.lo.shape[0] == eng.sparse.plan.sparse_layers * eng.host_pool.num_rows * m
     # every middle block's rows bound its keys (read back from the host pool), slice by slice
@@ -434,17 +434,18 @@ def test_two_level_scoring_scores_kept_groups_only(tiny4, monkeypatch):
     blocks' bounds (exactly), a step scores the groups and then only the kept groups' blocks (the fine scoring call
     gets keep * group candidates, not every block), the GPU budget counts the group rows, and the Pallas kernels
     select the same tokens as the jnp reference."""
-    from pulseinfer_jax import layer_ops, offload
+    from pulseinfer_jax.runner import sparse_layer
+    from pulseinfer_jax.sched import pools
 
     widths = []
-    real = layer_ops.block_scores_reference
+    real = sparse_layer.block_scores_reference
 
     def spy(q, meta_min, meta_max, cand, **k):
         widths.append((meta_min.shape[0], cand.shape[1]))
         return real(q, meta_min, meta_max, cand, **k)
 
-    monkeypatch.setattr(layer_ops, "block_scores_reference", spy)
-    layer_ops.sparse_pre.clear_cache()
+    monkeypatch.setattr(sparse_layer, "block_scores_reference", spy)
+    sparse_layer.sparse_pre.clear_cache()
     f, prompts = 2, _prompts(tiny4.cfg.vocab_size, lengths=(61, 45))
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, score_coarse_group=f, score_coarse_keep=1.0)
     eng = Engine(tiny4, EngineConfig.of(**kw))
@@ -452,7 +453,7 @@ def test_two_level_scoring_scores_kept_groups_only(tiny4, monkeypatch):
     dec = eng.sparse
     rows, sl_n = eng.host_pool.num_rows, dec.plan.sparse_layers
     assert rows % f == 0 and dec.bounds.coarse.lo.shape[0] == sl_n * rows // f
-    want = offload.metadata_bytes(dec.plan, rows, tiny4.cfg.head_dim, dec.bounds.fine.lo.dtype.itemsize, 1, f)
+    want = pools.metadata_bytes(dec.plan, rows, tiny4.cfg.head_dim, dec.bounds.fine.lo.dtype.itemsize, 1, f)
     assert dec.metadata_bytes == want == 2 * (dec.bounds.fine.lo.nbytes + dec.bounds.coarse.lo.nbytes)
     lo, hi = (np.asarray(a.astype(jnp.float32)) for a in (dec.bounds.fine.lo, dec.bounds.fine.hi))
     clo, chi = (np.asarray(a.astype(jnp.float32)) for a in (dec.bounds.coarse.lo, dec.bounds.coarse.hi))

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pulseinfer_jax.sampling import SamplingParams, greedy_sample, sample
+from pulseinfer_jax.request import SamplingParams
+from pulseinfer_jax.runner.sampling import greedy_sample, sample
 
 
 def _sample_many(logits, temp, k, p, n=200, seed=0):

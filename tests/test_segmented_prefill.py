@@ -1,13 +1,13 @@
-"""Layer-segmented prefill of offloaded prompts (pulseinfer_jax/segmented_prefill.py): the KV it streams to the host is
+"""Layer-segmented prefill of offloaded prompts (runner/offloaded_prefill.py): the KV it streams to the host is
 what dense prefill writes, the GPU holds one layer of the prompt at a time, and decoding goes on while it runs."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pulseinfer_jax.host_offload.blocks import blocks_for
 
 from pulseinfer_jax import Engine, EngineConfig, SamplingParams, generate_long
-from pulseinfer_jax.scheduler import Status
+from pulseinfer_jax.kv.blocks import blocks_for
+from pulseinfer_jax.request import Status
 
 BASE = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1)
 OFFLOAD = dict(mode="offload", budget_tokens=24, dense_layers=2)

@@ -1,4 +1,4 @@
-"""Device-side slot-cache planning (pulseinfer_jax/slot_plan.py) against the numpy SlotTable (the reference): the
+"""Device-side slot-cache planning (selection/slot_plan.py) against the numpy SlotTable (the reference): the
 same slot for every wanted block, the same hits, the same keys, over random steps with evictions, ragged lanes,
 padding rows, requests of different capacities and rows reset for a new request."""
 
@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pulseinfer_jax.host_offload.slot_cache import SlotTable
 
-from pulseinfer_jax import slot_plan
-from pulseinfer_jax.slot_plan import SlotStep
+from pulseinfer_jax.selection import slot_plan
+from pulseinfer_jax.selection.slot_plan import SlotStep
+from pulseinfer_jax.selection.slot_table import SlotTable
 
 
 @pytest.mark.parametrize("lanes,capacity,keys", [(1, 6, 20), (3, 5, 14)])

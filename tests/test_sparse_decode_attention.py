@@ -17,8 +17,8 @@ from pulseinfer_jax.pallas_kernels.sparse_decode_attention import (
     sparse_decode_attention_reference,
 )
 
-from pulseinfer_jax import kv_quant
-from pulseinfer_jax.attention import paged_decode_attention
+from pulseinfer_jax.kv import quant as kv_quant
+from pulseinfer_jax.runner.paged_attention import paged_decode_attention
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 

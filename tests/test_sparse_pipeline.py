@@ -9,12 +9,7 @@ from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, updat
 from pulseinfer_jax.pallas_kernels.block_scoring import block_scores
 from pulseinfer_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
 
-from pulseinfer_jax.sparse import (
-    candidate_ids,
-    logical_to_physical,
-    select_blocks,
-    selected_block_lens,
-)
+from pulseinfer_jax.selection.policy import candidate_ids, logical_to_physical, select_blocks, selected_block_lens
 
 
 def _attend(q, k, v):

@@ -1,4 +1,4 @@
-"""Block selection policies (pulseinfer_jax.sparse) against a numpy reference and constructed cases."""
+"""Block selection policies (pulseinfer_jax.selection.policy) against a numpy reference and constructed cases."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, update_bounds
 from pulseinfer_jax.pallas_kernels.block_scoring import block_scores
 
-from pulseinfer_jax.sparse import (
+from pulseinfer_jax.selection.policy import (
     block_attention_mass,
     bucket_budget,
     calibrate_retrieval_head,
@@ -237,7 +237,7 @@ def test_scores_to_selection_finds_the_needle():
 
 def test_normalized_sum_is_a_softmax_over_each_heads_valid_blocks():
     """The SoloHead key: per head, softmax(score * scale) over the sequence's blocks (padding excluded)."""
-    from pulseinfer_jax.sparse import _softmax_over_valid
+    from pulseinfer_jax.selection.policy import _softmax_over_valid
 
     rng = np.random.default_rng(4)
     s = rng.standard_normal((2, 3, 10)).astype(np.float32) * 5
@@ -306,14 +306,14 @@ def test_top_groups_keeps_the_largest_summed_shares():
 
 @pytest.mark.parametrize("kernel", ["reference", "pallas"])
 def testtwo_level_scores_equal_plain_scores_on_kept_groups(kernel):
-    """`layer_ops.two_level_scores`: inside the kept groups every block's score is the plain scorer's (bit for bit),
+    """`sparse_layer.two_level_scores`: inside the kept groups every block's score is the plain scorer's (bit for bit),
     outside it is -inf; the kept groups are `top_groups` of the groups' scores from the min / max of their blocks'
     bounds; keeping every group reproduces plain scoring. Shuffled metadata rows, NaN-poisoned unused rows, -1
     candidates (no metadata) and a group with none."""
     from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference
 
-    from pulseinfer_jax.layer_ops import two_level_scores
-    from pulseinfer_jax.sparse import BlockScoring
+    from pulseinfer_jax.runner.sparse_layer import two_level_scores
+    from pulseinfer_jax.selection.policy import BlockScoring
 
     fn = block_scores if kernel == "pallas" else block_scores_reference
     rng = np.random.default_rng(3)

@@ -5,11 +5,11 @@ import jax
 import numpy as np
 import pytest
 from conftest import TINY, record_sampled_logits
+from pulseinfer_jax.models.sharding import check_sharded, kv_repeat
 
 from pulseinfer_jax import Engine, EngineConfig, generate_long
 from pulseinfer_jax.api import load_for_engine
 from pulseinfer_jax.parallel.layout import TP, DeviceLayout
-from pulseinfer_jax.parallel.weights import check_sharded, kv_repeat
 
 BASE = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32)
 OFFLOAD = dict(mode="offload", window_tokens=8, sink_blocks=1, dense_layers=1)
@@ -171,8 +171,7 @@ def test_weights_load_into_their_shards_bit_for_bit(monkeypatch, layout):
     """A checkpoint loads straight into its shards, in either layout, with the single device's values (KV heads
     repeated where devices outnumber them); a stacked weight is built one device's shard at a time on the host."""
     from pulseinfer_jax.models.loading import load_model
-
-    from pulseinfer_jax.parallel.weights import repeat_kv_heads
+    from pulseinfer_jax.models.sharding import repeat_kv_heads
 
     built = []
     real = jax.make_array_from_callback

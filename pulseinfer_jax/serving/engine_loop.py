@@ -20,9 +20,9 @@ import time
 import traceback
 from typing import Any
 
-from pulseinfer_jax.api import TextTracker, encode_prompt
-from pulseinfer_jax.engine import Engine
-from pulseinfer_jax.scheduler import Request, Status
+from pulseinfer_jax.engine.core import Engine
+from pulseinfer_jax.engine.text import TextTracker, encode_prompt
+from pulseinfer_jax.request import Request, Status
 from pulseinfer_jax.serving.metrics import ServerMetrics
 from pulseinfer_jax.serving.protocol import ApiError, Job
 

@@ -18,10 +18,10 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from pulseinfer_jax.api import check_prompts
 from pulseinfer_jax.config import EngineConfig
+from pulseinfer_jax.engine.text import check_prompts
 from pulseinfer_jax.options import flat_names, flatten
-from pulseinfer_jax.sampling import SamplingParams
+from pulseinfer_jax.request import SamplingParams
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options",
           "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "user", "ignore_eos"}

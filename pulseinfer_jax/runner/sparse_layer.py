@@ -1,0 +1,308 @@
+"""Jitted per-layer device steps of the sparse decode pipeline (see sparse_decoder.py for the schedule).
+
+Blocks of the GPU cache `kv: [L, NB, 2, bs, Hkv, hd]` are named by flat *units* `u = layer * NB + block`
+(one block of one layer), so one call can touch blocks of any layer mix (dense-layer packs, see
+host_offload/placement.py) without slicing a layer out of the cache: reads go through the flat view
+`[L * NB, 2, bs, Hkv, hd]` (a free reshape), writes index `(u // NB, u % NB)` of the 6-D cache (see
+`_unit_index`). Functions that write the cache donate it (in-place updates).
+
+The model is a static argument (a frozen, hashable `Transformer`); a layer's weights come in as their own
+pytree `lp` (one layer, unstacked; every layer has the same structure, so each function compiles once for all
+layers, per bucketed shape). Slicing a layer out of the stacked weights inside the call would copy it every
+call (measured on CPU: a layer's MLP block 0.31 ms with its own weights, 0.89 ms slicing them). `attention`
+picks the attention implementation: "pallas" (the sparse decode kernel; Pallas interpret mode off-GPU) or
+"jnp" (its plain-jnp reference). Scoring follows the same switch (`block_scores` kernel or its reference).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pulseinfer_jax.kv.quant import tokens_per_block, write_tokens
+from pulseinfer_jax.models.rope import rope_tables
+from pulseinfer_jax.models.transformer import Transformer
+from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, update_bounds
+from pulseinfer_jax.pallas_kernels.block_scoring import block_scores, block_scores_reference, default_scale
+from pulseinfer_jax.pallas_kernels.merge import merge_attention_partials
+from pulseinfer_jax.pallas_kernels.sparse_decode_attention import (
+    sparse_decode_attention,
+    sparse_decode_attention_reference,
+)
+from pulseinfer_jax.parallel import kernels as tp_kernels
+from pulseinfer_jax.runner.sparse_inputs import KeyBounds, ScoringBounds, SelectSpec, SparseLayerRefs, SparseRows
+from pulseinfer_jax.selection import slot_plan
+from pulseinfer_jax.selection.kept_blocks import kept_block_scores, kept_lens, with_kept_scores
+from pulseinfer_jax.selection.policy import BlockScoring, resident_mask, select_blocks, top_groups
+from pulseinfer_jax.selection.slot_plan import LayerPlan, SlotStep
+
+Partial = tuple[Array, Array, Array]  # (o [B, Hq, hd], m [B, Hq] f32, l [B, Hq] f32), see pallas_kernels/merge.py
+
+
+def _flat(kv: Array) -> Array:
+    return kv.reshape(kv.shape[0] * kv.shape[1], *kv.shape[2:])
+
+
+def _attend(attention: str, q: Array, kv: Array, ids: Array, lens: Array) -> Partial:
+    if attention == "pallas":  # (per device on its heads under tensor parallelism)
+        return tp_kernels.decode_attention(sparse_decode_attention, q, _flat(kv), ids, lens)
+    return sparse_decode_attention_reference(q, _flat(kv), ids, lens)
+
+
+def _unit_index(kv: Array, units: Array) -> tuple[Array, Array]:
+    """Flat units -> (layer, block) indices into the 6-D cache. Writes index the cache this way: a scatter
+    into the reshaped flat view makes XLA:CPU copy the whole (donated) cache (measured: 82 ms vs 0.4 ms)."""
+    return units // kv.shape[1], units % kv.shape[1]
+
+
+def _qkv_and_write(model: Transformer, lp: dict, kv: Array, x: Array, positions: Array,
+                   write_unit: Array) -> tuple[Array, Array]:
+    """Project one layer (weights `lp`), write each row's new K/V at flat unit `write_unit[b]`, slot
+    positions % bs."""
+    cos, sin = rope_tables(model.cfg, positions[:, None])
+    q, k, v = model.layer_qkv(lp, x, cos, sin)  # [B, 1, H, hd]
+    li, bi = _unit_index(kv, write_unit)
+    kv = write_tokens(kv, li, bi, positions % tokens_per_block(kv), k[:, 0], v[:, 0])  # (float8: quantised here)
+    return kv, q[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def embed(model: Transformer, params: dict, tokens: Int[Array, " B"]) -> Float[Array, "B 1 D"]:
+    return model.embed(params, tokens[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def logits(model: Transformer, params: dict, x: Float[Array, "B 1 D"]) -> Float[Array, "B V"]:
+    return model.logits(params, x[:, 0])
+
+
+@functools.partial(jax.jit, static_argnames=("model", "attention"), donate_argnames=("kv",))
+def dense_layer(
+    model: Transformer,
+    lp: dict,
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
+    x: Float[Array, "B 1 D"],
+    positions: Int[Array, " B"],
+    write_unit: Int[Array, " B"],
+    ids: Int[Array, "B 1 K"],
+    lens: Int[Array, "B 1 K"],
+    *,
+    attention: str,
+) -> tuple[Array, Float[Array, "B 1 D"]]:
+    """A whole dense layer: write the new token, attend over every listed unit (all of the sequence), MLP."""
+    kv, q = _qkv_and_write(model, lp, kv, x, positions, write_unit)
+    o, _, _ = _attend(attention, q, kv, ids, lens)
+    return kv, model.layer_finish(lp, x, o[:, None])
+
+
+def two_level_scores(score_fn, q, meta_min, meta_max, cand, cmeta_min, cmeta_max, cand_groups, *, keep: int,
+                      scoring: BlockScoring, per_head: bool, scale: float) -> Float[Array, "B S K"]:
+    """Two-level scoring (BlockScoring.coarse_group): score the groups from their bounds (`cand_groups`: metadata row
+    of each sequence's group of blocks, -1 = no scored block), keep the best `keep` (`policy.top_groups`), score only
+    their blocks (`cand`: metadata row of each logical block, -1 = none) and return every candidate's score, -inf
+    for the blocks of the groups not kept: [B, S, K]. Reads KG + keep * group metadata rows instead of K."""
+    f = scoring.coarse_group
+    b, k = cand.shape
+    coarse = score_fn(q, cmeta_min, cmeta_max, cand_groups, per_head=per_head, beta=scoring.beta, sub_blocks=1,
+                      scale=scale)  # [B, S, KG]
+    groups = top_groups(coarse, keep, scale)  # [B, keep]
+    logical = jnp.where(groups[:, :, None] >= 0, groups[:, :, None] * f + jnp.arange(f), -1).reshape(b, -1)
+    inside = (logical >= 0) & (logical < k)
+    rows = jnp.where(inside, jnp.take_along_axis(cand, jnp.clip(logical, 0, k - 1), axis=1), -1)  # [B, keep * f]
+    fine = score_fn(q, meta_min, meta_max, rows, per_head=per_head, beta=scoring.beta, sub_blocks=scoring.sub_blocks,
+                    scale=scale)  # [B, S, keep * f]
+    target = jnp.where(rows >= 0, logical, k)  # the other entries land in a dropped column
+    out = jnp.full((b, fine.shape[1], k + 1), -jnp.inf, jnp.float32)
+    out = out.at[jnp.arange(b)[:, None, None], jnp.arange(fine.shape[1])[None, :, None], target[:, None, :]].set(
+        fine.astype(jnp.float32))
+    return out[:, :, :k]
+
+
+@functools.partial(jax.jit, static_argnames=("model", "spec"), donate_argnames=("kv", "slot_state"))
+def sparse_pre(
+    model: Transformer,
+    lp: dict,
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
+    x: Float[Array, "B 1 D"],
+    bounds: ScoringBounds,
+    slot_state: tuple[Int[Array, "SL R S C"], Int[Array, "SL R S C"]],
+    rows: SparseRows,
+    step: SlotStep,
+    layer: SparseLayerRefs,
+    *,
+    spec: SelectSpec,
+) -> tuple[Array, Float[Array, "B Hq hd"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
+    """A sparse layer up to attention: write the new token into its window block (GPU block `rows.newest`, -1 for a
+    padding row: the null block), score every candidate block from its key bounds (metadata rows
+    `layer.meta_offset + rows.candidates.rows`, -1 = none; `scoring.sub_blocks` rows each) and, where the variant
+    scores them (`spec.scores_kept`), the always-kept blocks `rows.kept` from their resident keys
+    (selection/kept_blocks.py),
+    and select. GPU block g of this layer is flat unit `layer.unit_offset + g` (layer * NB + g); `rows` and `step` are
+    the same for every layer of a step, only `layer` (device scalars) changes. Where `spec.favours_resident`, the
+    logical blocks in this layer's slot caches (the slot state `(stamp, key)` of sparse layer `layer.index`, rows
+    `step.rows`, see slot_plan.py) get the resident-block bonus. Then the slot-cache plan of the selection
+    (`slot_plan.layer_plan`, `spec.plan_mode`), which updates the slot state. With `spec.override` (the throughput
+    bench's replayed selections), the middle blocks selected are `step.override[layer.index]` ([B, S, M], -1 padded)
+    instead of the scorer's; sinks and window stay the scorer's.
+    With `spec.coarse` > 0 (two-level scoring, `BlockScoring.coarse_group`) the groups are scored first from their
+    bounds (coarse rows `layer.coarse_offset + rows.candidates.groups`, -1 = none) and only the best `spec.coarse`
+    groups' blocks from their own (`two_level_scores`); else the coarse inputs are not read.
+
+    Returns (kv, q, slot state, the layer's plan (slot_plan.layer_plan), selected logical blocks [B, S, budget]
+    sorted, -1 padded; see policy.select_blocks)."""
+    scoring, cands = spec.scoring, rows.candidates
+    write_unit = jnp.where(rows.newest >= 0, layer.unit_offset + rows.newest, 0)
+    kv, q = _qkv_and_write(model, lp, kv, x, rows.positions, write_unit)
+    cand = jnp.where(cands.rows >= 0, cands.rows + layer.meta_offset, -1)
+    pallas = spec.attention == "pallas"
+    score_fn = functools.partial(tp_kernels.block_scores, block_scores) if pallas else block_scores_reference
+    per_head = spec.per_head
+    c = model.cfg
+    scale = default_scale(c.head_dim, c.group_size, per_head)
+    fine = bounds.fine
+    if spec.coarse:
+        groups = jnp.where(cands.groups >= 0, cands.groups + layer.coarse_offset, -1)
+        scores = two_level_scores(score_fn, q, fine.lo, fine.hi, cand, bounds.coarse.lo, bounds.coarse.hi, groups,
+                                  keep=spec.coarse, scoring=scoring, per_head=per_head,
+                                  scale=scale)  # [B, Hq or Hkv, K]
+    else:
+        scores = score_fn(q, fine.lo, fine.hi, cand, per_head=per_head, beta=scoring.beta,
+                          sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, K]
+    if spec.scores_kept:
+        kept = rows.kept
+        lens = kept_lens(kept.logical, rows.positions, tokens_per_block(kv))
+        kept_units = jnp.where(kept.gpu >= 0, layer.unit_offset + kept.gpu, -1)
+        kept_s = kept_block_scores(q, _flat(kv), kept_units, lens, per_head=per_head, beta=scoring.beta,
+                                   sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, KK]
+        scores = with_kept_scores(scores, kept_s, kept.logical)
+    stamp, key = slot_state
+    resident = None
+    if spec.favours_resident:
+        resident = resident_mask(key[layer.index, step.rows, 0], scores.shape[2])  # [B, C] -> [B, K]
+    sel = select_blocks(scores, cands.num_blocks, budget_blocks=spec.budget, sink_blocks=spec.sink,
+                        window_blocks=spec.window, mode=spec.mode, solohead=spec.solohead,
+                        retrieval_head=layer.retrieval_head, score_scale=scale, resident=resident,
+                        resident_bonus=scoring.resident_bonus)
+    if spec.override:
+        sel = _with_middle(sel, jax.lax.dynamic_index_in_dim(step.override, layer.index, 0, keepdims=False),
+                           cands.num_blocks, spec.sink, spec.window)
+    stamp, key, plan = slot_plan.layer_plan(stamp, key, layer.index, sel, step, layer.unit_offset,
+                                            block_size=tokens_per_block(kv), sink=spec.sink, window=spec.window,
+                                            mode=spec.plan_mode)
+    return kv, q, (stamp, key), plan, sel
+
+
+def _with_middle(sel: Int[Array, "B S N"], middle: Int[Array, "B S M"], num_blocks: Int[Array, " B"], sink: int,
+                 window: int) -> Int[Array, "B S N"]:
+    """`sel`'s sinks and window with the middle blocks `middle` (-1 padded) instead of its own, sorted."""
+    n = num_blocks[:, None, None]
+    fixed = jnp.where((sel >= 0) & ((sel < sink) | (sel >= n - window)), sel, -1)
+    both = jnp.concatenate([fixed, middle.astype(sel.dtype)], axis=-1)
+    both = jnp.sort(jnp.where(both >= 0, both, jnp.iinfo(jnp.int32).max), axis=-1)[..., : sel.shape[-1]]
+    return jnp.where(both == jnp.iinfo(jnp.int32).max, -1, both).astype(sel.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("attention",))
+def attend(
+    q: Float[Array, "B Hq hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
+    entries: tuple[Int[Array, "B S K"], Int[Array, "B S K"]],
+    *,
+    attention: str,
+) -> Partial:
+    """Partial attention (o, m, l) over the listed flat units: `entries` = (unit ids (-1 = padding), valid tokens),
+    a list of a layer's plan (slot_plan.layer_plan)."""
+    return _attend(attention, q, kv, entries[0], entries[1])
+
+
+@functools.partial(jax.jit, static_argnames=("model", "attention", "width", "fan"), donate_argnames=("kv",))
+def land_attend_finish(
+    model: Transformer,
+    lp: dict,
+    x: Float[Array, "B 1 D"],
+    q: Float[Array, "B Hq hd"],
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
+    layer: Int[Array, ""],
+    plan: LayerPlan,
+    staging: Float[Array, "n 2 bs Hkv hd"] | Float[Array, "n 2 bs hd"] | None,
+    early: Partial | None,
+    *,
+    attention: str,
+    width: int,
+    fan: int = 1,
+) -> tuple[Array, Float[Array, "B 1 D"]]:
+    """The rest of a sparse layer, in one call, from its plan (`slot_plan.layer_plan`, on the device): land the
+    recall `staging` (if given) in its slots of `layer`, attend over the late entries (the misses, the first `width`
+    of each lane; `width` 0: none) merged with the early partial through the softmax residuals, then o-proj and MLP.
+    `early` is the partial over the early entries (resident blocks and hits) computed while the recall was in
+    flight, or None: then it is computed here (synchronous recall, or nothing to recall).
+
+    `staging` holds whole blocks [n, 2, bs, Hkv, hd] (SoloHead, coalesced), or (block, head) units [n, 2, bs, hd]:
+    unit i is miss i // `fan`, head i % `fan` (SoloHead, fragmented: fan = Hkv) or the miss's lane (headwise,
+    fan = 1). Rows past the misses are padding: they land in the null block 0. Returns (kv, x)."""
+    if staging is not None:
+        n = staging.shape[0]
+        entry = jnp.arange(n) // fan
+        real = entry < plan.count
+        entry = jnp.minimum(entry, plan.recall.shape[1] - 1)
+        blocks = jnp.where(real, plan.recall[0, entry], 0)
+        if staging.ndim == 5:
+            kv = kv.at[layer, blocks].set(staging.astype(kv.dtype))
+        else:
+            heads = jnp.arange(n) % fan if fan > 1 else plan.recall[1, entry]
+            kv = kv.at[layer, blocks, :, :, jnp.where(real, heads, 0)].set(staging.astype(kv.dtype))
+    if early is None:
+        early = _attend(attention, q, kv, plan.early[0], plan.early[1])
+    parts = [early]
+    if width:
+        ids, lens = (a[..., :width] for a in plan.late)
+        parts.append(_attend(attention, q, kv, ids, lens))
+    o = parts[0][0] if len(parts) == 1 else merge_attention_partials(parts)[0]
+    return kv, model.layer_finish(lp, x, o[:, None])
+
+
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def copy_units(kv: Float[Array, "L NB 2 rows Hkv hd"], src: Int[Array, " n"], dst: Int[Array, " n"]) -> Array:
+    """Flat unit copy kv[dst[i]] = kv[src[i]] (padding: src = dst = 0, the null block of layer 0)."""
+    return kv.at[_unit_index(kv, dst)].set(kv[_unit_index(kv, src)])
+
+
+@functools.partial(jax.jit, static_argnames=("sub_blocks",), donate_argnames=("bounds",))
+def refresh_meta(
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
+    bounds: KeyBounds,
+    units: Int[Array, " n"],
+    lens: Int[Array, " n"],
+    rows: Int[Array, " n"],
+    *,
+    sub_blocks: int = 1,
+) -> KeyBounds:
+    """Key bounds of flat units `units` (first `lens` tokens) into metadata blocks `rows` (-1 = skip): block r
+    owns rows r * sub_blocks + j, one per token slice j."""
+    kmin, kmax = block_key_bounds(_flat(kv), units, lens, sub_blocks=sub_blocks)  # [n * m, Hkv, hd]
+    m = sub_blocks
+    dst = jnp.where(rows[:, None] >= 0, rows[:, None] * m + jnp.arange(m), -1).reshape(-1)
+    return KeyBounds(*update_bounds(bounds.lo, bounds.hi, dst, kmin, kmax))
+
+
+@functools.partial(jax.jit, static_argnames=("sub_blocks",), donate_argnames=("coarse",))
+def refresh_coarse(
+    fine: KeyBounds,
+    coarse: KeyBounds,
+    members: Int[Array, "n F"],
+    rows: Int[Array, " n"],
+    *,
+    sub_blocks: int = 1,
+) -> KeyBounds:
+    """Two-level scoring's group bounds: coarse row `rows[i]` (-1 = skip) = the element-wise min / max over the
+    metadata blocks `members[i]` (-1 = not a member; `sub_blocks` rows each) of their bounds. Exact: the min / max of
+    values stored in the metadata dtype is one of them."""
+    m = sub_blocks
+    idx = jnp.where(members >= 0, members, 0)[:, :, None] * m + jnp.arange(m)  # [n, F, m]
+    member = (members >= 0)[:, :, None, None, None]
+    lo = jnp.where(member, fine.lo[idx].astype(jnp.float32), jnp.inf).min(axis=(1, 2))  # [n, Hkv, hd]
+    hi = jnp.where(member, fine.hi[idx].astype(jnp.float32), -jnp.inf).max(axis=(1, 2))
+    return KeyBounds(*update_bounds(coarse.lo, coarse.hi, rows, lo, hi))

@@ -1,0 +1,192 @@
+"""Slot-cache planning on the device: the `SlotTable` contract (selection/slot_table.py, the numpy reference)
+in jnp, fused into a sparse layer's selection call (`sparse_layer.sparse_pre`).
+
+Why on the device: a decode step plans every sparse layer of every request. Done on the host (numpy over the
+micro-batch) it costs a few hundred microseconds per layer in fixed per-call overhead (`bench/host_overhead.py`),
+which on a GPU sits between the layer's selection and its attention; here it is a few small fused ops, and the
+host only reads back what it must act on: the recall list (host rows to gather) and per-request counts.
+
+State (one array pair for every sparse layer, table row = request, lane = KV head for headwise, 0 for SoloHead):
+    stamp [SL, R, S, C] int32  recency rank of each slot, 0 = next victim; free slots rank lowest, in slot order
+    key   [SL, R, S, C] int32  logical block held by each slot, -1 = free
+Ranks are recomputed every plan (no clock to overflow): the slots neither hit nor filled keep their order, then
+come this step's hits (in selection order), then its misses (in selection order), exactly the reference's order.
+Slots at or past a request's capacity are never victims.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Int
+
+IntArray = Array | np.ndarray
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotStep:
+    """A step's inputs to every sparse layer's plan (host-built: `sparse_inputs.slot_step_inputs`), per batch row."""
+
+    rows: Int[IntArray, " B"]  # slot-table row of each batch row (padding rows: the table's last row)
+    capacity: Int[IntArray, " B"]  # its slot-cache size
+    gpu: Int[IntArray, "B K"]  # GPU block of each resident logical block, -1 = not resident
+    host: Int[IntArray, "B K"]  # host row of each logical block
+    slots: Int[IntArray, "B C"]  # GPU block of each slot
+    lengths: Int[IntArray, " B"]  # tokens (0 for padding rows)
+    # the middle blocks a replayed trace selects instead of the scorer ([sparse layers, B, lanes, M], -1 padded)
+    override: Int[IntArray, "SL B S M"] | None = None
+
+    def on(self, device: jax.Device | jax.sharding.Sharding) -> SlotStep:
+        return jax.tree.map(lambda a: jax.device_put(a, device), self)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """A sparse layer's slot-cache plan (`layer_plan`): its attention entry lists and its recall list."""
+
+    early: tuple[Int[Array, "B S N"], Int[Array, "B S N"]]  # (units, valid tokens) of resident blocks and hits
+    late: tuple[Int[Array, "B S N"], Int[Array, "B S N"]]  # the same for the misses (recalled into their slots)
+    recall: Int[Array, "3 P"]  # slot block, lane and host row of each miss, zero past the count
+    count: Int[Array, ""]  # the misses
+    info: Int[Array, " I"]  # what the host reads, in one copy: [count, hits [B], misses [B], host rows [P], lanes [P]]
+
+
+def init_state(sparse_layers: int, table_rows: int, lanes: int, capacity: int) -> tuple[Array, Array]:
+    """Every slot of every row free: (stamp, key)."""
+    shape = (sparse_layers, table_rows, lanes, capacity)
+    return (jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), shape), jnp.full(shape, -1, jnp.int32))
+
+
+@jax.jit
+def reset_rows(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"],
+               rows: Int[Array, " n"]) -> tuple[Array, Array]:
+    """Free every slot of table rows `rows` (a new request; out-of-range entries are padding)."""
+    c = stamp.shape[-1]
+    stamp = stamp.at[:, rows].set(jnp.arange(c, dtype=jnp.int32), mode="drop")
+    return stamp, key.at[:, rows].set(-1, mode="drop")
+
+
+def _rank(values: Int[Array, "... C"], among: Bool[Array, "... C"] | None = None) -> Int[Array, "... C"]:
+    """Per entry, how many entries of its row (those in `among`, default all) hold a smaller value: its position in
+    the row sorted ascending where the values are distinct. Compare-and-count: one fused reduction on a GPU where a
+    sort is several kernels (C is a slot cache or a selection, a few hundred at most)."""
+    less = values[..., None, :] < values[..., :, None]  # [..., i, j]: value j < value i
+    if among is not None:
+        less = less & among[..., None, :]
+    return less.sum(axis=-1, dtype=jnp.int32)
+
+
+def _place(dest: Int[Array, "... N"], values: Int[Array, "... N"], size: int, fill: int) -> Int[Array, "... P"]:
+    """out[..., p] = values[..., i] for the entry i with dest[..., i] == p (dests distinct; others ignored), `fill`
+    where no entry lands: a scatter written as one fused select-and-reduce (`values` >= fill)."""
+    at = dest[..., None, :] == jnp.arange(size)[:, None]  # [..., p, i]
+    return jnp.max(jnp.where(at, values[..., None, :], fill), axis=-1, initial=fill)
+
+
+def plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer: Int[Array, ""], rows: Int[Array, " B"],
+         capacity: Int[Array, " B"], wanted: Int[Array, "B S N"]
+         ) -> tuple[Array, Array, Int[Array, "B S N"], Bool[Array, "B S N"]]:
+    """Sparse layer `layer`'s plan for the requests in table rows `rows` (each row at most once; padding rows must
+    name a row no real request uses and want nothing): `wanted` are the middle blocks each lane needs (distinct,
+    -1 = none; at most `capacity` per lane, which the caller guarantees: the selection's middle part never exceeds
+    it). Returns (stamp, key, slot of each wanted block (-1 for none), hit), the state updated in place (one gather
+    and one scatter of the rows). Misses are the wanted blocks that are not hits; each took the slot returned for
+    it. Written with compare-and-count reductions instead of sorts and scatters (a dozen small kernels fewer per
+    sparse layer on a GPU); the slot stamps of a lane are a permutation of 0..C-1, which makes every rank exact."""
+    c = stamp.shape[-1]
+    st, ky = stamp[layer, rows], key[layer, rows]  # [B, S, C]
+    valid = wanted >= 0
+    eq = (wanted[..., :, None] == ky[..., None, :]) & valid[..., None]  # [B, S, N, C]
+    hit = eq.any(axis=-1)
+    pos = jnp.argmax(eq, axis=-1).astype(jnp.int32)
+    miss = valid & ~hit
+    held = eq.any(axis=-2)  # [B, S, C] slots hit now
+    # victims: the free slots (neither hit now nor past the capacity) by rank, the i-th miss takes the i-th
+    free = ~held & (jnp.arange(c) < capacity[:, None, None])
+    free_rank = _rank(st, free)
+    rank = jnp.cumsum(miss, axis=-1, dtype=jnp.int32) - 1
+    takes = miss[..., :, None] & free[..., None, :] & (free_rank[..., None, :] == rank[..., :, None])  # [B, S, N, C]
+    victim = jnp.argmax(takes, axis=-1).astype(jnp.int32)
+    slot = jnp.where(hit, pos, jnp.where(miss, victim, -1))
+    # per slot, what lands in it (each slot is hit or filled by at most one wanted block): its new key and a value
+    # whose rank is its new stamp. Untouched slots keep their order below this step's hits, then its misses (hits
+    # and misses in selection order; all values distinct)
+    hit_rank = jnp.cumsum(hit, axis=-1, dtype=jnp.int32) - 1
+    new_key = jnp.max(jnp.where(takes, wanted[..., :, None], -1), axis=-2)  # [B, S, C], -1 = not filled
+    order = jnp.max(jnp.where(takes, 2 * c + rank[..., :, None], jnp.where(eq, c + hit_rank[..., :, None], -1)),
+                    axis=-2)
+    new_ky = jnp.where(new_key >= 0, new_key, ky)
+    comp = jnp.where(order >= 0, order, st)
+    new_st = _rank(comp)
+    return stamp.at[layer, rows].set(new_st), key.at[layer, rows].set(new_ky), slot, hit
+
+
+def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer: Int[Array, ""],
+               sel: Int[Array, "B S N"], step: SlotStep, unit_offset: Int[Array, ""], *, block_size: int,
+               sink: int, window: int, mode: str) -> tuple[Array, Array, LayerPlan]:
+    """Sparse layer `layer`'s selection -> its slot-cache plan, attention entries and recall list, on the device.
+
+    `sel`: the selected logical blocks per row and lane (-1 = none); `step`: the step's `SlotStep` (the same for every
+    layer of a step). GPU block g of this layer is flat unit `unit_offset + g`.
+    mode: "recall" (offloaded: every selected block that is not resident is looked up in the slot cache, misses
+    are recalled), "bookkeep" (every block resident; the slot caches still track what "recall" would hold, for the
+    resident-block bonus), "none" (every block resident, no slot caches).
+
+    Returns (stamp, key, `LayerPlan`): the entry lists in selection order, padded with (-1, 0); the recall list in
+    row / lane / selection order (P = a power of two >= B*S*N); the host's part packed in one int32 vector, read in
+    one copy (unpacked by `sparse_decoder.PlanInfo`).
+    """
+    b, s, n = sel.shape
+    valid = sel >= 0
+    safe = jnp.clip(sel, 0, step.gpu.shape[1] - 1)
+    ri = jnp.arange(b)[:, None, None]
+    gpu = step.gpu[ri, safe]
+    resident = valid & (gpu >= 0)
+    lengths = step.lengths[:, None, None]
+    if mode == "none":
+        hit = miss = jnp.zeros_like(valid)
+        slot = jnp.full(sel.shape, -1, jnp.int32)
+    else:
+        if mode == "recall":
+            wanted = valid & ~resident
+        else:  # bookkeep: the blocks "recall" would look up (neither sink nor window)
+            nblk = -(-lengths // block_size)
+            wanted = valid & (sel >= sink) & (sel < nblk - window)
+        stamp, key, slot, hit = plan(stamp, key, layer, step.rows, step.capacity, jnp.where(wanted, sel, -1))
+        if mode == "bookkeep":
+            hit = jnp.zeros_like(valid)
+        miss = wanted & ~hit if mode == "recall" else jnp.zeros_like(valid)
+    slot_block = step.slots[ri, jnp.clip(slot, 0, step.slots.shape[1] - 1)]
+    units = jnp.where(resident, unit_offset + gpu, unit_offset + slot_block)
+    lens = jnp.where(resident, jnp.clip(lengths - sel * block_size, 0, block_size), block_size)
+    # early = resident + hits (resident first, then hits), late = misses; both in selection order, compacted to the
+    # front: each entry's place is its rank among the entries taken (one [2, B, S, N] pass for both lists)
+    pos = jnp.arange(n)
+    early = resident | hit
+    take = jnp.stack([early, miss])
+    order = jnp.stack([jnp.where(resident, 0, n) + pos, jnp.broadcast_to(pos, sel.shape)])
+    dest = jnp.where(take, _rank(order, take), n)
+    entries = jnp.stack([_place(dest, jnp.broadcast_to(units, take.shape), n, -1),
+                         _place(dest, jnp.broadcast_to(lens, take.shape), n, 0)], axis=1)  # [2 lists, 2, B, S, N]
+    # the recall list: misses in row / lane / selection order, one scatter of (slot block, lane, host row)
+    p = 1 << max(0, (b * s * n - 1).bit_length())
+    flat = miss.reshape(-1)
+    at = jnp.where(flat, jnp.cumsum(flat) - 1, p)  # index p: dropped
+    host = step.host[ri, safe]
+    lane_ids = jnp.broadcast_to(jnp.arange(s)[None, :, None], sel.shape)
+    cols = jnp.stack([slot_block, lane_ids, host]).reshape(3, -1).astype(jnp.int32)
+    recall = jnp.zeros((3, p), jnp.int32).at[:, at].set(cols, mode="drop")
+    count = flat.sum().astype(jnp.int32)
+    misses_row = miss.sum(axis=(1, 2)).astype(jnp.int32)
+    hits_row = hit.sum(axis=(1, 2)).astype(jnp.int32)
+    info = jnp.concatenate([count[None], hits_row, misses_row, recall[2], recall[1]])
+    # each list as its own (units, valid tokens) arrays: the attention kernel takes them as separate operands (a
+    # stacked [2, ...] array would be sliced into copies by every consumer)
+    early_list = (entries[0, 0], entries[0, 1])
+    late_list = (entries[1, 0], entries[1, 1])
+    return stamp, key, LayerPlan(early_list, late_list, recall, count, info)
