@@ -52,7 +52,7 @@ def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extr
     # float8 KV: the scan and layer-wise programs' last-bit differences in K / V can move a float8 rounding (2^-4
     # of a value), hence 1e-3
     assert worst <= (1e-3 if kv else 1e-5) * scale, (worst, scale)
-    # (an offloaded prompt prefills layer by layer: bit for bit the layer-wise dense prefill, test_segmented_prefill.py;
+    # (an offloaded prompt prefills layer by layer: bit for bit the layer-wise dense prefill, test_offloaded_prefill.py;
     # the scan engines here compile all layers as one program, whose rounding may differ in the last bits)
     for r in off:
         s = r.stats

@@ -22,7 +22,7 @@ in the model dtype) and one chunk's working set. Dense prefill of the same promp
 
 **Arithmetic.** Each (layer, chunk) piece runs `dense.prefill_layer_units`, the layer-wise dense prefill's layer
 (`dense.prefill_step_layerwise`) with unit addresses, over the chunks the dense prefill cuts (`chunk_plan`): the
-KV written to the host is bit-identical to what the layer-wise dense prefill writes (tests/test_segmented_prefill.py).
+KV written to the host is bit-identical to what the layer-wise dense prefill writes (tests/test_offloaded_prefill.py).
 A scan engine's dense prefill compiles all layers into one program, whose f32 rounding may differ in the last bits.
 
 **Work per engine step.** `SegmentedPrefiller.advance` runs at most `num_layers` pieces per call, the work of one
