@@ -353,11 +353,13 @@ def main() -> int:
 
     compiles = CompileCounter()
     cache: dict = {}
-    from pulseinfer_jax.config import weights_layout
+    from pulseinfer_jax.backends import plan_backends
+    from pulseinfer_jax.config import EngineConfig
 
     # loaded as the (layer-wise on a GPU) engines read the weights; dense-scan stacks its own copy
+    loop = EngineConfig.of(layer_loop=args.layer_loop or "auto")
     model = load_model(args.model, dtype=args.dtype,
-                       layout=weights_layout(args.layer_loop or "auto", jax.devices()[0].platform))
+                       layout=plan_backends(loop, jax.devices()[0].platform).weights_layout)
     replay = load_replay(args.replay, args.budget_tokens)
     if args.mix_only and not args.mix:
         ap.error("--mix-only needs --mix")

@@ -150,14 +150,17 @@ def main() -> int:
         args.model, args.lengths, args.steps, args.budgets = "random:smollm2-135m", "600,500", 6, "256"
     from pulseinfer_jax.models.loading import load_model
 
+    from pulseinfer_jax.selection.policy import BlockScoring
+
     model = load_model(args.model)
+    default = BlockScoring()  # the engine's scoring defaults, recorded with the trace
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts, names = load_prompts(model, lengths)
     name = "selection_trace_smoke" if args.smoke else (args.name or "selection_trace_cpu")
     scoring = dict(score_per_query_head=not args.score_per_kv_head, score_sub_blocks=args.score_sub_blocks,
                    score_kept_blocks=not args.no_score_kept_blocks,
-                   resident_bonus=EngineConfig.resident_bonus if args.resident_bonus is None else args.resident_bonus,
-                   score_bounds_dtype=args.score_bounds_dtype or EngineConfig.score_bounds_dtype)
+                   resident_bonus=default.resident_bonus if args.resident_bonus is None else args.resident_bonus,
+                   score_bounds_dtype=args.score_bounds_dtype or default.bounds_dtype)
     rows = []
     for budget, selection in itertools.product([int(b) for b in args.budgets.split(",")],
                                                args.selections.split(",")):

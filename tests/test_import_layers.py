@@ -5,10 +5,14 @@ level or inside a function, is parsed from the source and checked against the la
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
+import re
 
 import pytest
 from conftest import ROOT
+
+from pulseinfer_jax._moved import MOVED
 
 PKG = "pulseinfer_jax"
 # installed subpackage -> its folder in the repository (pyproject.toml maps the three top-level folders)
@@ -148,3 +152,12 @@ def test_dev_tools_are_not_installed():
     """The compile-only gate and the cost model live in bench/aot, outside the installed package."""
     assert not (ROOT / PKG / "aot").exists()
     assert (ROOT / "bench" / "aot" / "check.py").is_file()
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_old_module_paths_say_where_they_moved(old):
+    """Importing a module path of an earlier release fails with its new place, and that place imports."""
+    with pytest.raises(ModuleNotFoundError, match="moved: it is now"):
+        importlib.import_module(f"{PKG}.{old}")
+    for new in re.findall(r"\b(?:pulseinfer_jax|bench)(?:\.\w+)+", MOVED[old]):
+        importlib.import_module(new)
