@@ -19,7 +19,12 @@ Time model (stated, not measured; each term printed):
   a sparse layer, 1 micro-batch   pre + sync + recall + land              (recall="sync")
                                   pre + sync + max(recall, early) + land  (interruptible: early attention hides it)
                                   pre + max(sync + recall, early) + land  (eager: queued before the plan is read)
-  a sparse layer, 2 micro-batches max(GPU time of both, the slower one's chain pre + sync + recall + land)
+  a sparse layer, k micro-batches max(GPU time of all k, one micro-batch's chain, pre + sync + k x recall + land):
+                                  their recalls share one host gather and one link, so they run one after the other
+Every prediction is made twice: at the calibrated t_launch and at T_LAUNCH_LOW (1 us: launches from a command buffer
+or CUDA graph may cost that little), so that what depends on the launch cost shows.
+The host gather rate (`--gather-rate`) defaults to bench/host_gather.py's measurement on the CPU machine (2 cores):
+the GPU host's is not measured, and the output names where the rate came from.
 Calibration (`calibrate`): bench/dense_decode.py's measured configuration (scan + jnp attention, its KV pool and
 tables, 8 steps each ending in a host sync) compiled at the six rows of bench/results/gpu_h200_run1; t_launch and
 t_sync fitted by least squares of measured - bytes / bandwidth on (launches, 1).
@@ -50,6 +55,7 @@ T_COPY = 5e-6  # fixed cost of one host-to-device copy (DESIGN.md: ~5-7 us per c
 # ~40 us and a jitted call's dispatch 7-50 us (bench/RESULTS.md "Host side of the sparse decode step"). Assumed,
 # not measured on a GPU: the predictions are also given at half and twice it
 T_SYNC = 100e-6
+T_LAUNCH_LOW = 1e-6  # the second launch cost every prediction is given at
 GATHER_RATE_FILE = RESULTS / "host_gather_cpu.json"
 CALIBRATION = RESULTS / "h200_calibration.json"
 
@@ -219,6 +225,7 @@ class Model:
     t_copy: float
     gather_rate: float  # host gather bytes/s (XLA host computation)
     numpy_gather_rate: float  # the same by numpy fancy indexing (host_io="numpy"; its copy assumed at h2d too)
+    gather_source: str = ""  # where the two gather rates come from
 
     def gpu(self, cost: dict, count: float = 1.0) -> float:
         return count * (cost["bytes"] / self.bandwidth + cost["launches"] * self.t_launch)
@@ -306,10 +313,9 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
         chain = {"sync": pre + m.t_sync + recall + early + land,
                  "interruptible": pre + m.t_sync + max(recall, early) + land,
                  "eager": pre + max(m.t_sync + recall, early) + land}[cfg.ablation.recall]
-        if k == 1:
-            layers_s += chain
-        else:
-            layers_s += max(k * (pre + early + land), chain)
+        # k micro-batches: the GPU runs all their work; each recall waits for the one before it (one host gather,
+        # one link), the last one then lands
+        layers_s += max(k * (pre + early + land), chain, pre + m.t_sync + k * recall + land)
     sparse_s = layers_s + (fixed_s or 0.0)
     out.update(sparse_s=sparse_s, step_s=dense_s + sparse_s, recall_bytes=recall_bytes,
                recall_s_per_layer=recall_bytes / sl / m.h2d, plan_syncs=syncs, micro_batches=st.micro_batches,
@@ -358,27 +364,38 @@ def main() -> int:
         cal = calibrate({r["key"]: r for r in cal_rows}, H200_STREAM_BW)
         write_result(CALIBRATION.stem, cal, CALIBRATION.parent)
     cal = json.loads(CALIBRATION.read_text())
-    gather, numpy_gather = (a.gather_rate, a.gather_rate) if a.gather_rate else _gather_rates()
+    if a.gather_rate:
+        gather, numpy_gather, source = a.gather_rate, a.gather_rate, "--gather-rate"
+    else:
+        gather, numpy_gather = _gather_rates()
+        source = (f"measured on the CPU machine (2 cores; {GATHER_RATE_FILE.relative_to(RESULTS.parent)}), not on "
+                  "the GPU host")
+    print(f"host gather: {gather / 1e9:.1f} GB/s (numpy {numpy_gather / 1e9:.1f} GB/s), {source}")
     free = cal["free_fit"]
     print(f"calibration ({CALIBRATION.name}, git {cal.get('git')}): t_launch {free['t_launch'] * 1e6:.2f} us at "
           f"{free['bandwidth'] / 1e12:.2f} TB/s, max error {free['max_error']:.3f}; at {cal['bandwidth'] / 1e12:.1f} "
           f"TB/s fixed: t_launch {cal['t_launch'] * 1e6:.2f} us, max error {cal['max_error']:.3f}")
     t_launch = free["t_launch"] if a.t_launch is None else a.t_launch
-    model = Model(free["bandwidth"], t_launch, a.t_sync, a.h2d, T_COPY, gather, numpy_gather)
+    model = Model(free["bandwidth"], t_launch, a.t_sync, a.h2d, T_COPY, gather, numpy_gather, source)
+    low = dataclasses.replace(model, t_launch=T_LAUNCH_LOW)
     preds = []
     for st in steps_for(target, a.points.split(","), a.h2d, systems):
         p = predict_step(st, rows, model)
         batch = p["placements"]["dense"] + p["placements"]["offload"]
         p["tokens_per_s"] = batch / p["step_s"]
+        p["step_s_at_1us"] = predict_step(st, rows, low)["step_s"]
+        p["tokens_per_s_at_1us"] = batch / p["step_s_at_1us"]
         preds.append(p)
         print(f"{p['point']} {p['system']:26s} {p['placements']} step {p['step_s'] * 1e3:8.2f} ms "
-              f"({p['tokens_per_s']:7.1f} tok/s)", flush=True)
+              f"({p['tokens_per_s']:7.1f} tok/s; at 1 us launches {p['step_s_at_1us'] * 1e3:8.2f} ms, "
+              f"{p['tokens_per_s_at_1us']:7.1f} tok/s)", flush=True)
     ratios = {}
     for point in a.points.split(","):
-        tps = {p["system"]: p["tokens_per_s"] for p in preds if p["point"] == point}
-        if "pulseinfer" in tps:
-            ratios[point] = {f"pulseinfer/{s}": tps["pulseinfer"] / tps[s] for s in ("dense", "offload-headwise")
-                             if s in tps}
+        for key, label in (("tokens_per_s", "calibrated t_launch"), ("tokens_per_s_at_1us", "t_launch 1 us")):
+            tps = {p["system"]: p[key] for p in preds if p["point"] == point}
+            if "pulseinfer" in tps:
+                ratios.setdefault(point, {})[label] = {f"pulseinfer/{s}": tps["pulseinfer"] / tps[s]
+                                                       for s in ("dense", "offload-headwise") if s in tps}
     print("ratios", ratios)
     for r in cal["rows"]:
         pred = r["predicted_free_bw_s"]

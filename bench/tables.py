@@ -164,13 +164,17 @@ def h200_predict(data: dict) -> list[str]:
     for p in data["predictions"]:
         pl = p["placements"]
         rows.append([p["point"], p["system"], f"{pl['dense']}/{pl['offload']}/{pl['wait']}",
-                     _f(p["step_s"], ".2f", 1e3), _f(p["tokens_per_s"], ".0f"), _f(p.get("dense_s"), ".2f", 1e3),
-                     _f(p.get("sparse_s"), ".2f", 1e3),
+                     _f(p["step_s"], ".2f", 1e3), _f(p["tokens_per_s"], ".0f"), _f(p.get("tokens_per_s_at_1us"), ".0f"),
+                     _f(p.get("dense_s"), ".2f", 1e3), _f(p.get("sparse_s"), ".2f", 1e3),
                      _f(p.get("recall_bytes"), ".0f", 1 / MB), _f(p.get("misses_per_layer_mean"), ".0f")])
-    out = _table(["point", "system", "dense/offload/wait", "step ms", "tok/s", "dense part ms", "offloaded part ms",
-                  "recall MB/step", "misses/layer/mb"], rows)
+    out = _table(["point", "system", "dense/offload/wait", "step ms", "tok/s", "tok/s at 1 us launches",
+                  "dense part ms", "offloaded part ms", "recall MB/step", "misses/layer/mb"], rows)
     for point, r in sorted(data.get("ratios", {}).items()):
-        out.append(f"- point {point}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
+        # {label: {ratio: value}} per launch cost, or (older files) {ratio: value}
+        by_label = r if all(isinstance(v, dict) for v in r.values()) else {"": r}
+        for label, ratios in by_label.items():
+            out.append(f"- point {point}{f' ({label})' if label else ''}: "
+                       + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     return out + [""]
 
 

@@ -1,6 +1,8 @@
 """The evaluation's own machinery on CPU: synthetic KV fill, selection traces (record / replay / block mapping)
 and one throughput-bench point; these decide what the GPU numbers mean, so they are tested like the engine."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -429,3 +431,31 @@ def test_accuracy_resume_keeps_only_a_matching_unfinished_prefix(tmp_path):
         path.write_text(json.dumps({"git": "abc", "engine": base, "rows": rows, "complete": False, **bad}))
         with pytest.raises(SystemExit, match="--resume"):
             _resumable_rows(path, runs, base)
+
+
+def test_predicted_micro_batches_recall_one_after_the_other():
+    """bench/predict.py: two micro-batches' recalls share one host gather and one link, so a layer takes at least
+    pre + sync + 2 x recall + land; the GPU work of both and one micro-batch's chain are the other bounds."""
+    from types import SimpleNamespace as NS
+
+    from bench import predict
+
+    def call(fn: str, count: int):
+        return NS(program=NS(key=fn, function=fn), count=count)
+
+    layers, k, misses, unit = 2, 2, 4, 100_000
+    rows = {fn: {"cost": {"bytes": 0.0, "launches": 10}} for fn in ("sparse_pre", "attend", "land_attend_finish")}
+    rows["logits"] = {"cost": {"bytes": 0.0, "launches": 1}}
+    calls = [call(fn, layers * k) for fn in ("sparse_pre", "attend", "land_attend_finish")] + [call("logits", 1)]
+    st = predict.SystemStep("pulseinfer", "A", ["offload"] * 2, [], {4: calls}, [float(misses)] * layers, k,
+                            NS(ablation=NS(recall="interruptible")), {"host_io": "xla"}, unit, 0)
+    model = predict.Model(bandwidth=1e12, t_launch=1e-6, t_sync=0.0, h2d=1e9, t_copy=0.0, gather_rate=1e9,
+                          numpy_gather_rate=1e9)
+    out = predict.predict_step(st, rows, model)
+    recall = 2 * misses * unit / 1e9  # gather, then copy: 800 us
+    pre = early = land = 10e-6  # 10 launches of 1 us per micro-batch
+    assert out["step_s"] == pytest.approx(layers * (pre + k * recall + land) + 1e-6)
+    assert out["step_s"] > layers * (pre + max(recall, early) + land)  # more than one micro-batch's chain
+    st1 = dataclasses.replace(st, micro_batches=1, misses=[2.0 * misses] * layers, sparse={8: calls})
+    one = predict.predict_step(st1, rows, model)  # one micro-batch moving the same bytes: one recall of twice the size
+    assert one["step_s"] == pytest.approx(layers * (2 * pre + 2 * recall + 2 * land) + 1e-6)
