@@ -459,3 +459,24 @@ def test_predicted_micro_batches_recall_one_after_the_other():
     st1 = dataclasses.replace(st, micro_batches=1, misses=[2.0 * misses] * layers, sparse={8: calls})
     one = predict.predict_step(st1, rows, model)  # one micro-batch moving the same bytes: one recall of twice the size
     assert one["step_s"] == pytest.approx(layers * (2 * pre + 2 * recall + 2 * land) + 1e-6)
+
+
+@pytest.mark.parametrize("point", ["A", "B"])
+def test_ioaa_places_the_suite_points_no_slower_than_all_offloaded(point):
+    """At the GPU suite's points admission places PulseInfer's requests as pulseinfer-no-ioaa does (all offloaded):
+    no dense request beside offloaded ones, whose separate step would read the weights twice, so the predicted step
+    (the same programs) is never slower than running every admitted request offloaded."""
+    from pulseinfer_jax.models.config import ModelConfig
+    from pulseinfer_jax.models.presets import PRESETS
+
+    from bench import predict
+
+    model_cfg = ModelConfig.from_hf_dict(PRESETS["llama-3.1-8b"], name="llama-3.1-8b")
+    spec = predict.POINTS[point]
+    placed = {}
+    for system in ("pulseinfer", "pulseinfer-no-ioaa"):
+        cfg, _, new = predict._engine_config(system, spec)
+        prompts = [spec["prompt"]] * spec["batch"]
+        placed[system], _ = predict.admission(cfg, model_cfg, prompts, new, predict.DEFAULT_H2D)
+    assert placed["pulseinfer-no-ioaa"] == ["offload"] * spec["batch"]
+    assert placed["pulseinfer"] == placed["pulseinfer-no-ioaa"]

@@ -139,16 +139,31 @@ def test_memory_pressure_offloads_first_while_pcie_has_room():
     assert run_decide(cand(1, dense=4, offload=1), free=10, recall=200.0, memory_bound=True) == "dense"
     assert run_decide(cand(1, dense=40, offload=1), free=10, recall=200.0, memory_bound=True) == "wait"
     cs = [cand(k, dense=4, offload=1, budget=0.0) for k in range(1, 7)]
-    # demand 24 > 10 free: offloads until the rest of the demand (4 blocks) fits in the free 5, then dense: six
-    # admitted (greedy dense admits four, test_admit_batch_accounts_memory)
-    assert run_batch(cs, free=10, queued_dense_blocks=24) == [(k, "offload") for k in range(1, 6)] + [(6, "dense")]
+    # demand 24 > 10 free: offloaded first; once offloaded requests run, the rest stay offloaded while PCIe has room
+    # (a dense one beside them would cost a second weight pass): six admitted (greedy dense admits four,
+    # test_admit_batch_accounts_memory)
+    assert run_batch(cs, free=10, queued_dense_blocks=24) == [(k, "offload") for k in range(1, 7)]
     # demand within the free blocks: nothing to gain from offloading, all dense
     assert run_batch(cs[:2], free=10, queued_dense_blocks=8) == [(1, "dense"), (2, "dense")]
-    # the pressure is re-evaluated as the scan admits: after two offloads 8 blocks of demand fit in 8 free
+    # after two offloads 8 blocks of demand fit in 8 free, but the batch runs offloaded: the rest join it offloaded
     cs2 = [cand(1, dense=6, offload=1, budget=0.0), cand(2, dense=6, offload=1, budget=0.0),
            cand(3, dense=4, offload=1, budget=0.0), cand(4, dense=4, offload=1, budget=0.0)]
-    assert run_batch(cs2, free=10, queued_dense_blocks=20) == [(1, "offload"), (2, "offload"), (3, "dense"),
-                                                               (4, "dense")]
+    assert run_batch(cs2, free=10, queued_dense_blocks=20) == [(k, "offload") for k in range(1, 5)]
+
+
+def test_beside_offloaded_requests_dense_only_when_pcie_is_full():
+    """With offloaded requests in the batch a request that fits dense is offloaded while PCIe has room (the engine
+    runs dense requests in a step of their own: one more weight pass), dense once it has none; an all-dense batch
+    stays dense."""
+    c = cand(1, dense=4, offload=1)
+    assert run_decide(c, free=10, running=2, offloaded_running=0) == "dense"
+    assert run_decide(c, free=10, running=2, offloaded_running=1) == "offload"
+    assert run_decide(c, free=10, running=2, offloaded_running=1, recall=200.0) == "dense"
+    with pytest.raises(ValueError, match="offloaded_running=3 exceeds running=2"):
+        run_decide(c, free=10, running=2, offloaded_running=3)
+    # admit_batch passes the count on: beside one offloaded request, both newcomers join offloaded
+    assert run_batch([cand(1, dense=4, offload=1, budget=0.0), cand(2, dense=4, offload=1, budget=0.0)], free=10,
+                     running=1, offloaded_running=1) == [(1, "offload"), (2, "offload")]
 
 
 def test_admit_batch_dense_admission_grows_the_hideable_step():
@@ -263,16 +278,16 @@ def test_recall_estimator_ema_prior_remove():
 
 
 def test_recall_estimator_default_ema():
-    cfg = IOAAConfig(h2d_bytes_per_s=1e9)  # ema 0.3, prior 0.25
+    cfg = IOAAConfig(h2d_bytes_per_s=1e9)  # ema 0.3, prior 0.1
     est = RecallEstimator(cfg)
     est.add(1, 1000.0)
-    assert est.predicted(1) == 250.0
+    assert est.predicted(1) == 100.0
     est.observe(1, 50.0)
-    assert est.predicted(1) == pytest.approx(0.3 * 50 + 0.7 * 250)  # 190
+    assert est.predicted(1) == pytest.approx(0.3 * 50 + 0.7 * 100)  # 85
     est.observe_step_time(2.0)
     est.observe_step_time(1.0)
     assert est.step_time_s == pytest.approx(0.3 * 1.0 + 0.7 * 2.0)
-    assert prior_recall_bytes(1000.0, cfg) == 250.0
+    assert prior_recall_bytes(1000.0, cfg) == 100.0
 
 
 def test_prior_fraction_zero_and_one():

@@ -10,6 +10,7 @@ from conftest import record_sampled_logits
 from pulseinfer_jax import Engine, EngineConfig, SamplingParams, generate_long
 from pulseinfer_jax.kv.blocks import blocks_for
 from pulseinfer_jax.kv.quant import unpack_blocks
+from pulseinfer_jax.sched.admission import IOAAConfig
 from pulseinfer_jax.selection.policy import BlockScoring
 
 BASE = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1)
@@ -214,8 +215,9 @@ def test_auto_mode_places_by_memory_and_pcie_and_stays_correct(tiny4):
     # dense: 28 blocks per request; offloaded: 4 resident + 5 slots + 7 dense-layer packs = 16, and while its prompt
     # prefills layer by layer 2 more (its 5 slot blocks x 4 layers hold 20 of a layer's 25 blocks)
     c = tiny4.cfg
-    # one offloaded request's prior recall: 25% of (5 middle blocks x one layer-block x 3 sparse layers)
-    prior = 0.25 * 5 * (2 * 4 * c.num_kv_heads * c.head_dim * 4) * 3
+    # one offloaded request's prior recall: prior_miss_fraction of (5 middle blocks x one layer-block x 3 sparse
+    # layers)
+    prior = IOAAConfig(h2d_bytes_per_s=1.0).prior_miss_fraction * 5 * (2 * 4 * c.num_kv_heads * c.head_dim * 4) * 3
     hideable = 0.8 * 0.02  # slack x the assumed step time (IOAA defaults) = seconds of copy a step hides
 
     def run(n, h2d):
@@ -234,9 +236,9 @@ def test_auto_mode_places_by_memory_and_pcie_and_stays_correct(tiny4):
     # so all four run at once where greedy dense-first would run three
     modes, admitted = run(4, 16e9)
     assert modes == ["offload"] * 4 and admitted == [0, 0, 0, 0]
-    # PCIe for one offloaded request only (1.5 priors per step): offload (72 -> 54), then dense (-> 26); the third
-    # goes dense once the first prompt's prefill has given its 2 blocks back (-> 28), the fourth waits for memory
-    # (its placement then depends on the measured step time, which IOAA also uses)
+    # PCIe for one offloaded request only (1.5 priors per step): offload (72 -> 54), then, PCIe full, dense (-> 26);
+    # the third goes dense once the first prompt's prefill has given its 2 blocks back (-> 28), the fourth waits for
+    # memory (its placement then depends on the measured step time, which IOAA also uses)
     modes, admitted = run(4, 1.5 * prior / hideable)
     assert modes[:3] == ["offload", "dense", "dense"] and admitted[:2] == [0, 0] and 0 < admitted[2] < admitted[3]
 

@@ -7,17 +7,20 @@ becomes the bottleneck of a decode step:
 
 * while GPU memory is not what limits the batch (every queued request fits dense in the free blocks): dense
   (dense costs no PCIe traffic and is exact);
-* under memory pressure (the queue's dense demand exceeds the free blocks), offloading comes first: a request is
-  offloaded if its resident blocks fit and the predicted recall of *all* offloaded requests, this one included,
-  can be moved in ``slack`` of one decode step at the host-to-device bandwidth, since an offloaded request takes
-  a fraction of a dense one's GPU blocks and leaves room for more requests in the batch; only when PCIe has no
-  room left does it go dense (if that fits);
+* under memory pressure (the queue's dense demand exceeds the free blocks), or once the batch holds an offloaded
+  request, offloading comes first: a request is offloaded if its resident blocks fit and the predicted recall of
+  *all* offloaded requests, this one included, can be moved in ``slack`` of one decode step at the host-to-device
+  bandwidth, since an offloaded request takes a fraction of a dense one's GPU blocks and leaves room for more
+  requests in the batch; only when PCIe has no room left does it go dense (if that fits). Beside offloaded
+  requests a dense one is not free even when it fits: the engine runs the dense requests in a step of their own,
+  which reads every weight once more (bench/RESULTS.md, "Decode throughput at the GPU suite's points");
 * otherwise wait.
 Greedy "dense whenever it fits" would fill the GPU with the first few requests and leave no room to offload
 the rest: a batch no larger than dense serving's, which is what the bench (bench/decode_throughput.py) showed.
 
 Recall is predicted per request by ``RecallEstimator``: a new request starts at ``prior_miss_fraction`` of its
-per-step selection budget, then follows an EMA of its observed misses. Everything here is a pure function of
+per-step selection budget (what a real model's traces missed, bench/RESULTS.md "Recall volume"), then follows an EMA
+of its observed misses. Everything here is a pure function of
 explicit inputs (or a small explicit object), so the policy is unit-tested against a mock cost model.
 """
 
@@ -51,8 +54,10 @@ class IOAAConfig:
     h2d_bytes_per_s: float  # host-to-device bandwidth (measured once at start-up on the GPU, or configured); > 0
     slack: float = 0.8  # recall may use at most this fraction of the decode step time; in (0, 1]
     # before any observation, a new offloaded request is predicted to recall this fraction of its per-step
-    # selection budget bytes; in [0, 1]
-    prior_miss_fraction: float = 0.25
+    # selection budget bytes; in [0, 1]. SmolLM2's selection traces on real text missed 1.4-3.4% of it per step
+    # (2x slot cache, budgets 1,024 / 2,048), ~7% over the predictor's first steps at the GPU suite's point A
+    # (bench/predict.py); 0.1 covers those, and the EMA of what each request recalls takes over
+    prior_miss_fraction: float = 0.1
     ema: float = 0.3  # weight of the newest observation in the running estimates; in (0, 1]
 
     def __post_init__(self) -> None:
@@ -192,6 +197,7 @@ def decide(
     cost: CostModel,
     config: IOAAConfig,
     memory_bound: bool = False,
+    offloaded_running: int = 0,
 ) -> Decision:
     """Decide how one waiting request is admitted now: "dense", "offload" or "wait".
 
@@ -200,16 +206,19 @@ def decide(
     ``(offloaded_recall_bytes + prior) / h2d_bytes_per_s <= slack * step_time``
     (``prior = prior_miss_fraction * budget_bytes``, ``step_time = hideable_step_time_s(running, ...)``):
 
-    1. not `memory_bound`: "dense" if ``dense_blocks <= free_blocks``;
-       `memory_bound` (the queue's dense demand exceeds the free blocks): "offload" if
-       ``offload_blocks <= free_blocks`` and ``pcie_ok``, else "dense" if it fits;
+    1. not `memory_bound` and no offloaded request in the batch (``offloaded_running == 0``): "dense" if
+       ``dense_blocks <= free_blocks``;
+       `memory_bound` (the queue's dense demand exceeds the free blocks) or offloaded requests running (a dense
+       request beside them costs the step a second weight pass): "offload" if ``offload_blocks <= free_blocks``
+       and ``pcie_ok``, else "dense" if it fits;
     2. else "offload" if ``offload_blocks <= free_blocks`` and ``pcie_ok``;
     3. else "offload" anyway if ``offload_blocks <= free_blocks`` and nothing is running (``running == 0``):
        with an empty batch nothing can change the bandwidth picture, so waiting would stall the queue forever;
        the request then runs PCIe-bound, which is still progress;
     4. else "wait".
 
-    `running` is the number of requests in the batch (dense and offloaded), `offloaded_recall_bytes` the
+    `running` is the number of requests in the batch (dense and offloaded), `offloaded_running` how many of them
+    are offloaded, `offloaded_recall_bytes` the
     predicted per-step recall of the offloaded ones (``RecallEstimator.total()``), `observed_step_time_s` the
     measured step-time EMA (``RecallEstimator.step_time_s``; None before any step). A request whose
     offload_blocks exceed the whole pool waits forever: reject such requests when they are submitted.
@@ -218,6 +227,8 @@ def decide(
         raise ValueError(f"mode={mode!r} is not an admission mode; use one of {', '.join(ADMISSION_MODES)}")
     _check_count("free_blocks", free_blocks)
     _check_count("running", running)
+    if _check_count("offloaded_running", offloaded_running) > running:
+        raise ValueError(f"offloaded_running={offloaded_running} exceeds running={running}")
     if _check_number("offloaded_recall_bytes", offloaded_recall_bytes) < 0:
         raise ValueError(f"offloaded_recall_bytes={offloaded_recall_bytes!r} must be >= 0")
     if observed_step_time_s is not None and _check_number("observed_step_time_s", observed_step_time_s) <= 0:
@@ -229,7 +240,7 @@ def decide(
         return "dense" if fits_dense else "wait"
     if mode == "offload":
         return "offload" if fits_offload else "wait"
-    if fits_dense and not memory_bound:
+    if fits_dense and not memory_bound and offloaded_running == 0:
         return "dense"
     if fits_offload:
         step_time = hideable_step_time_s(running, observed_step_time_s, cost)
@@ -254,14 +265,15 @@ def admit_batch(
     config: IOAAConfig,
     max_batch: int | None = None,
     queued_dense_blocks: int | None = None,
+    offloaded_running: int = 0,
 ) -> list[tuple[int, Decision]]:
     """Admit from the FIFO queue `candidates` (head first) as many requests as fit now.
 
     Each candidate is judged by ``decide`` in queue order; after an admission the free blocks drop by the blocks
-    it takes, `running` grows by one and, if offloaded, its prior recall prediction is added to the offloaded
-    total, so later candidates see the state it leaves. Evaluation stops at the first "wait" (or when the batch
-    reaches `max_batch`, which counts as a wait): nothing behind a waiting request is admitted even if it
-    would fit, so a large request is never overtaken forever by a stream of small ones.
+    it takes, `running` grows by one and, if offloaded, `offloaded_running` too and its prior recall prediction is
+    added to the offloaded total, so later candidates see the state it leaves. Evaluation stops at the first "wait"
+    (or when the batch reaches `max_batch`, which counts as a wait): nothing behind a waiting request is admitted
+    even if it would fit, so a large request is never overtaken forever by a stream of small ones.
 
     `queued_dense_blocks` is the dense demand of the whole queue (the sum of its candidates' dense_blocks; the
     scheduler knows it, a generator of candidates could not give it without being consumed): while the demand
@@ -282,7 +294,7 @@ def admit_batch(
         bound = queued_dense_blocks is not None and queued_dense_blocks > free_blocks
         d = decide(cand, mode=mode, free_blocks=free_blocks, running=running,
                    offloaded_recall_bytes=offloaded_recall_bytes, observed_step_time_s=observed_step_time_s,
-                   cost=cost, config=config, memory_bound=bound)
+                   cost=cost, config=config, memory_bound=bound, offloaded_running=offloaded_running)
         out.append((cand.key, d))
         if d == "wait":
             break
@@ -293,5 +305,6 @@ def admit_batch(
             free_blocks -= cand.dense_blocks
         else:
             free_blocks -= cand.offload_blocks
+            offloaded_running += 1
             offloaded_recall_bytes += prior_recall_bytes(cand.budget_bytes, config)
     return out

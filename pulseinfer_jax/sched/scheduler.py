@@ -118,6 +118,8 @@ class Scheduler:
         cands = {r.index: self._candidate(r) for r in self.waiting}
         decisions = admit_batch(list(cands.values()), mode=self.mode, free_blocks=self.allocator.num_free,
                                 running=len(self.prefilling) + len(self.running),
+                                offloaded_running=sum(r.placement == "offload" for r in (*self.prefilling,
+                                                                                         *self.running)),
                                 offloaded_recall_bytes=self.estimator.total(),
                                 observed_step_time_s=self.estimator.step_time_s, cost=self.cost, config=self.ioaa,
                                 max_batch=self.max_batch,
