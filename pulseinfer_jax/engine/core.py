@@ -211,8 +211,7 @@ class Engine:
         cfg = self.config
         bs = cfg.block_size
         meta_item = self.scoring.metadata_dtype(self.model.dtype).itemsize if cfg.mode != "dense" else 1
-        sizes = pool_sizes(cfg, self.model.cfg, self.kv_dtype, meta_item, requests,
-                                   self._kv_byte_cap())
+        sizes = pool_sizes(cfg, self.model.cfg, self.kv_dtype, meta_item, requests, self._kv_byte_cap())
         plan, rows, num_blocks = sizes.plan, sizes.host_rows, sizes.num_blocks
         if self.spec is None or self.spec.num_blocks != num_blocks:
             self.kv = None  # free the old pool before allocating the new one

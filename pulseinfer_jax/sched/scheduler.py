@@ -152,8 +152,8 @@ class Scheduler:
         return self.prefilling[0] if self.prefilling else None
 
     def prefill_done(self, req: Request) -> None:
-        """The prompt is in the cache: the request decodes from the next step; blocks it held only for its prefill
-        go back to the pool."""
+        """The prompt is in the cache: the request joins the running batch (the engine decodes it in the same step);
+        blocks it held only for its prefill go back to the pool."""
         if req.placement == "offload":
             extra = self.placer.prefill_blocks(req)
             if extra:
