@@ -134,6 +134,8 @@ def main() -> int:
                     help="EngineConfig.score_coarse_keep (default: the engine's)")
     ap.add_argument("--kv-dtypes", default="auto",
                     help="EngineConfig.kv_dtype values, each a dense run plus the sparse grid (default: auto)")
+    ap.add_argument("--recall", default=None, choices=("ahead", "interruptible", "eager", "sync"),
+                    help="EngineConfig.recall (default: the engine's, recall one step ahead)")
     ap.add_argument("--no-passkey", action="store_true", help="teacher-forced agreement only (quick exploration)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows of an unfinished bench/results/NAME.json run with the same arguments and run "
@@ -183,6 +185,8 @@ def main() -> int:
         base["score_coarse_group"] = args.score_coarse_group
     if args.score_coarse_keep is not None:
         base["score_coarse_keep"] = args.score_coarse_keep
+    if args.recall is not None:
+        base["recall"] = args.recall
 
     grid = [("dense", None)] + [(v, int(b)) for b in args.budgets.split(",") for v in args.variants.split(",")]
     runs = [(kv, v, b) for kv in args.kv_dtypes.split(",") for v, b in grid]

@@ -47,17 +47,20 @@ SYSTEMS = {
     "dense-scan": dict(mode="dense", layer_loop="scan"),  # the same, one jitted scan over stacked weights (a copy)
     # the existing-offloading baseline: per-head selection, one copy per (block, head), wait for every recall
     "offload-headwise": dict(mode="offload", selection="headwise", io="fragmented", recall="sync", micro_batches=1),
-    # SoloHead + coalesced gather-scatter + interruptible (2 micro-batches on a GPU) + IOAA admission
+    # SoloHead + coalesced gather-scatter + recall one step ahead (one call per layer, one micro-batch) + IOAA
     "pulseinfer": dict(mode="auto"),
+    # the same-layer recall: the driver reads each layer's plan, recalls, attends the resident blocks meanwhile
+    # (two micro-batches on a GPU)
+    "pulseinfer-same-layer": dict(mode="auto", recall="interruptible"),
     # one technique off at a time
     "pulseinfer-no-solohead": dict(mode="auto", selection="headwise"),
     "pulseinfer-no-coalescing": dict(mode="auto", io="fragmented"),
     "pulseinfer-no-interrupt": dict(mode="auto", recall="sync", micro_batches=1),
     "pulseinfer-no-ioaa": dict(mode="offload"),  # every request offloaded
     "pulseinfer-min-reuse": dict(mode="auto"),  # slot cache = one step's selection (set in run_point)
-    # interruptible recall without a second micro-batch: each micro-batch costs the host a layer loop of dispatches
-    # (bench/host_overhead.py), which may cost more than the overlap it buys on a GPU
-    "pulseinfer-1mb": dict(mode="auto", micro_batches=1),
+    # the same-layer recall without a second micro-batch: each micro-batch costs the host a layer loop of dispatches
+    # (bench/host_overhead.py) and the GPU a weight pass
+    "pulseinfer-1mb": dict(mode="auto", recall="interruptible", micro_batches=1),
     # the early attention queued before the driver reads each layer's plan (hides the read and the recall's issue)
     "pulseinfer-eager": dict(mode="auto", recall="eager"),
     # the host pool in pageable RAM, gathered by numpy on the driver thread (host_offload/numpy_io.py) instead of
@@ -65,8 +68,8 @@ SYSTEMS = {
     "pulseinfer-numpy-io": dict(mode="auto", host_io="numpy"),
     "sparse-on-device": dict(mode="offload", offload_placement="device"),  # same selection, no PCIe
 }
-DEFAULT_SYSTEMS = "dense,offload-headwise,pulseinfer,pulseinfer-no-solohead,pulseinfer-no-coalescing," \
-                  "pulseinfer-no-interrupt,pulseinfer-no-ioaa,pulseinfer-min-reuse"
+DEFAULT_SYSTEMS = "dense,offload-headwise,pulseinfer,pulseinfer-same-layer,pulseinfer-no-solohead," \
+                  "pulseinfer-no-coalescing,pulseinfer-no-interrupt,pulseinfer-no-ioaa,pulseinfer-min-reuse"
 
 
 def parse_bytes(text: str) -> int:
@@ -314,6 +317,7 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--gpu-kv-budget", type=parse_bytes, default=None, help="e.g. 24GiB (emulates a smaller GPU)")
+    ap.add_argument("--kv-dtype", default="auto", help="KV cache dtype: auto (the model's) or float8_e4m3fn")
     ap.add_argument("--host-io", default="auto", choices=("auto", "xla", "numpy"),
                     help="host KV pool backend of every system (EngineConfig.host_io; default auto)")
     ap.add_argument("--replay", default=None, help="trace name (e.g. smollm2) or path prefix; see bench/traces.py")
@@ -368,6 +372,7 @@ def main() -> int:
     base = dict(block_size=args.block_size, budget_tokens=args.budget_tokens, dense_layers=args.dense_layers,
                 max_batch=max(batches + [args.mix_requests]), gpu_kv_budget=args.gpu_kv_budget, progress=False,
                 prefill_chunk=max(512, args.block_size), host_io=args.host_io, moe_strategy=args.moe_strategy,
+                kv_dtype=args.kv_dtype,
                 **({} if args.layer_loop is None else {"layer_loop": args.layer_loop}))
     name = args.name or ("decode_throughput_smoke" if args.smoke else f"decode_throughput_{jax.devices()[0].platform}")
     meta = {"kind": "decode_throughput", "model": args.model, "dtype": args.dtype, "engine": base,

@@ -3,7 +3,7 @@
 # check: OUT/h200_target_config.txtpb), the kernel and offload tests compiled for the GPU
 # (no interpret mode), bench/kernels.py, bench/io_sweep.py, one representative point of every system of
 # bench/decode_throughput.py (random Llama-3.1-8B, bf16, synthetic KV with a real model's selections replayed),
-# then a 128K-context point, the dense decode bench (scan vs layer-wise layer loop, jnp vs Pallas attention) and a
+# then a 128K-context point, points C (24 x 32K) and D (12 x 128K, float8 KV) where dense holds 3, the dense decode bench (scan vs layer-wise layer loop, jnp vs Pallas attention) and a
 # short serving point (bench/serving.py: the OpenAI-compatible server at 1 and 8 clients) if time is left. On a GPU the engine probes its pinned-host transfers and Pallas kernels first
 # and falls back (host_io numpy, jnp attention) with a warning in the logs. Two extra PulseInfer decode steps of
 # point A are profiled (jax.profiler: OUT/profile/.../perfetto_trace.json.gz, for ui.perfetto.dev). Every
@@ -28,6 +28,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 t0=$(date +%s)
+# the whole suite stays under 8 minutes of GPU time: each step's limit is cut to what is left
+SUITE_BUDGET=${SUITE_BUDGET:-$([ "$MODE" = "--smoke" ] && echo 1800 || echo 465)}
 {
     date -u; nvidia-smi 2>/dev/null || echo "no nvidia-smi"; free -g 2>/dev/null
     "$PY" -c "import jax, flax, transformers; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'transformers', transformers.__version__)"
@@ -37,9 +39,13 @@ t0=$(date +%s)
 } > "$OUT/env.txt" 2>&1
 tail -4 "$OUT/env.txt"
 
-step() {  # step NAME TIMEOUT_S COMMAND...: run with a timeout, log to $OUT/NAME.log, print its tail
+step() {  # step NAME TIMEOUT_S COMMAND...: run with a timeout (cut to what is left of SUITE_BUDGET), log to
+    # $OUT/NAME.log, print its tail; skipped when under 15 s are left
     local name=$1 limit=$2
     shift 2
+    local left=$(( SUITE_BUDGET - ($(date +%s) - t0) ))
+    if [ "$left" -lt 15 ]; then echo "== $name skipped: ${left}s of the suite's ${SUITE_BUDGET}s left"; return; fi
+    [ "$limit" -gt "$left" ] && limit=$left
     echo "== $name (limit ${limit}s, at $(( $(date +%s) - t0 ))s)"
     timeout -s INT -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name exit $?"
@@ -57,6 +63,9 @@ if [ "$MODE" = "--smoke" ]; then
     DT_A=(--smoke --layer-loop layerwise --replay "$TRACE" --name decode_throughput_a --profile-system pulseinfer
           --profile-dir "$OUT/profile" --systems dense,pulseinfer,offload-headwise,dense-scan,pulseinfer-no-ioaa,pulseinfer-numpy-io)
     DT_B=(--smoke --contexts 3000 --batches 2 --systems dense,pulseinfer,offload-headwise --name decode_throughput_b)
+    DT_C=(--smoke --batches 4 --systems dense,pulseinfer,offload-headwise --name decode_throughput_c)
+    DT_D=(--smoke --contexts 3000 --batches 3 --kv-dtype float8_e4m3fn --systems dense,pulseinfer,offload-headwise
+          --name decode_throughput_d)
     DENSE=(--smoke --layer-loop layerwise,scan)
     # CPU runs the smoke's 3K-token point B several times slower than the GPU's limits assume
     LONG_TIMEOUT=${LONG_TIMEOUT:-150}
@@ -70,12 +79,20 @@ else
     DT_A=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 32768 --batches 8 --steps 12 --warm 6
           --budget-tokens 2048 --gpu-kv-budget 16GiB --replay "$TRACE" --name decode_throughput_a
           --profile-system pulseinfer --profile-dir "$OUT/profile"
-          --systems dense,pulseinfer,offload-headwise,dense-scan,pulseinfer-no-ioaa,pulseinfer-no-solohead,pulseinfer-no-coalescing,pulseinfer-no-interrupt,pulseinfer-min-reuse,pulseinfer-1mb,pulseinfer-eager,pulseinfer-numpy-io)
+          --systems dense,pulseinfer,pulseinfer-same-layer,offload-headwise,pulseinfer-no-ioaa,pulseinfer-no-solohead,pulseinfer-no-coalescing,pulseinfer-no-interrupt,pulseinfer-min-reuse,pulseinfer-numpy-io)
     # point B: 4 requests of 128K (130,816 prompt tokens: Llama-3.1 stops at 131,072 positions) under 33 GiB
     # (dense fits 2 of 16.0 GiB; the 128 GiB host holds ~6 offloaded)
     DT_B=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 130816 --batches 4 --steps 8 --warm 4
           --budget-tokens 2048 --gpu-kv-budget 33GiB --replay "$TRACE" --name decode_throughput_b
           --systems dense,pulseinfer,offload-headwise)
+    # point C: 24 requests of 32K under 16 GiB (dense fits 3; the host pool ~90 GiB of the 128 GiB host)
+    DT_C=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 32768 --batches 24 --steps 8 --warm 4
+          --budget-tokens 2048 --gpu-kv-budget 16GiB --replay "$TRACE" --name decode_throughput_c
+          --systems dense,pulseinfer,pulseinfer-same-layer,offload-headwise)
+    # point D: 12 requests of 128K with float8 KV under 33 GiB (dense fits 3 of 8.3 GiB; host pool ~94 GiB)
+    DT_D=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 130816 --batches 12 --steps 6 --warm 3
+          --budget-tokens 2048 --gpu-kv-budget 33GiB --kv-dtype float8_e4m3fn --replay "$TRACE"
+          --name decode_throughput_d --systems dense,pulseinfer,offload-headwise)
     DENSE=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8
            --max-kv-tokens 300000 --steps 8 --attention pallas,jnp --layer-loop layerwise,scan
            --engine-prompt 8192 --engine-batch 4)
@@ -99,9 +116,11 @@ step io_sweep "${IO_TIMEOUT:-40}" "$PY" bench/io_sweep.py "${IO[@]}" --out "$OUT
 if [ "$MODE" = "--smoke" ]; then  # the smoke replays a trace recorded here (same budget and shapes)
     step selection_trace 300 "$PY" bench/selection_trace.py --smoke --no-synthetic --trace-dir "$OUT/traces" --out "$OUT"
 fi
-step decode_throughput_a "${THROUGHPUT_TIMEOUT:-170}" "$PY" bench/decode_throughput.py "${DT_A[@]}" --out "$OUT"
+step decode_throughput_a "${THROUGHPUT_TIMEOUT:-140}" "$PY" bench/decode_throughput.py "${DT_A[@]}" --out "$OUT"
 step decode_throughput_b "${LONG_TIMEOUT:-55}" "$PY" bench/decode_throughput.py "${DT_B[@]}" --out "$OUT"
-step dense_decode "${DENSE_TIMEOUT:-40}" "$PY" bench/dense_decode.py "${DENSE[@]}" --out "$OUT"
-step serving "${SERVING_TIMEOUT:-60}" "$PY" bench/serving.py --launch "${SERVE[@]}" --out "$OUT"
+step decode_throughput_c "${POINT_C_TIMEOUT:-60}" "$PY" bench/decode_throughput.py "${DT_C[@]}" --out "$OUT"
+step decode_throughput_d "${POINT_D_TIMEOUT:-50}" "$PY" bench/decode_throughput.py "${DT_D[@]}" --out "$OUT"
+step dense_decode "${DENSE_TIMEOUT:-30}" "$PY" bench/dense_decode.py "${DENSE[@]}" --out "$OUT"
+step serving "${SERVING_TIMEOUT:-40}" "$PY" bench/serving.py --launch "${SERVE[@]}" --out "$OUT"
 "$PY" bench/tables.py "$OUT"/*.json --out "$OUT/tables.md" || true  # markdown tables for bench/RESULTS.md
 echo "suite took $(( $(date +%s) - t0 )) s"

@@ -30,18 +30,19 @@ from bench.common import sparse_io_stats, write_result  # noqa: E402
 
 SYSTEMS = {
     "dense": dict(mode="dense"),
-    "pulseinfer": dict(mode="offload"),  # SoloHead + coalesced + interruptible (+ 2 micro-batches on GPU)
+    "pulseinfer": dict(mode="offload"),  # SoloHead + coalesced + recall one step ahead
+    "pulseinfer-same-layer": dict(mode="offload", recall="interruptible"),  # (+ 2 micro-batches on GPU)
     "offload-headwise": dict(mode="offload", selection="headwise", io="fragmented", recall="sync", micro_batches=1),
     "sparse-on-device": dict(mode="offload", offload_placement="device"),  # same selection, no I/O
     "pulseinfer-sync": dict(mode="offload", recall="sync"),
     "pulseinfer-fragmented": dict(mode="offload", io="fragmented"),
     "pulseinfer-headwise": dict(mode="offload", selection="headwise"),
     "pulseinfer-1mb": dict(mode="offload", micro_batches=1),
-    "pulseinfer-2mb": dict(mode="offload", micro_batches=2),
+    "pulseinfer-2mb": dict(mode="offload", recall="interruptible", micro_batches=2),
     "pulseinfer-cache1x": dict(mode="offload"),  # slot cache = one step's selection (set in _run_once)
 }
-DEFAULT_SYSTEMS = ("dense,pulseinfer,offload-headwise,sparse-on-device,pulseinfer-sync,pulseinfer-fragmented,"
-                   "pulseinfer-cache1x")
+DEFAULT_SYSTEMS = ("dense,pulseinfer,pulseinfer-same-layer,offload-headwise,sparse-on-device,pulseinfer-sync,"
+                   "pulseinfer-fragmented,pulseinfer-cache1x")
 
 
 def make_prompts(model, context: int, batch: int) -> tuple[list, str]:

@@ -21,6 +21,10 @@ Time model (stated, not measured; each term printed):
                                   pre + max(sync + recall, early) + land  (eager: queued before the plan is read)
   a sparse layer, k micro-batches max(GPU time of all k, one micro-batch's chain, pre + sync + k x recall + land):
                                   their recalls share one host gather and one link, so they run one after the other
+  recall="ahead" (one micro-batch)  one call per sparse layer, no sync on the critical path; each layer's recall is
+                                  issued once its plan is read (while the GPU runs the later layers) and lands in
+                                  that layer's next call: step = max(GPU time of the step, the step's recalls one
+                                  after the other)
 Every prediction is made twice: at the calibrated t_launch and at T_LAUNCH_LOW (1 us: launches from a command buffer
 or CUDA graph may cost that little), so that what depends on the launch cost shows.
 The host gather rate (`--gather-rate`) defaults to bench/host_gather.py's measurement on the CPU machine (2 cores):
@@ -45,7 +49,11 @@ import numpy as np  # noqa: E402
 from bench.common import RESULTS, write_result  # noqa: E402
 
 POINTS = {"A": dict(prompt=32768, batch=8, gpu_kv_budget=16 << 30, warm=6, steps=12),
-          "B": dict(prompt=130816, batch=4, gpu_kv_budget=33 << 30, warm=4, steps=8)}
+          "B": dict(prompt=130816, batch=4, gpu_kv_budget=33 << 30, warm=4, steps=8),
+          # memory pressure with many requests: dense holds 3 of 24 (host pool ~90 GiB of the H200 host's 128 GiB)
+          "C": dict(prompt=32768, batch=24, gpu_kv_budget=16 << 30, warm=6, steps=12),
+          # 128K with float8 KV (8.3 GiB per request): dense holds 3 of 12 (host pool ~94 GiB)
+          "D": dict(prompt=130816, batch=12, gpu_kv_budget=33 << 30, warm=4, steps=8, kv_dtype="float8_e4m3fn")}
 TRACE = "smollm2"
 MEASURED = RESULTS / "gpu_h200_run1" / "dense_decode_gpu.json"
 DEFAULT_H2D = 50e9  # pinned host -> H200 over PCIe Gen5 (DESIGN.md: ~50-55 GB/s for large copies)
@@ -66,8 +74,9 @@ def _engine_config(system: str, point: dict):
     from pulseinfer_jax import EngineConfig
 
     new = point["warm"] + point["steps"] + 2 * point["batch"] + 6  # bench/decode_throughput.run_point's max_new
-    base = dict(block_size=16, budget_tokens=2048, dense_layers=2, max_batch=8, gpu_kv_budget=point["gpu_kv_budget"],
-                progress=False, prefill_chunk=512)
+    base = dict(block_size=16, budget_tokens=2048, dense_layers=2, max_batch=point["batch"],
+                gpu_kv_budget=point["gpu_kv_budget"], progress=False, prefill_chunk=512,
+                kv_dtype=point.get("kv_dtype", "auto"))
     cfg = EngineConfig.of(**{**base, **SYSTEMS[system]})
     if system == "pulseinfer-min-reuse":
         cfg = cfg.with_settings(slot_cache_blocks=cfg.budget_blocks - cfg.offload.sink_blocks - cfg.window_blocks)
@@ -87,8 +96,11 @@ def admission(cfg, model_cfg, prompts: list[int], new: int, h2d: float) -> tuple
     from pulseinfer_jax.sched.scheduler import FixedStepTime
 
     reqs = [_Request(n, new) for n in prompts]
+    from pulseinfer_jax.kv.quant import block_rows, resolve_kv_dtype, storage_dtype
+
+    kv_dtype = resolve_kv_dtype(cfg.kv_dtype, "bfloat16")
     meta_item = cfg.scoring.metadata_dtype("bfloat16").itemsize
-    sizes = pool_sizes(cfg, model_cfg, "bfloat16", meta_item, reqs, cfg.gpu_kv_budget)
+    sizes = pool_sizes(cfg, model_cfg, storage_dtype(kv_dtype), meta_item, reqs, cfg.gpu_kv_budget)
     capacity = sizes.num_blocks - 1
     cands = []
     for i, r in enumerate(reqs):
@@ -97,7 +109,8 @@ def admission(cfg, model_cfg, prompts: list[int], new: int, h2d: float) -> tuple
             cands.append(Candidate(i, dense, capacity + 1, 0.0))
         else:
             p = sizes.plan
-            block_bytes = 2 * cfg.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * 2
+            rows = block_rows(cfg.block_size, model_cfg.head_dim, kv_dtype)
+            block_bytes = 2 * rows * model_cfg.num_kv_heads * model_cfg.head_dim * storage_dtype(kv_dtype).itemsize
             cands.append(Candidate(i, dense, offload_blocks(p, r), float(p.middle_blocks * block_bytes
                                                                         * p.sparse_layers)))
     decisions = dict(admit_batch(cands, mode=cfg.mode, free_blocks=capacity, running=0, offloaded_recall_bytes=0.0,
@@ -157,6 +170,7 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
 
     from bench.aot import catalogue as cat
     from bench.traces import load_trace
+    from pulseinfer_jax.backends import plan_backends
 
     point = POINTS[point_name]
     model_cfg = ModelConfig.from_hf_dict(PRESETS["llama-3.1-8b"], name="llama-3.1-8b")
@@ -174,7 +188,7 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
     if off_idx:
         es = cat.EngineShapes.of(model_cfg, "bfloat16", cfg, **backends)
         layout = cat.SparseLayout.of(es, prompts, new, offloaded=off_idx, cap_bytes=cfg.gpu_kv_budget)
-        mbs = max(1, min(cfg.offload.micro_batches or 2, len(off_idx)))
+        mbs = max(1, min(plan_backends(cfg, "gpu").micro_batches, len(off_idx)))  # as a GPU engine resolves it
         trace = load_trace(RESULTS / "traces" / f"{TRACE}_{cfg.ablation.selection}_b{cfg.offload.budget_tokens}.npz")
         per_request = lru_misses(cfg, layout.plan, trace, point)
         if cfg.ablation.placement == "device":  # every block stays on the GPU: nothing is recalled
@@ -185,7 +199,7 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
         for r in sorted({bucket(max(1, round(m))) if m else 0 for m in misses}):
             sparse_calls[r] = cat.sparse_decode(es, layout, r, shardings=shardings, micro_batches=mbs)
         c = model_cfg
-        block = 2 * cfg.block_size * c.num_kv_heads * c.head_dim * 2
+        block = 2 * es.kv_rows * c.num_kv_heads * c.head_dim * es.kv_dtype.itemsize
         unit = block if cfg.ablation.selection == "solohead" else block // c.num_kv_heads  # one recalled entry
         # host-to-device copies per recalled entry: coalesced one per layer and micro-batch (0 here), fragmented one
         # per (block, head)
@@ -204,7 +218,7 @@ def calibration_programs(target) -> dict:
     return {c.program.key: c.program for calls in calibration_steps().values() for c in calls}
 
 
-def predict_programs(target, points: str = "A,B", h2d: float = DEFAULT_H2D, systems: str = "") -> dict:
+def predict_programs(target, points: str = "A,B,C,D", h2d: float = DEFAULT_H2D, systems: str = "") -> dict:
     """Every program of the prediction, for check.compile_programs' workers."""
     from bench.decode_throughput import SYSTEMS
 
@@ -280,17 +294,22 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
     out = {"system": st.system, "point": st.point, "placements": {p: st.placements.count(p) for p in
                                                                   ("dense", "offload", "wait")},
            "dense_s": dense_s, "dense_bytes": dense_bytes}
+    # the step's GPU programs (host I/O programs aside): HBM bytes and kernel launches
+    gpu_calls = [(c, c.count) for c in st.dense]
     if not st.sparse:
-        out.update(step_s=dense_s, sparse_s=0.0, recall_bytes=0.0)
+        out.update(step_s=dense_s, sparse_s=0.0, recall_bytes=0.0, **_step_totals(gpu_calls, cost))
         return out
     cfg = st.config
-    per_layer_fn = {"sparse_pre", "attend", "land_attend_finish", "stage_blocks_outer", "stage_units_outer",
-                    "fragment"}
+    per_layer_fn = {"sparse_pre", "attend", "land_attend_finish", "ahead_layer", "stage_blocks_outer",
+                    "stage_units_outer", "fragment"}
     sl = len(st.misses)
-    layers_s, recall_bytes, host_s, syncs = 0.0, 0.0, 0.0, 0
+    ahead = cfg.ablation.recall == "ahead"
+    layers_s, recall_bytes, host_s, syncs, recall_s = 0.0, 0.0, 0.0, 0, 0.0
     fixed_s = None
     for miss in st.misses:
         calls = st.sparse[bucket(max(1, round(miss))) if miss else 0]
+        # (a per-layer program's count covers every layer, a once-per-step one's the step: 1 / sl of each here)
+        gpu_calls += [(c, c.count / sl) for c in calls if c.program.group != "host_io"]
         by = {}
         for c in calls:
             if c.program.function in per_layer_fn:
@@ -309,6 +328,10 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
             recall = nbytes / rate + nbytes / m.h2d + m.t_copy if miss else 0.0
         recall_bytes += nbytes * k
         host_s += host * k
+        if ahead:  # one call; its recall runs while the GPU goes on, landing by the layer's next call
+            layers_s += by.get("ahead_layer", 0.0)
+            recall_s += recall
+            continue
         syncs += k
         chain = {"sync": pre + m.t_sync + recall + early + land,
                  "interruptible": pre + m.t_sync + max(recall, early) + land,
@@ -317,10 +340,20 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
         # one link), the last one then lands
         layers_s += max(k * (pre + early + land), chain, pre + m.t_sync + k * recall + land)
     sparse_s = layers_s + (fixed_s or 0.0)
+    if ahead:  # the step's recalls share one gather and one link, each with a step to land: the slower side bounds
+        out.update(recall_chain_s=recall_s, recall_bound=recall_s > sparse_s)
+        sparse_s = max(sparse_s, recall_s)
+    out.update(_step_totals(gpu_calls, cost))
     out.update(sparse_s=sparse_s, step_s=dense_s + sparse_s, recall_bytes=recall_bytes,
                recall_s_per_layer=recall_bytes / sl / m.h2d, plan_syncs=syncs, micro_batches=st.micro_batches,
                misses_per_layer_mean=float(np.mean(st.misses)))
     return out
+
+
+def _step_totals(calls: list, cost: dict) -> dict:
+    """HBM bytes and kernel launches of a step's GPU programs [(Call, times per step)]."""
+    return {"step_hbm_bytes": float(sum(cost[c.program.key]["bytes"] * n for c, n in calls)),
+            "step_launches": float(sum(cost[c.program.key]["launches"] * n for c, n in calls))}
 
 
 def main() -> int:
@@ -330,7 +363,7 @@ def main() -> int:
     from bench.decode_throughput import SYSTEMS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--points", default="A,B")
+    ap.add_argument("--points", default="A,B,C,D")
     ap.add_argument("--systems", default="", help=f"comma list (default all: {', '.join(SYSTEMS)})")
     ap.add_argument("--h2d", type=float, default=DEFAULT_H2D, help="host-to-device bytes/s (IOAA and the model)")
     ap.add_argument("--gather-rate", type=float, default=None,

@@ -147,6 +147,9 @@ class SparseKV:
         self.gpu_of: dict[int, int] = {}  # resident logical block -> GPU block
         self.gpu_arr = np.full(n_max, -1, np.int32)  # the same as an array: GPU block of logical j, -1 = not resident
         self.spare: list[int] = []
+        # (logical block, GPU block) of the block that last left the window: its GPU block is the spare, intact until
+        # the next block starts (a step-ahead recall fills a miss on it from there)
+        self.leaving: tuple[int, int] | None = None
         self.table: list[int] = []  # device placement: the request's GPU blocks (logical block j in table[j])
         slots = plan.slots_for(n_max)
         # the slot caches of every sparse layer and lane live on the device, one table row per request
@@ -217,13 +220,16 @@ class SparseKV:
             j_new = self.num_blocks
             self.num_blocks += 1
             if p.placement == "host":
-                self.gpu_of[j_new] = self.gpu_arr[j_new] = self.spare.pop()
+                self.gpu_of[j_new] = self.gpu_arr[j_new] = got = self.spare.pop()
+                if self.leaving is not None and self.leaving[1] == got:
+                    self.leaving = None  # its GPU block now holds the new one
             j_out = self.num_blocks - 1 - p.window_blocks
             if j_out >= p.sink_blocks:
                 if p.placement == "host":
                     blk = self.gpu_of.pop(j_out)
                     self.gpu_arr[j_out] = -1
                     self.spare.append(blk)  # reused at the next block start, after this step's write-back
+                    self.leaving = (j_out, blk)
                 else:
                     blk = self.gpu_of[j_out]
                 exits.append((j_out, blk))

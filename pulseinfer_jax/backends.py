@@ -105,8 +105,10 @@ def plan_backends(config: EngineConfig, platform: str, *, is_moe: bool = False, 
                        "pinned-host pool" if gpu else "pinned-host pool (memory kinds emulated)")
         mbs = config.offload.micro_batches
         if mbs is None:
-            mbs = 2 if gpu else 1
-            why.append(f"micro_batches {mbs}: " + ("a copy engine to hide" if gpu else "nothing to overlap off a GPU"))
+            ahead = config.offload.ablation.recall == "ahead"
+            mbs = 2 if gpu and not ahead else 1
+            why.append(f"micro_batches {mbs}: " + ("recall ahead, one weight pass" if ahead else
+                                                   "a copy engine to hide" if gpu else "nothing to overlap off a GPU"))
     return ResolvedBackends(plat, kv_dtype, attention, loop, moe, sparse, scoring, host_io, mbs, tuple(why))
 
 

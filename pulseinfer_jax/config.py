@@ -22,7 +22,7 @@ Mode = Literal["dense", "offload", "auto"]
 Selection = Literal["solohead", "headwise"]
 SoloHeadVariant = Literal["normalized_sum", "retrieval_head"]
 IOMode = Literal["coalesced", "fragmented"]
-RecallMode = Literal["interruptible", "eager", "sync"]
+RecallMode = Literal["ahead", "interruptible", "eager", "sync"]
 Placement = Literal["host", "device"]
 DecodeAttention = Literal["auto", "jnp", "pallas"]
 LayerLoop = Literal["auto", "scan", "layerwise"]
@@ -50,8 +50,10 @@ class OffloadAblation:
                                                      "(policy.calibrate_retrieval_head)", cli=False)
     io: IOMode = option("coalesced", "coalesced: one gathered copy per layer and step; fragmented: one copy per "
                         "(block, head)")
-    recall: RecallMode = option("interruptible", "interruptible: attend resident blocks while recall is in flight; "
-                                "eager: the same, queued before the plan is read; sync: wait for recall first")
+    recall: RecallMode = option("ahead", "ahead: a layer's misses are recalled for its next step, the driver never "
+                                "waits; same-layer (ablations): interruptible: attend resident blocks while the "
+                                "recall is in flight; eager: the same, queued before the plan is read; sync: wait "
+                                "for the recall first")
     placement: Placement = option("host", "host: sparse requests' KV in pinned host memory; device: kept on the GPU "
                                   "(no I/O)", flat="offload_placement")
 
@@ -73,8 +75,9 @@ class OffloadConfig:
     slot_cache_blocks: int | None = option(None, "recalled-block cache per (request, sparse layer); default 2x the "
                                            "selected blocks")
     host_kv_tokens: int | None = option(None, "pinned host pool size in tokens; default what the requests need")
-    micro_batches: int | None = option(None, "offloaded batch split, the driver runs whichever has its data ready; "
-                                       "default 2 on a GPU, 1 elsewhere")
+    micro_batches: int | None = option(None, "offloaded batch split for the same-layer recall modes, the driver "
+                                       "runs whichever has its data ready; default 1 (recall ahead: one weight "
+                                       "pass), 2 on a GPU with a same-layer recall")
     h2d_bytes_per_s: float | None = option(None, "host-to-device bandwidth IOAA assumes; default measured on a GPU")
     ioaa_slack: float = option(0.8, "fraction of a decode step that recall may take (IOAA)")
     ioaa_step_time_s: float = option(0.02, "decode step time IOAA assumes before it has measured one")
@@ -85,6 +88,10 @@ class OffloadConfig:
         for name in ("budget_tokens", "window_tokens"):
             _positive_int(name, getattr(self, name))
         _positive_int("micro_batches", self.micro_batches, none_ok=True)
+        if self.ablation.recall == "ahead" and (self.micro_batches or 1) > 1:
+            raise ValueError(f"micro_batches={self.micro_batches} splits the batch so that one part computes while "
+                             "another waits on its recall; recall='ahead' never waits (one weight pass per step): "
+                             "leave micro_batches unset, or pick recall='interruptible'")
         for name in ("sink_blocks", "dense_layers"):
             _positive_int(name, getattr(self, name), zero_ok=True)
         for name in ("slot_cache_blocks", "host_kv_tokens"):

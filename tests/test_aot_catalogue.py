@@ -133,12 +133,13 @@ OFFLOAD = dict(mode="offload", budget_tokens=64, window_tokens=16, dense_layers=
 CONFIGS = {
     "dense-gpu-default": dict(layer_loop="layerwise", decode_attention="pallas"),
     "dense-cpu-default": dict(),
-    "offload-gpu-default": dict(OFFLOAD, decode_attention="pallas", micro_batches=2),
+    "offload-gpu-default": dict(OFFLOAD, decode_attention="pallas"),  # recall ahead, one micro-batch
+    "offload-same-layer": dict(OFFLOAD, decode_attention="pallas", recall="interruptible", micro_batches=2),
     "offload-headwise-fragmented-sync": dict(OFFLOAD, selection="headwise", io="fragmented", recall="sync"),
     "offload-eager-numpy-io": dict(OFFLOAD, recall="eager", host_io="numpy", micro_batches=2),
     "offload-fragmented-solohead": dict(OFFLOAD, io="fragmented", layer_loop="layerwise"),
     "offload-device-placement": dict(OFFLOAD, offload_placement="device"),
-    "offload-float8-kv": dict(OFFLOAD, kv_dtype="float8_e4m3fn", decode_attention="pallas", micro_batches=2),
+    "offload-float8-kv": dict(OFFLOAD, kv_dtype="float8_e4m3fn", decode_attention="pallas"),
 }
 
 

@@ -277,10 +277,14 @@ def test_backend_rule_per_platform():
     assert (cpu.decode_attention, cpu.layer_loop, cpu.weights_layout) == ("jnp", "scan", "stacked")
     assert gpu.sparse_attention is None and gpu.host_io is None  # dense mode: no offload backends
     off = plan_backends(EngineConfig.of(mode="offload"), "cuda")
-    assert (off.platform, off.sparse_attention, off.host_io, off.micro_batches) == ("gpu", "pallas", "xla", 2)
-    assert plan_backends(EngineConfig.of(mode="offload"), "cpu").micro_batches == 1
+    # recall ahead (the default) never waits: one micro-batch, one weight pass; a same-layer recall: two on a GPU
+    assert (off.platform, off.sparse_attention, off.host_io, off.micro_batches) == ("gpu", "pallas", "xla", 1)
+    assert plan_backends(EngineConfig.of(mode="offload", recall="interruptible"), "gpu").micro_batches == 2
+    assert plan_backends(EngineConfig.of(mode="offload", recall="interruptible"), "cpu").micro_batches == 1
+    with pytest.raises(ValueError, match="recall='ahead' never waits"):
+        EngineConfig.of(mode="offload", micro_batches=2)
     pinned = plan_backends(EngineConfig.of(decode_attention="jnp", layer_loop="scan", micro_batches=3,
-                                           mode="auto"), "gpu")
+                                           recall="sync", mode="auto"), "gpu")
     assert (pinned.decode_attention, pinned.layer_loop, pinned.micro_batches) == ("jnp", "scan", 3)
     assert "decode_attention as configured" in pinned.reasons
     assert plan_backends(EngineConfig.of(decode_attention="pallas"), "cpu").decode_attention == "pallas"

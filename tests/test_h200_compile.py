@@ -238,6 +238,9 @@ def test_tensor_parallel_steps_compile_with_megatron_all_reduces(target):
     pre = rows["offload", "sparse_pre"]["collectives"]
     assert set(pre) == {"all-reduce"} and pre["all-reduce"]["ops"] == 1  # the block scores, summed over devices
     assert rows["offload", "attend"]["collectives"] == {}
+    # recall ahead's one call per sparse layer: the score sum, then the two of the layer
+    ahead = rows["offload", "ahead_layer"]["collectives"]
+    assert ahead == {"all-reduce": {"ops": 3, "bytes": pre["all-reduce"]["bytes"] + 2 * d}}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])

@@ -104,8 +104,8 @@ def test_spill_recall_land_move_float8_blocks_bit_for_bit(tiny4, monkeypatch):
     land = sparse_layer.land_attend_finish
     checked = []
 
-    def checking(model, lp, x, q, kv, layer, plan, staging, early, **kw):
-        kv, x = land(model, lp, x, q, kv, layer, plan, staging, early, **kw)
+    def checking(model, lp, x, q, kv, layer, plan, staging, early, *rest, **kw):
+        kv, x = land(model, lp, x, q, kv, layer, plan, staging, early, *rest, **kw)
         if staging is not None:
             n, recall, got = int(plan.count), np.asarray(plan.recall), np.asarray(kv[int(layer)])
             stage = np.asarray(staging)
@@ -118,7 +118,8 @@ def test_spill_recall_land_move_float8_blocks_bit_for_bit(tiny4, monkeypatch):
 
     monkeypatch.setattr(sparse_decoder.sparse_layer, "land_attend_finish", checking)
     cfg = EngineConfig.of(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1,
-                          mode="offload", budget_tokens=24, dense_layers=2, kv_dtype="float8_e4m3fn")
+                          mode="offload", budget_tokens=24, dense_layers=2, kv_dtype="float8_e4m3fn",
+                          recall="interruptible")  # (recall ahead lands in its layer call: test_offload.py checks it)
     engine = Engine(tiny4, cfg)
     prompts = [np.random.default_rng(i).integers(3, tiny4.cfg.vocab_size, n).tolist() for i, n in enumerate((61, 38))]
     res = generate_long(prompts, engine, max_new_tokens=8, ignore_eos=True)

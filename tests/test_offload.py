@@ -25,11 +25,11 @@ def _prompts(vocab, lengths=(61, 38, 47), seed=0):
     ("tiny", dict(dense_layers=1)),
     ("tiny4", dict(dense_layers=2)),
     ("tiny4", dict(dense_layers=2, selection="headwise", io="fragmented", recall="sync", micro_batches=1)),
-    ("tiny4", dict(dense_layers=2, host_io="numpy", micro_batches=2)),
+    ("tiny4", dict(dense_layers=2, host_io="numpy", recall="interruptible", micro_batches=2)),
     ("tiny4", dict(dense_layers=2, recall="eager", micro_batches=2)),  # early attention queued before the plan read
     ("tiny4", dict(dense_layers=2, host_io="numpy", selection="headwise", io="fragmented")),
     # Qwen3-MoE: routed experts in every layer (each switch has its own tiny4 case; the experts need one run)
-    ("moe4", dict(dense_layers=2, micro_batches=2)),
+    ("moe4", dict(dense_layers=2, recall="interruptible", micro_batches=2)),
     ("tiny4", dict(dense_layers=2, kv_dtype="float8_e4m3fn")),  # float8 KV (both runs): its bytes round-trip exactly
 ])
 def test_full_budget_offload_equals_dense(request, monkeypatch, model_name, extra):
@@ -80,8 +80,11 @@ def test_offloaded_sparse_equals_on_device_sparse(tiny4, selection, host_io, sco
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, selection=selection, **scoring)
     dev = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True,
                         engine_config=EngineConfig.of(**kw, offload_placement="device"))
+    # a same-layer recall attends every selected block in its step, as device placement does (recall ahead attends
+    # a miss one step later: test_recall_ahead_*)
+    same_layer = {} if "recall" in scoring else dict(recall="interruptible")
     host = generate_long(prompts, tiny4, max_new_tokens=24, ignore_eos=True,
-                         engine_config=EngineConfig.of(**kw, host_io=host_io))
+                         engine_config=EngineConfig.of(**kw, host_io=host_io, **same_layer))
     assert all(r.stats["host_io"] == host_io for r in host)
     assert [r.token_ids for r in host] == [r.token_ids for r in dev]
     assert all(r.stats["offloaded"] and r.stats["recall_bytes"] > 0 for r in host)
@@ -109,7 +112,8 @@ def test_host_pool_holds_what_the_gpu_would(tiny4, host_io, kv_dtype):
     host path splits attention into resident + recalled partials and merges them; float8 blocks, scale codes
     included, compare as values: a last-bit difference upstream may move a float8 rounding)."""
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(45, 30))
-    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, micro_batches=2, kv_dtype=kv_dtype)
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, recall="interruptible", micro_batches=2,
+              kv_dtype=kv_dtype)
     host = Engine(tiny4, EngineConfig.of(**kw, host_io=host_io))
     dev = Engine(tiny4, EngineConfig.of(**kw, offload_placement="device"))
     hreqs = _run_until_last_token(host, prompts, 40)
@@ -140,7 +144,7 @@ def test_coalesced_one_copy_per_layer_and_step_fragmented_per_unit(tiny4):
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
     logs, bytes_, per_req = {}, {}, {}
     for io, mbs in [("coalesced", 1), ("coalesced", 2), ("fragmented", 1)]:
-        eng = Engine(tiny4, EngineConfig.of(**kw, io=io, micro_batches=mbs))
+        eng = Engine(tiny4, EngineConfig.of(**kw, io=io, micro_batches=mbs, recall="interruptible"))
         res = generate_long(prompts, eng, max_new_tokens=16, ignore_eos=True, engine_config=eng.config)
         logs[io, mbs] = list(eng.sparse.step_log)
         bytes_[io, mbs] = sum(e["h2d_bytes"] for e in logs[io, mbs])
@@ -187,20 +191,91 @@ def test_eager_recall_queues_the_early_attention_on_every_layer(tiny4, monkeypat
     assert calls_e["attend"] == calls_e["sparse_pre"]
 
 
-def test_repeated_selection_recalls_nothing(tiny4):
+@pytest.mark.parametrize("recall", ["interruptible", "ahead"])
+def test_repeated_selection_recalls_nothing(tiny4, recall):
     """A budget covering every block selects the same middle blocks step after step: the first step recalls
-    them, later steps only what newly left the window (nothing while no block leaves)."""
+    them, later steps only what newly left the window (nothing while no block leaves); recall ahead not even
+    that: the block that left the window is copied from its spare GPU block into its slot."""
     prompt = _prompts(tiny4.cfg.vocab_size, lengths=(40,))  # 10 full blocks
-    eng = Engine(tiny4, EngineConfig.of(**BASE, mode="offload", budget_tokens=512, dense_layers=2, micro_batches=1))
+    eng = Engine(tiny4, EngineConfig.of(**BASE, mode="offload", budget_tokens=512, dense_layers=2, micro_batches=1,
+                                        recall=recall))
     generate_long(prompt, eng, max_new_tokens=8, ignore_eos=True, engine_config=eng.config)
     log = list(eng.sparse.step_log)
     # the first decode step writes position 40 (block 10): window = blocks 9, 10, middle = blocks 1..8
     bs, middle = 4, 8
-    assert log[0]["h2d_bytes"] == middle * 2 * eng.host_pool.layer_block_bytes
+    # (recall ahead: block 8 left the window at this very step and is copied from its GPU block, not recalled)
+    first = middle - 1 if recall == "ahead" else middle
+    assert log[0]["h2d_bytes"] == first * 2 * eng.host_pool.layer_block_bytes
     # decode positions 40..46: a new block starts at 44 (step 4) and block 8 leaves the window then
     for i, e in enumerate(log[1:], start=1):
-        expect = 2 * eng.host_pool.layer_block_bytes if (40 + i) % bs == 0 else 0
+        expect = 2 * eng.host_pool.layer_block_bytes if (40 + i) % bs == 0 and recall != "ahead" else 0
         assert e["h2d_bytes"] == expect, (i, e)
+    assert ("late_recalls" in log[1]) == (recall == "ahead")  # the first step of a request recalls in the layer
+
+
+@pytest.mark.parametrize("selection,io", [("solohead", "coalesced"), ("headwise", "coalesced"),
+                                          ("solohead", "fragmented")])
+def test_recall_ahead_slots_hold_their_blocks(tiny4, selection, io):
+    """Recall ahead under a budget that drops blocks: the driver never waits (no recall wait; the recalls land in
+    the layer's next call), and once the recalls in flight have landed every slot of every sparse layer holds,
+    bit for bit, the host row of the block its slot cache says it holds: recalled, or copied from the spare GPU
+    block. No lost or stale KV."""
+    prompts = _prompts(tiny4.cfg.vocab_size, lengths=(45, 30))
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, selection=selection, io=io)
+    eng = Engine(tiny4, EngineConfig.of(**kw))
+    reqs = _run_until_last_token(eng, prompts, 30)
+    log = list(eng.sparse.step_log)
+    ahead = [e for e in log if "late_recalls" in e]  # all but each request's first step (it recalls in the layer)
+    assert len(ahead) == len(log) - len(prompts) >= 20 and all(e["recall_wait_s"] == 0.0 for e in ahead)
+    assert sum(e["h2d_bytes"] for e in ahead) > 0  # recalls issued ahead, landed by the next step's calls
+    kv = np.asarray(eng.sparse.land_pending(eng.kv))
+    eng.kv = jnp.asarray(kv)
+    assert not eng.sparse.recall_in_flight
+    _, key = (np.asarray(a) for a in eng.sparse.slot_state)
+    checked = 0
+    for r in reqs:
+        s = r.sparse
+        for sl in range(s.plan.sparse_layers):
+            for lane in range(s.plan.lanes):
+                for i, j in enumerate(key[sl, s.slot_row, lane, : s.slot_capacity]):
+                    if j < 0:
+                        continue
+                    want = np.asarray(eng.host_pool.read(sl, s.host_rows[j]))
+                    got = kv[s.plan.dense_layers + sl, s.slot_block_arr[i]]
+                    if s.plan.lanes > 1:
+                        want, got = want[..., lane, :], got[..., lane, :]
+                    np.testing.assert_array_equal(got, want)
+                    checked += 1
+    assert checked >= 2 * 2 * 3
+    same = generate_long(prompts, tiny4, max_new_tokens=30, ignore_eos=True,
+                         engine_config=EngineConfig.of(**kw, recall="interruptible"))
+    # a request's first decode step recalls in the layer, as the same-layer mode does: its tokens up to there agree
+    # (later ones may not: a miss is attended one step later; bench/accuracy.py measures what that costs)
+    assert [r.output[:2] for r in reqs] == [o.token_ids[:2] for o in same]
+
+
+def test_recall_ahead_lands_before_blocks_change_owner(tiny4, monkeypatch):
+    """A request that finishes with recalls in flight: they land before its blocks are freed, so the request
+    admitted next, into those blocks, gets the tokens it gets alone (one request at a time: each runs as alone)."""
+    from pulseinfer_jax.sched.scheduler import Scheduler
+
+    prompts = _prompts(tiny4.cfg.vocab_size, lengths=(45, 50, 41))
+    cfg = EngineConfig.of(**{**BASE, "max_batch": 1}, mode="offload", budget_tokens=24, dense_layers=2)
+    eng = Engine(tiny4, cfg)
+    in_flight = []
+    finish = Scheduler.finish
+
+    def spy(sched, req, reason):
+        in_flight.append(eng.sparse.recall_in_flight)
+        finish(sched, req, reason)
+
+    monkeypatch.setattr(Scheduler, "finish", spy)
+    res = generate_long(prompts, eng, max_new_tokens=12, ignore_eos=True, engine_config=cfg)
+    assert in_flight == [False] * 3  # every finish found its recalls landed
+    monkeypatch.undo()
+    alone = [generate_long([p], tiny4, max_new_tokens=12, ignore_eos=True, engine_config=cfg)[0] for p in prompts]
+    assert [r.token_ids for r in res] == [r.token_ids for r in alone]
+    assert [r.stats["admitted_at_step"] > 0 for r in res] == [False, True, True]
 
 
 def test_auto_mode_places_by_memory_and_pcie_and_stays_correct(tiny4):
@@ -518,7 +593,8 @@ def test_retrieval_head_calibration_and_decode(tiny4):
     with pytest.raises(ValueError, match="too short"):
         calibrate_retrieval_heads(tiny4, prompt[:5], EngineConfig.of(**kw))
     cfg = dict(kw, solohead="retrieval_head", retrieval_heads=heads)
-    a = generate_long([prompt[:60]], tiny4, max_new_tokens=12, ignore_eos=True, engine_config=EngineConfig.of(**cfg))
+    a = generate_long([prompt[:60]], tiny4, max_new_tokens=12, ignore_eos=True,  # (the same-layer recall, as device)
+                      engine_config=EngineConfig.of(**cfg, recall="interruptible"))
     b = generate_long([prompt[:60]], tiny4, max_new_tokens=12, ignore_eos=True,
                       engine_config=EngineConfig.of(**cfg, offload_placement="device"))
     assert a[0].token_ids == b[0].token_ids and a[0].stats["recall_bytes"] > 0

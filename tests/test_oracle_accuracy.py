@@ -107,7 +107,8 @@ def test_harness_reproduces_the_engine(tiny4, policy, engine_kw):
             dense_layers=1))])
 
     cfg = EngineConfig.of(block_size=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1, dense_layers=1,
-                       mode="offload", budget_tokens=24, resident_bonus=0.0, **engine_kw)  # (no slot history)
+                       mode="offload", budget_tokens=24, resident_bonus=0.0, recall="interruptible",
+                       **engine_kw)  # (no slot history; the same-layer recall attends the whole selection in its step)
     engine = teacher_forced_logits(tiny4, cfg, toks[:70], targets)
     same = harness(policy)
     assert engine.shape == same.shape == (len(targets), tiny4.cfg.vocab_size)

@@ -38,6 +38,7 @@ from pulseinfer_jax.runner import dense, sampling, sparse_layer
 from pulseinfer_jax.runner.offloaded_prefill import chunk_plan, chunk_size
 from pulseinfer_jax.runner.sparse_inputs import (
     KeyBounds,
+    Landing,
     ScoringBounds,
     SelectSpec,
     SparseLayerRefs,
@@ -305,21 +306,16 @@ def _io(es: EngineShapes, first_layer: int, host_sharding, dev_sharding):
 
 
 def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardings=None, micro_batches: int = 2,
-                  group: str = "sparse") -> list[Call]:
+                  group: str = "sparse", first_of_ahead: bool = False) -> list[Call]:
     """One decode step of `layout`'s requests with `recall` misses per sparse layer and micro-batch (0 = none),
     SparseDecoder.decode's calls. `shardings(memory_kind)` gives the host / device shardings the host I/O programs
-    are jitted with (the compile target's; needed only for host_io "xla")."""
+    are jitted with (the compile target's; needed only for host_io "xla"). `first_of_ahead`: the same-layer step
+    recall ahead runs when a request decodes for the first time (spare blocks, late rows)."""
     cfg, model, plan = es.config, es.model, layout.plan
     c = model.cfg
     sc = cfg.scoring
     sl_n = plan.sparse_layers
     reqs = layout.requests
-    k = max(1, min(micro_batches, len(reqs)))
-    bounds = np.linspace(0, len(reqs), k + 1).astype(int)
-    groups = [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
-    kv = es.kv(layout.num_gpu_blocks)
-    slots = layout.slot_state
-    layer_refs = SparseLayerRefs(*(_scalar() for _ in dataclasses.fields(SparseLayerRefs)))
     calls: dict[str, Call] = {}
 
     def add(p: Program, n: float) -> None:
@@ -328,12 +324,34 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
 
     host_s = shardings(HOST) if shardings is not None else None
     dev_s = shardings("device") if shardings is not None else None
+    if cfg.ablation.recall == "ahead":  # the driver runs the batch as one
+        micro_batches = 1
+        # a request's first step recalls in the layer (nothing was prefetched for it), after the recalls in flight
+        # land: compiled, not counted per step
+        same = dataclasses.replace(es, config=cfg.with_settings(recall="interruptible", micro_batches=1))
+        for call in sparse_decode(same, layout, recall, shardings=shardings, micro_batches=1, group=group,
+                                  first_of_ahead=True):
+            add(call.program, 0.0)
+        if recall:  # (`land_pending`: before a request's first step, or before a finished request's blocks are freed)
+            fan = c.num_kv_heads if (cfg.ablation.io == "fragmented" and plan.selection == "solohead") else 1
+            staging = _recall_calls(es, layout, recall, lambda p, n: None, host_s, dev_s, sl_n, group)
+            landing = Landing(staging, spec((3, _recall_len(layout, len(reqs))), I32), _scalar())
+            add(es.program("land", group, sparse_layer.land, (es.kv(layout.num_gpu_blocks), _scalar(), landing),
+                           {"fan": fan}), 0.0)
+    k = max(1, min(micro_batches, len(reqs)))
+    bounds = np.linspace(0, len(reqs), k + 1).astype(int)
+    groups = [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
+    kv = es.kv(layout.num_gpu_blocks)
+    slots = layout.slot_state
+    layer_refs = SparseLayerRefs(*(_scalar() for _ in dataclasses.fields(SparseLayerRefs)))
+
     for g in groups:
         members = [reqs[j] for j in g]
         mb = micro_batch_inputs(plan, sc, es.config.ablation.solohead, layout.num_gpu_blocks, members,
                                 [0] * len(members), [layout.lengths[j] for j in g])
         bp = mb.tokens.shape[0]
-        step = specs_of(slot_step_inputs(members, mb.tables, bp, slots[0].shape[1], slots[0].shape[3]))
+        step = specs_of(slot_step_inputs(members, mb.tables, bp, slots[0].shape[1], slots[0].shape[3],
+                                         spare=first_of_ahead))
         x = es.x(bp)
         rows_spec = specs_of(mb.rows)
         kc = mb.rows.candidates.rows.shape[1]
@@ -348,6 +366,23 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
                            (model, es.layer_params, kv, x, rows_spec.positions, dense.write[d], dense.ids[d],
                             dense.lens), {"attention": es.attention}, pallas=ATTENTION, valid=dense_valid), 1)
         select = SelectSpec.of(plan, cfg.ablation.solohead, es.attention, sc, coarse=mb.coarse)
+        fan = c.num_kv_heads if (cfg.ablation.io == "fragmented" and plan.selection == "solohead") else 1
+        if cfg.ablation.recall == "ahead":  # one call per sparse layer; the recall lands in the next step's call
+            step = specs_of(slot_step_inputs(members, mb.tables, bp, slots[0].shape[1], slots[0].shape[3],
+                                             spare=True))
+            landing = None
+            if recall:
+                staging = _recall_calls(es, layout, recall, add, host_s, dev_s, sl_n, group)
+                landing = Landing(staging, spec((3, _recall_len(layout, len(members))), I32), _scalar())
+            per_row = min(float(recall) / len(members), plan.budget_blocks * plan.lanes) if recall else 0.0
+            early_frac = len(members) * (plan.budget_blocks * plan.lanes - per_row) / (bp * plan.budget_blocks
+                                                                                         * plan.lanes)
+            add(es.program("ahead_layer", group, sparse_layer.ahead_layer, (
+                model, es.layer_params, kv, x, layout.bounds, slots, rows_spec, step, layer_refs, landing),
+                {"spec": select, "attention": es.attention, "fan": fan}, pallas=SCORING + ATTENTION,
+                valid=scored + ((ATTENTION[0], early_frac),)), sl_n)
+            add(es.program("logits", group, sparse_layer.logits, (model, es.head_params, x)), 1)
+            continue
         pre = es.program("sparse_pre", group, sparse_layer.sparse_pre, (
             model, es.layer_params, kv, x, layout.bounds, slots, rows_spec, step, layer_refs), {"spec": select},
             pallas=SCORING, valid=scored)
@@ -369,13 +404,13 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         if eager or interrupt:
             add(attend, sl_n)
         width = min(bucket(recall), plan.budget_blocks) if recall else 0
-        fan = c.num_kv_heads if (cfg.ablation.io == "fragmented" and plan.selection == "solohead") else 1
         # the landing attends the late entries (width per lane), and the early ones too when none came in
         late = rows * per_row / (bp * width * plan.lanes) if width else 0.0
         land_valid = ((ATTENTION[0], late if (eager or interrupt) else early_valid[0][1]),)
         add(es.program("land_attend_finish", group, sparse_layer.land_attend_finish, (
             model, es.layer_params, x, q, kv, _scalar(), plan_spec, staging,
-            early if (eager or interrupt) else None), {"attention": es.attention, "width": width, "fan": fan},
+            early if (eager or interrupt) else None, spec((bp,), jnp.bool_) if first_of_ahead and width else None),
+            {"attention": es.attention, "width": width, "fan": fan},
             pallas=ATTENTION, valid=land_valid), sl_n)
         add(es.program("logits", group, sparse_layer.logits, (model, es.head_params, x)), 1)
     # every block_size steps each request's oldest window block leaves: written back, its key bounds computed
@@ -388,6 +423,12 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         add(refresh_coarse_program(es, layout, n_exit, group), per_step)
     # the sparse logits come back to the host unpadded: sampled at exactly len(reqs) rows
     return list(calls.values()) + sample_calls(es, len(reqs))
+
+
+def _recall_len(layout: SparseLayout, rows: int) -> int:
+    """Entries of a layer plan's recall list (slot_plan.layer_plan's P) for `rows` requests."""
+    plan = layout.plan
+    return 1 << max(0, (bucket(rows) * plan.lanes * plan.budget_blocks - 1).bit_length())
 
 
 def _recall_calls(es: EngineShapes, layout: SparseLayout, recall: int, add, host_s, dev_s, sl_n: int,

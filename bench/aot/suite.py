@@ -44,7 +44,8 @@ ABLATIONS = {
     "per-head-offloading": (dict(selection="headwise", io="fragmented", recall="sync", micro_batches=1), {}),
     "sync": (dict(recall="sync", micro_batches=1), {}),
     "eager": (dict(recall="eager"), {}),
-    "one-micro-batch": (dict(micro_batches=1), {}),
+    "same-layer": (dict(recall="interruptible"), {}),  # the plan read in the layer, two micro-batches
+    "one-micro-batch": (dict(recall="interruptible", micro_batches=1), {}),
     "min-reuse": (dict(slot_cache_blocks=123), {}),  # one step's selection: 128 - 1 sink - 4 window blocks
     "device-placement": (dict(offload_placement="device"), {}),
     "sub-blocks-2": (dict(score_sub_blocks=2), {}),
@@ -122,6 +123,13 @@ def offload_step(es: cat.EngineShapes, prompts: list[int], recall: int, *, shard
     return cat.sparse_decode(es, layout, recall, shardings=shardings, micro_batches=micro_batches)
 
 
+def gpu_micro_batches(config: EngineConfig) -> int:
+    """The micro-batches a GPU engine of `config` splits its offloaded batch into (backends.plan_backends)."""
+    from pulseinfer_jax.backends import plan_backends
+
+    return plan_backends(config, "gpu").micro_batches
+
+
 def typical_recall(es: cat.EngineShapes, batch: int, micro_batches: int) -> tuple[int, int]:
     """(typical, largest) misses per sparse layer and micro-batch: a quarter of the middle budget (IOAA's prior
     miss fraction) and all of it."""
@@ -153,11 +161,12 @@ def engine_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -> 
                 for budget in budgets:
                     sparse = engine(name, ctx, EngineConfig.of(mode="offload", max_batch=max(BATCHES),
                                                             budget_tokens=budget))
-                    typical, largest = typical_recall(sparse, b, 2)
+                    typical, largest = typical_recall(sparse, b, gpu_micro_batches(sparse.config))
                     layout = offload_layout(sparse, [prompt] * b, hbm)
                     for recall in ((typical, largest) if b == 8 else (typical,)):
                         suite.add(f"{name}/offload/{ctx}x{b}/budget{budget}/recall{recall}",
-                                  cat.sparse_decode(sparse, layout, recall, shardings=shardings))
+                                  cat.sparse_decode(sparse, layout, recall, shardings=shardings,
+                                                    micro_batches=gpu_micro_batches(sparse.config)))
                     suite.add(f"{name}/offload/{ctx}x{b}/budget{budget}/alloc",
                               cat.allocations(sparse, shardings, layout))
                     if (name, ctx) not in prefilled:  # (other layouts change only the pool's size)
@@ -176,7 +185,7 @@ def ablation_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -
         over, backends = ABLATIONS[name]
         cfg = EngineConfig.of(mode="offload", max_batch=max(BATCHES), budget_tokens=budget, **over)
         es = ablation("llama-3.1-8b", ctx, cfg, **backends)
-        mbs = cfg.offload.micro_batches or 2
+        mbs = gpu_micro_batches(cfg)
         typical, _ = typical_recall(es, b, mbs)
         layout = offload_layout(es, [ctx] * b, hbm)
         suite.add(f"ablation/{name}/offload/{ctx}x{b}",

@@ -126,11 +126,13 @@ def steps(preset: str, context: int, batch: int, layout: DeviceLayout, hbm: int)
     out["dense"] = cat.dense_decode(dense, [prompt] * batch, suite_mod.NEW_TOKENS)
     sparse = cat.EngineShapes.of(cfg, jnp.bfloat16, EngineConfig.of(mode="offload", max_batch=64,
                                                                     budget_tokens=BUDGET))
-    typical, _ = suite_mod.typical_recall(sparse, batch, 2)
+    mbs = suite_mod.gpu_micro_batches(sparse.config)
+    typical, _ = suite_mod.typical_recall(sparse, batch, mbs)
     sparse_layout = suite_mod.offload_layout(sparse, [prompt] * batch, hbm)
     # the model-step programs (the host I/O programs are per device, parallel/layout: shard_map of one device's)
-    out["offload"] = [c for c in cat.sparse_decode(sparse, sparse_layout, typical) if c.program.group != "host_io"]
-    micro = min(2, batch)
+    out["offload"] = [c for c in cat.sparse_decode(sparse, sparse_layout, typical, micro_batches=mbs)
+                      if c.program.group != "host_io"]
+    micro = min(mbs, batch)
     block = 2 * sparse.config.block_size * cfg.num_kv_heads * cfg.head_dim * 2 // layout.tp  # one device's heads, bf16
     recall = {"misses_per_layer_and_micro_batch": typical, "sparse_layers": sparse_layout.plan.sparse_layers,
               "micro_batches": micro, "bytes_per_step_per_device": typical * sparse_layout.plan.sparse_layers * micro

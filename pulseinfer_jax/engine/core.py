@@ -476,7 +476,7 @@ class Engine:
                     reason = "length"
                 if reason is not None:
                     r.t_done = now
-                    self.scheduler.finish(r, reason)
+                    self._finish(r, reason)
                 yield TokenEvent(r.index, t, reason)
 
     def stop_request(self, req: Request, reason: str) -> None:
@@ -484,7 +484,14 @@ class Engine:
         if req.status is not Status.FINISHED:
             req.t_done = time.perf_counter()
             self._segments.pop(req.index, None)  # an offloaded prefill in progress ends with it
-            self.scheduler.finish(req, reason)
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """Free a request's KV. Recalls issued ahead land first: their slots may belong to it, and its freed blocks
+        may be handed out before the next sparse step."""
+        if req.sparse is not None and self.sparse is not None and self.sparse.recall_in_flight:
+            self.kv = self.sparse.land_pending(self.kv)
+        self.scheduler.finish(req, reason)
 
     @staticmethod
     def _table(blocks: list[int], width: int) -> np.ndarray:

@@ -5,6 +5,16 @@ One decode step of the sparse requests (`SparseDecoder.decode`):
   0. bookkeeping (host): each request's newest block becomes resident; a block that left the recent window
      is written back to its host row (async device->host copy) and gets its key metadata (`refresh_meta`):
      both are dispatched before any selection of this step, so the step can select and recall it.
+  recall ahead (`recall="ahead"`, the default): the batch runs as one, and each sparse layer is ONE call that
+     never waits on the host (`sparse_layer.ahead_layer`): it lands the recall that layer issued last step, writes
+     the token, scores, selects and plans against the slot caches, copies a miss on the block that just left the
+     window from its spare GPU block, attends over the resident blocks, the hits and that copy, and finishes the
+     layer. The other misses are not attended in this step: once every layer is dispatched the driver reads each
+     layer's plan as the GPU gets past it and issues that layer's recall (one host gather, one copy), which lands
+     in the layer's next call, a whole step later. A request's first decode step has nothing prefetched: that step
+     runs the same-layer schedule below (after landing the recalls in flight), as do the ablations. Recalls in
+     flight also land before a finished request's blocks are freed (`land_pending`).
+  same-layer schedules (`recall="interruptible" | "eager" | "sync"`):
   1. the batch is split into `micro_batches` micro-batches; each runs the layer loop below as a coroutine
      that stops where it needs something not yet there;
   2. dense layer l < dense_layers: one jitted call (write the token, attend over every block, MLP);
@@ -38,7 +48,8 @@ oldest. Blocking on a recall is counted as recall wait (`recall_wait_s`) only af
 work queued ahead of it (the awaited micro-batch's early attention): that interval is time the GPU sits
 idle on PCIe. A recall stop is resumed only once its copy landed, so the landing call that donates the shared
 cache never makes another micro-batch's queued work wait on this one's copy. Every mechanism is switchable
-for ablation: `recall="sync"`, `micro_batches=1`, `io="fragmented"`, `selection="headwise"`.
+for ablation: `recall="interruptible"` (same-layer), `recall="sync"`, `micro_batches=1`, `io="fragmented"`,
+`selection="headwise"`.
 """
 
 from __future__ import annotations
@@ -63,6 +74,7 @@ from pulseinfer_jax.parallel.layout import DeviceLayout
 from pulseinfer_jax.runner import sparse_layer
 from pulseinfer_jax.runner.sparse_inputs import (
     KeyBounds,
+    Landing,
     ScoringBounds,
     SelectSpec,
     SparseLayerRefs,
@@ -145,6 +157,8 @@ class SparseDecoder:
         # per decode step: host-to-device copies and bytes issued, recall wait (bounded history); steps logged in all
         self.step_log: collections.deque[dict] = collections.deque(maxlen=65536)
         self.steps_logged = 0
+        # recall="ahead": per sparse layer, the recall issued for its next call (None: nothing in flight)
+        self._pending: list[Landing | None] = [None] * plan.sparse_layers
 
     @property
     def layer_params(self) -> list[dict]:
@@ -262,6 +276,17 @@ class SparseDecoder:
         self._refresh_meta(kv, meta)
         for s in sparse:
             s.counters.last_step_recall_bytes = 0
+        # recall ahead: a request's first step has nothing prefetched, so that step recalls in the layer, where only
+        # the new requests attend their misses (the others exactly as in a step ahead: the tokens of a request do not
+        # depend on who joins the batch)
+        fresh = np.array([s.slot_fresh for s in sparse])
+        first = None
+        if self.ablation.recall == "ahead":
+            if not fresh.any():
+                self._prepare_slots(sparse)
+                return self._decode_ahead(kv, sparse, tokens, lengths)
+            kv = self.land_pending(kv)
+            first = fresh
         self._prepare_slots(sparse)
 
         k = max(1, min(self.micro_batches, len(sparse)))
@@ -271,7 +296,7 @@ class SparseDecoder:
         copies0, bytes0 = self.pool.h2d_copies, self.pool.h2d_bytes
         outs: dict[int, jax.Array] = {}
         coros = {i: self._micro_batch([sparse[j] for j in g], [tokens[j] for j in g], [lengths[j] for j in g],
-                                      outs, i) for i, g in enumerate(groups)}
+                                      outs, i, None if first is None else first[g]) for i, g in enumerate(groups)}
         waited = self._drive(coros, {i: [sparse[j] for j in g] for i, g in enumerate(groups)})
         kv, self.kv = self.kv, None
         self.step_log.append({"batch": len(sparse), "micro_batches": k, "h2d_copies": self.pool.h2d_copies - copies0,
@@ -281,6 +306,68 @@ class SparseDecoder:
         logits = np.concatenate([np.asarray(outs[i])[: len(g)] for i, g in enumerate(groups)])
         self.selector.end_step(sparse)
         return kv, logits
+
+    def _decode_ahead(self, kv: jax.Array, sparse: list[SparseKV], tokens: list[int], lengths: list[int]
+                      ) -> tuple[jax.Array, np.ndarray]:
+        """A step with every recall one step ahead (`recall="ahead"`): one call per sparse layer, dispatched without a
+        stop (each lands the recall its layer issued last step); then, while the GPU runs the step, each layer's plan
+        is read as it is ready and its misses recalled for the next step."""
+        p, ab, model, params = self.plan, self.ablation, self.model, self.params
+        mb = micro_batch_inputs(p, self.scoring, ab.solohead, self.nb, sparse, tokens, lengths)
+        bp = mb.tokens.shape[0]
+        rows, dense = (jax.tree.map(jnp.asarray, t) for t in (mb.rows, mb.dense))
+        step = self._step_inputs(sparse, mb.tables, bp, spare=True)
+        spec = SelectSpec.of(p, ab.solohead, self.attention, self.scoring, coarse=mb.coarse,
+                             override=step.override is not None)
+        fan = self._fan()
+        copies0, bytes0 = self.pool.h2d_copies, self.pool.h2d_bytes
+        late = 0  # recalls not landed yet when their layer was dispatched (the GPU waits for them, the host does not)
+        head = head_params(params)
+        x = sparse_layer.embed(model, head, jnp.asarray(mb.tokens))
+        plans = []
+        for layer in range(model.cfg.num_layers):
+            lp = self.layer_params[layer]
+            if layer < p.dense_layers:
+                kv, x = sparse_layer.dense_layer(model, lp, kv, x, rows.positions, dense.write[layer],
+                                                 dense.ids[layer], dense.lens, attention=self.attention)
+                continue
+            sl = layer - p.dense_layers
+            landing, self._pending[sl] = self._pending[sl], None
+            late += landing is not None and not landing.staging.is_ready()
+            kv, x, self.slot_state, plan, sel = sparse_layer.ahead_layer(
+                model, lp, kv, x, self.bounds, self.slot_state, rows, step, self._layer_refs[sl], landing, spec=spec,
+                attention=self.attention, fan=fan)
+            plans.append((sl, plan, sel))
+        out = sparse_layer.logits(model, head, x)
+        for sl, plan, sel in plans:  # the GPU is still on the later layers while these are read
+            info = self._read_plan(np.asarray(plan.info), sparse, bp)
+            self.selector.observe(sl, sparse, lengths, sel, info.hits, info.misses)
+            staging = self._issue_recall(sl, info, sparse)
+            if staging is not None:
+                self._pending[sl] = Landing(staging, plan.recall, plan.count)
+        self.step_log.append({"batch": len(sparse), "micro_batches": 1, "h2d_copies": self.pool.h2d_copies - copies0,
+                              "h2d_bytes": self.pool.h2d_bytes - bytes0, "recall_wait_s": 0.0, "late_recalls": late})
+        self.steps_logged += 1
+        logits = np.asarray(out)[: len(sparse)]
+        self.selector.end_step(sparse)
+        return kv, logits
+
+    def land_pending(self, kv: jax.Array) -> jax.Array:
+        """Land every recall issued ahead now (before GPU blocks change owner, or a same-layer step): returns kv."""
+        for sl, landing in enumerate(self._pending):
+            if landing is not None:
+                kv = sparse_layer.land(kv, self._layer_ids[self.plan.dense_layers + sl], landing, fan=self._fan())
+                self._pending[sl] = None
+        return kv
+
+    @property
+    def recall_in_flight(self) -> bool:
+        return any(landing is not None for landing in self._pending)
+
+    def _fan(self) -> int:
+        """Staging units per miss: SoloHead's blocks sent per (block, head) (io="fragmented") have one per KV head."""
+        solo = self.plan.selection == "solohead"
+        return self.model.cfg.num_kv_heads if (self.ablation.io == "fragmented" and solo) else 1
 
     def _drive(self, coros: dict[int, Generator[Stop, None, None]], members: dict[int, list[SparseKV]]) -> float:
         """Run the micro-batch coroutines to completion; returns the seconds spent idle on recall."""
@@ -311,13 +398,21 @@ class SparseDecoder:
         return total
 
     def _micro_batch(self, sparse: list[SparseKV], tokens: list[int], lengths: list[int],
-                     outs: dict[int, jax.Array], key: int) -> Generator[Stop, None, None]:
+                     outs: dict[int, jax.Array], key: int, first: np.ndarray | None = None
+                     ) -> Generator[Stop, None, None]:
+        """One micro-batch's layer loop (same-layer recall). `first` (recall ahead's step where requests join): which
+        rows decode for the first time; only they attend their misses now."""
         p, ab, nb = self.plan, self.ablation, self.nb
         model, params = self.model, self.params
         mb = micro_batch_inputs(p, self.scoring, ab.solohead, nb, sparse, tokens, lengths)
         bp = mb.tokens.shape[0]
         rows, dense = (jax.tree.map(jnp.asarray, t) for t in (mb.rows, mb.dense))
-        step = self._step_inputs(sparse, mb.tables, bp)
+        step = self._step_inputs(sparse, mb.tables, bp, spare=first is not None)
+        late_rows = None
+        if first is not None:
+            late_rows = np.zeros(bp, bool)
+            late_rows[: len(first)] = first
+            late_rows = jax.device_put(late_rows, self.replicated)
         spec = SelectSpec.of(p, ab.solohead, self.attention, self.scoring, coarse=mb.coarse,
                              override=step.override is not None)
 
@@ -345,26 +440,27 @@ class SparseDecoder:
             # Tied to the recall's count, which also sizes the staging, so that the landing call compiles once per
             # recall size rather than per (recall size, late width) pair
             width = min(bucket(info.count), p.budget_blocks) if staging is not None else 0
-            fan = self.model.cfg.num_kv_heads if (ab.io == "fragmented" and p.selection == "solohead") else 1
+            fan = self._fan()
             if staging is None or ab.recall == "sync":
                 if staging is not None:
                     yield "recall", staging, q
                 self.kv, x = sparse_layer.land_attend_finish(model, lp, x, q, self.kv, lid, plan, staging, early,
-                                                          attention=self.attention, width=width, fan=fan)
+                                                             late_rows, attention=self.attention, width=width,
+                                                             fan=fan)
                 continue
             if early is None:
                 early = sparse_layer.attend(q, self.kv, plan.early, attention=self.attention)
             yield "recall", staging, early[0]
             self.kv, x = sparse_layer.land_attend_finish(model, lp, x, q, self.kv, lid, plan, staging, early,
-                                                      attention=self.attention, width=width, fan=fan)
+                                                         late_rows, attention=self.attention, width=width, fan=fan)
         outs[key] = sparse_layer.logits(model, head, x)
 
-    def _step_inputs(self, sparse: list[SparseKV], tables: StepTables, bp: int) -> SlotStep:
+    def _step_inputs(self, sparse: list[SparseKV], tables: StepTables, bp: int, spare: bool = False) -> SlotStep:
         """The device plan's per-step inputs (`slot_plan.layer_plan`'s `step`, sparse_inputs.slot_step_inputs) on the
         device; the padding rows use the slot table's last row (see _prepare_slots)."""
         stamp = self.slot_state[0]
         step = slot_step_inputs(sparse, tables, bp, stamp.shape[1], stamp.shape[3],
-                                self.selector.override(sparse, tables.lengths, bp))
+                                self.selector.override(sparse, tables.lengths, bp), spare=spare)
         return step.on(self.replicated)
 
     def _prepare_slots(self, sparse: list[SparseKV]) -> None:

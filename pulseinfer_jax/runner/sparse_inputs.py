@@ -113,6 +113,17 @@ class SparseLayerRefs:
             sl * host_rows, (plan.dense_layers + sl) * gpu_blocks, retrieval_head, sl, sl * group_rows)))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Landing:
+    """A sparse layer's recall issued one step ahead (`recall="ahead"`), landed by that layer's next call: the
+    copied blocks (or (block, head) units) and the plan that listed them (`LayerPlan.recall`, `LayerPlan.count`)."""
+
+    staging: Float[Array, "n 2 bs Hkv hd"] | Float[Array, "n 2 bs hd"]
+    recall: Int[Array, "3 P"]  # slot block, lane and host row of each miss
+    count: Int[Array, ""]
+
+
 @dataclasses.dataclass(frozen=True)
 class SelectSpec:
     """The static shape of a sparse layer's selection and slot plan (hashable: a static argument)."""
@@ -267,14 +278,21 @@ def micro_batch_inputs(plan: SparsePlan, scoring: BlockScoring, solohead: str, n
 
 
 def slot_step_inputs(sparse: list[SparseKV], tables: StepTables, bp: int, table_rows: int, capacity: int,
-                     override: np.ndarray | None = None) -> SlotStep:
+                     override: np.ndarray | None = None, spare: bool = False) -> SlotStep:
     """The device slot plan's per-step inputs (`slot_plan.layer_plan`'s `step`) for a slot table of `table_rows`
     rows (the last is the padding rows' own) and `capacity` slots per lane; `override`: the middle blocks a
-    replayed trace selects instead ([sparse layers, bp, lanes, M], -1 padded)."""
+    replayed trace selects instead ([sparse layers, bp, lanes, M], -1 padded); `spare`: the blocks that left the
+    window and still sit in the spare GPU block (step-ahead recall)."""
+    spares = None
+    if spare:
+        spares = (np.full(bp, -1, np.int32), np.full(bp, -1, np.int32))
+        for b, s in enumerate(sparse):
+            if s.leaving is not None:
+                spares[0][b], spares[1][b] = s.leaving
     r = np.full(bp, table_rows - 1, np.int32)
     r[: len(sparse)] = [s.slot_row for s in sparse]
     cap = np.full(bp, capacity, np.int32)
     cap[: len(sparse)] = [s.slot_capacity for s in sparse]
     lengths = np.zeros(bp, np.int32)
     lengths[: len(sparse)] = tables.lengths
-    return SlotStep(r, cap, tables.gpu, tables.host, tables.slots, lengths, override)
+    return SlotStep(r, cap, tables.gpu, tables.host, tables.slots, lengths, override, spares)

@@ -20,7 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from pulseinfer_jax.kv.quant import tokens_per_block, write_tokens
 from pulseinfer_jax.models.rope import rope_tables
@@ -33,7 +33,14 @@ from pulseinfer_jax.pallas_kernels.sparse_decode_attention import (
     sparse_decode_attention_reference,
 )
 from pulseinfer_jax.parallel import kernels as tp_kernels
-from pulseinfer_jax.runner.sparse_inputs import KeyBounds, ScoringBounds, SelectSpec, SparseLayerRefs, SparseRows
+from pulseinfer_jax.runner.sparse_inputs import (
+    KeyBounds,
+    Landing,
+    ScoringBounds,
+    SelectSpec,
+    SparseLayerRefs,
+    SparseRows,
+)
 from pulseinfer_jax.selection import slot_plan
 from pulseinfer_jax.selection.kept_blocks import kept_block_scores, kept_lens, with_kept_scores
 from pulseinfer_jax.selection.policy import BlockScoring, resident_mask, select_blocks, top_groups
@@ -135,6 +142,55 @@ def sparse_pre(
     *,
     spec: SelectSpec,
 ) -> tuple[Array, Float[Array, "B Hq hd"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
+    """A sparse layer up to attention (`_select_and_plan`), for the drivers that read the plan before attending."""
+    return _select_and_plan(model, lp, kv, x, bounds, slot_state, rows, step, layer, spec=spec)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "spec", "attention", "fan"),
+                   donate_argnames=("kv", "slot_state"))
+def ahead_layer(
+    model: Transformer,
+    lp: dict,
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
+    x: Float[Array, "B 1 D"],
+    bounds: ScoringBounds,
+    slot_state: tuple[Int[Array, "SL R S C"], Int[Array, "SL R S C"]],
+    rows: SparseRows,
+    step: SlotStep,
+    layer: SparseLayerRefs,
+    landing: Landing | None,
+    *,
+    spec: SelectSpec,
+    attention: str,
+    fan: int = 1,
+) -> tuple[Array, Float[Array, "B 1 D"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
+    """A whole sparse layer with its recall one step ahead (`recall="ahead"`), in one call that never waits on the
+    host: land the recall the previous step issued for this layer (`landing`, None = nothing), select and plan
+    (`_select_and_plan`; `step.spare` set), copy the miss on the block that just left the window from its spare GPU
+    block into its slot, attend over the resident blocks, the slot-cache hits and that fill, o-proj and MLP. The
+    plan's other misses are not attended now: the caller recalls them after dispatching the step, for this layer's
+    next call. Returns (kv, x, slot state, plan, selection)."""
+    if landing is not None:
+        kv = _land(kv, layer.unit_offset // kv.shape[1], landing.recall, landing.count, landing.staging, fan)
+    kv, q, slot_state, plan, sel = _select_and_plan(model, lp, kv, x, bounds, slot_state, rows, step, layer,
+                                                    spec=spec)
+    o, _, _ = _attend(attention, q, kv, plan.early[0], plan.early[1])
+    return kv, model.layer_finish(lp, x, o[:, None]), slot_state, plan, sel
+
+
+def _select_and_plan(
+    model: Transformer,
+    lp: dict,
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
+    x: Float[Array, "B 1 D"],
+    bounds: ScoringBounds,
+    slot_state: tuple[Int[Array, "SL R S C"], Int[Array, "SL R S C"]],
+    rows: SparseRows,
+    step: SlotStep,
+    layer: SparseLayerRefs,
+    *,
+    spec: SelectSpec,
+) -> tuple[Array, Float[Array, "B Hq hd"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
     """A sparse layer up to attention: write the new token into its window block (GPU block `rows.newest`, -1 for a
     padding row: the null block), score every candidate block from its key bounds (metadata rows
     `layer.meta_offset + rows.candidates.rows`, -1 = none; `scoring.sub_blocks` rows each) and, where the variant
@@ -192,6 +248,15 @@ def sparse_pre(
     stamp, key, plan = slot_plan.layer_plan(stamp, key, layer.index, sel, step, layer.unit_offset,
                                             block_size=tokens_per_block(kv), sink=spec.sink, window=spec.window,
                                             mode=spec.plan_mode)
+    if plan.fill is not None:  # (`step.spare`) a miss on the block that just left the window: copied on the GPU
+        dst, src = plan.fill  # [B, S] each, -1 = none: the null block copies onto itself
+        li = layer.unit_offset // kv.shape[1]
+        dst, src = jnp.maximum(dst, 0), jnp.maximum(src, 0)
+        if dst.shape[1] == 1:  # SoloHead: whole blocks
+            kv = kv.at[li, dst[:, 0]].set(kv[li, src[:, 0]])
+        else:  # headwise: lane h holds head h
+            h = jnp.broadcast_to(jnp.arange(dst.shape[1]), dst.shape)
+            kv = kv.at[li, dst, :, :, h].set(kv[li, src, :, :, h])
     return kv, q, (stamp, key), plan, sel
 
 
@@ -229,6 +294,7 @@ def land_attend_finish(
     plan: LayerPlan,
     staging: Float[Array, "n 2 bs Hkv hd"] | Float[Array, "n 2 bs hd"] | None,
     early: Partial | None,
+    late_rows: Bool[Array, " B"] | None = None,
     *,
     attention: str,
     width: int,
@@ -242,26 +308,42 @@ def land_attend_finish(
 
     `staging` holds whole blocks [n, 2, bs, Hkv, hd] (SoloHead, coalesced), or (block, head) units [n, 2, bs, hd]:
     unit i is miss i // `fan`, head i % `fan` (SoloHead, fragmented: fan = Hkv) or the miss's lane (headwise,
-    fan = 1). Rows past the misses are padding: they land in the null block 0. Returns (kv, x)."""
+    fan = 1). Rows past the misses are padding: they land in the null block 0. `late_rows` (recall ahead's first step
+    of a request): only these rows attend their misses now. Returns (kv, x)."""
     if staging is not None:
-        n = staging.shape[0]
-        entry = jnp.arange(n) // fan
-        real = entry < plan.count
-        entry = jnp.minimum(entry, plan.recall.shape[1] - 1)
-        blocks = jnp.where(real, plan.recall[0, entry], 0)
-        if staging.ndim == 5:
-            kv = kv.at[layer, blocks].set(staging.astype(kv.dtype))
-        else:
-            heads = jnp.arange(n) % fan if fan > 1 else plan.recall[1, entry]
-            kv = kv.at[layer, blocks, :, :, jnp.where(real, heads, 0)].set(staging.astype(kv.dtype))
+        kv = _land(kv, layer, plan.recall, plan.count, staging, fan)
     if early is None:
         early = _attend(attention, q, kv, plan.early[0], plan.early[1])
     parts = [early]
     if width:
         ids, lens = (a[..., :width] for a in plan.late)
+        if late_rows is not None:  # the other rows attend their misses from the next step (recall ahead's schedule)
+            lens = jnp.where(late_rows[:, None, None], lens, 0)
         parts.append(_attend(attention, q, kv, ids, lens))
     o = parts[0][0] if len(parts) == 1 else merge_attention_partials(parts)[0]
     return kv, model.layer_finish(lp, x, o[:, None])
+
+
+def _land(kv: Array, layer: Int[Array, ""], recall: Int[Array, "3 P"], count: Int[Array, ""],
+          staging: Float[Array, "n 2 bs Hkv hd"] | Float[Array, "n 2 bs hd"], fan: int) -> Array:
+    """Write a recall's staging into its slots of `layer`: whole blocks [n, 2, bs, Hkv, hd], or (block, head) units
+    [n, 2, bs, hd] (unit i: miss i // `fan`, head i % `fan`; headwise, fan 1: the miss's lane). Rows past the
+    misses are padding and land in the null block 0."""
+    n = staging.shape[0]
+    entry = jnp.arange(n) // fan
+    real = entry < count
+    entry = jnp.minimum(entry, recall.shape[1] - 1)
+    blocks = jnp.where(real, recall[0, entry], 0)
+    if staging.ndim == 5:
+        return kv.at[layer, blocks].set(staging.astype(kv.dtype))
+    heads = jnp.arange(n) % fan if fan > 1 else recall[1, entry]
+    return kv.at[layer, blocks, :, :, jnp.where(real, heads, 0)].set(staging.astype(kv.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("fan",), donate_argnames=("kv",))
+def land(kv: Float[Array, "L NB 2 rows Hkv hd"], layer: Int[Array, ""], landing: Landing, *, fan: int = 1) -> Array:
+    """A recall issued ahead, landed on its own (`SparseDecoder.land_pending`): its blocks into their slots."""
+    return _land(kv, layer, landing.recall, landing.count, landing.staging, fan)
 
 
 @functools.partial(jax.jit, donate_argnames=("kv",))

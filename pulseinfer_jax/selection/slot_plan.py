@@ -39,6 +39,9 @@ class SlotStep:
     lengths: Int[IntArray, " B"]  # tokens (0 for padding rows)
     # the middle blocks a replayed trace selects instead of the scorer ([sparse layers, B, lanes, M], -1 padded)
     override: Int[IntArray, "SL B S M"] | None = None
+    # step-ahead recall: the logical block that just left each row's window and still sits whole in its spare GPU
+    # block (-1 = none), and that block; a miss on it is filled on the GPU instead of recalled
+    spare: tuple[Int[IntArray, " B"], Int[IntArray, " B"]] | None = None
 
     def on(self, device: jax.Device | jax.sharding.Sharding) -> SlotStep:
         return jax.tree.map(lambda a: jax.device_put(a, device), self)
@@ -54,6 +57,8 @@ class LayerPlan:
     recall: Int[Array, "3 P"]  # slot block, lane and host row of each miss, zero past the count
     count: Int[Array, ""]  # the misses
     info: Int[Array, " I"]  # what the host reads, in one copy: [count, hits [B], misses [B], host rows [P], lanes [P]]
+    # with `SlotStep.spare`: (slot block, spare block) per row and lane of the miss filled on the GPU, -1 = none
+    fill: tuple[Int[Array, "B S"], Int[Array, "B S"]] | None = None
 
 
 def init_state(sparse_layers: int, table_rows: int, lanes: int, capacity: int) -> tuple[Array, Array]:
@@ -162,12 +167,21 @@ def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer
             hit = jnp.zeros_like(valid)
         miss = wanted & ~hit if mode == "recall" else jnp.zeros_like(valid)
     slot_block = step.slots[ri, jnp.clip(slot, 0, step.slots.shape[1] - 1)]
+    fill, filled = None, jnp.zeros_like(valid)
+    if step.spare is not None and mode == "recall":
+        # a miss on the block that just left the window is copied from its spare GPU block into its slot (the
+        # caller does it before attending), not recalled: at most one per row and lane
+        spare_block, spare_gpu = (a[:, None, None] for a in step.spare)
+        filled = miss & (sel == spare_block) & (spare_block >= 0)
+        miss = miss & ~filled
+        fill = (jnp.max(jnp.where(filled, slot_block, -1), axis=-1),
+                jnp.max(jnp.where(filled, jnp.broadcast_to(spare_gpu, sel.shape), -1), axis=-1))  # [B, S] each
     units = jnp.where(resident, unit_offset + gpu, unit_offset + slot_block)
     lens = jnp.where(resident, jnp.clip(lengths - sel * block_size, 0, block_size), block_size)
-    # early = resident + hits (resident first, then hits), late = misses; both in selection order, compacted to the
-    # front: each entry's place is its rank among the entries taken (one [2, B, S, N] pass for both lists)
+    # early = resident + hits (+ GPU fills) (resident first, then the rest), late = misses; both in selection
+    # order, compacted to the front: each entry's place is its rank among the entries taken (one [2, B, S, N] pass)
     pos = jnp.arange(n)
-    early = resident | hit
+    early = resident | hit | filled
     take = jnp.stack([early, miss])
     order = jnp.stack([jnp.where(resident, 0, n) + pos, jnp.broadcast_to(pos, sel.shape)])
     dest = jnp.where(take, _rank(order, take), n)
@@ -183,10 +197,10 @@ def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer
     recall = jnp.zeros((3, p), jnp.int32).at[:, at].set(cols, mode="drop")
     count = flat.sum().astype(jnp.int32)
     misses_row = miss.sum(axis=(1, 2)).astype(jnp.int32)
-    hits_row = hit.sum(axis=(1, 2)).astype(jnp.int32)
+    hits_row = (hit | filled).sum(axis=(1, 2)).astype(jnp.int32)
     info = jnp.concatenate([count[None], hits_row, misses_row, recall[2], recall[1]])
     # each list as its own (units, valid tokens) arrays: the attention kernel takes them as separate operands (a
     # stacked [2, ...] array would be sliced into copies by every consumer)
     early_list = (entries[0, 0], entries[0, 1])
     late_list = (entries[1, 0], entries[1, 1])
-    return stamp, key, LayerPlan(early_list, late_list, recall, count, info)
+    return stamp, key, LayerPlan(early_list, late_list, recall, count, info, fill)
