@@ -135,7 +135,7 @@ def main() -> int:
     ap.add_argument("--host-io", default="auto", choices=("auto", "xla", "numpy"),
                     help="host KV pool backend (EngineConfig.host_io)")
     ap.add_argument("--replay", default="smollm2", help="trace name (bench/results/traces) or path prefix")
-    ap.add_argument("--recall", default=None, choices=("interruptible", "eager", "sync"),
+    ap.add_argument("--recall", default=None, choices=("ahead", "interruptible", "eager", "sync"),
                     help="EngineConfig.recall for every system (default: each system's own)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each per-layer call (Breakdown: wrapped calls, a little slower)")

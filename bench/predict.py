@@ -28,7 +28,9 @@ Time model (stated, not measured; each term printed):
 Every prediction is made twice: at the calibrated t_launch and at T_LAUNCH_LOW (1 us: launches from a command buffer
 or CUDA graph may cost that little), so that what depends on the launch cost shows.
 The host gather rate (`--gather-rate`) defaults to bench/host_gather.py's measurement on the CPU machine (2 cores):
-the GPU host's is not measured, and the output names where the rate came from.
+the GPU host's is not measured, and the output names where the rate came from. The driver's host time per step
+(bench/host_overhead.py on the CPU machine, HOST_TIME_FILES) is reported beside each offloaded prediction
+(`host_s`, `host_bound`): the GPU numbers assume the host keeps up.
 Calibration (`calibrate`): bench/dense_decode.py's measured configuration (scan + jnp attention, its KV pool and
 tables, 8 steps each ending in a host sync) compiled at the six rows of bench/results/gpu_h200_run1; t_launch and
 t_sync fitted by least squares of measured - bytes / bandwidth on (launches, 1).
@@ -65,6 +67,10 @@ T_COPY = 5e-6  # fixed cost of one host-to-device copy (DESIGN.md: ~5-7 us per c
 T_SYNC = 100e-6
 T_LAUNCH_LOW = 1e-6  # the second launch cost every prediction is given at
 GATHER_RATE_FILE = RESULTS / "host_gather_cpu.json"
+# the driver's main-thread time per step (bench/host_overhead.py on the CPU machine, per recall schedule): a step whose
+# host time exceeds its predicted GPU time is host-bound, and the prediction says so
+HOST_TIME_FILES = {"ahead": RESULTS / "host_overhead_cpu_ahead.json",
+                   "same-layer": RESULTS / "host_overhead_cpu_same_layer.json"}
 CALIBRATION = RESULTS / "h200_calibration.json"
 
 
@@ -418,6 +424,9 @@ def main() -> int:
         p["tokens_per_s"] = batch / p["step_s"]
         p["step_s_at_1us"] = predict_step(st, rows, low)["step_s"]
         p["tokens_per_s_at_1us"] = batch / p["step_s_at_1us"]
+        host = host_seconds(st.config.ablation.recall, p["placements"]["offload"]) if st.sparse else None
+        if host is not None:  # the GPU waits for the driver where it is slower (measured on the CPU machine)
+            p.update(host_s=host, host_bound=host > p["step_s"], host_bound_at_1us=host > p["step_s_at_1us"])
         preds.append(p)
         print(f"{p['point']} {p['system']:26s} {p['placements']} step {p['step_s'] * 1e3:8.2f} ms "
               f"({p['tokens_per_s']:7.1f} tok/s; at 1 us launches {p['step_s_at_1us'] * 1e3:8.2f} ms, "
@@ -441,6 +450,19 @@ def main() -> int:
                                                       for k, r in rows.items()}}, a.out)
     print(f"wrote {path}")
     return 0
+
+
+def host_seconds(recall: str, batch: int, files: dict = HOST_TIME_FILES) -> float | None:
+    """The driver's main-thread seconds per step for `batch` offloaded requests under recall schedule `recall`,
+    interpolated linearly between the batches bench/host_overhead.py measured (clamped at their ends); None if that
+    schedule was not measured."""
+    path = files["ahead" if recall == "ahead" else "same-layer"]
+    if not path.is_file():
+        return None
+    measured = json.loads(path.read_text())["rows"]
+    rows = sorted((r["batch"], r["main_thread_cpu_ms_per_step_p50"] / 1e3) for r in measured)
+    xs, ys = zip(*rows, strict=True)
+    return float(np.interp(batch, xs, ys))
 
 
 def _gather_rates() -> tuple[float, float]:

@@ -486,6 +486,21 @@ def test_predicted_recall_ahead_is_bounded_by_the_gpu_or_the_link():
         assert out["plan_syncs"] == 0 and out["step_launches"] == layers * 50 + 1
 
 
+def test_predicted_host_time_interpolates_the_measured_batches(tmp_path):
+    """bench/predict.py's host time per step: the measured main-thread time of the step's recall schedule, linear
+    between the measured batches, clamped outside them; None where that schedule was not measured."""
+    import json
+
+    from bench import predict
+
+    key = "main_thread_cpu_ms_per_step_p50"
+    (tmp_path / "a.json").write_text(json.dumps({"rows": [{"batch": 1, key: 20.0}, {"batch": 9, key: 60.0}]}))
+    files = {"ahead": tmp_path / "a.json", "same-layer": tmp_path / "missing.json"}
+    assert predict.host_seconds("ahead", 5, files) == pytest.approx(0.040)
+    assert predict.host_seconds("ahead", 24, files) == pytest.approx(0.060)
+    assert predict.host_seconds("interruptible", 5, files) is None
+
+
 @pytest.mark.parametrize("point", ["A", "B", "C", "D"])
 def test_ioaa_places_the_suite_points_no_slower_than_all_offloaded(point):
     """At the GPU suite's points admission places PulseInfer's requests as pulseinfer-no-ioaa does (all offloaded):

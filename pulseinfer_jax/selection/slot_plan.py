@@ -173,7 +173,8 @@ def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer
         # caller does it before attending), not recalled: at most one per row and lane
         spare_block, spare_gpu = (a[:, None, None] for a in step.spare)
         filled = miss & (sel == spare_block) & (spare_block >= 0)
-        miss = miss & ~filled
+        # (materialised here: fused into the recall list's reductions they spill registers at 256 blocks, H200)
+        miss, filled = jax.lax.optimization_barrier((miss & ~filled, filled))
         fill = (jnp.max(jnp.where(filled, slot_block, -1), axis=-1),
                 jnp.max(jnp.where(filled, jnp.broadcast_to(spare_gpu, sel.shape), -1), axis=-1))  # [B, S] each
     units = jnp.where(resident, unit_offset + gpu, unit_offset + slot_block)
