@@ -41,7 +41,8 @@ Kernel (Triton lowering through `pl.pallas_call`; ids are an ordinary input, no 
     grid = (B, Hkv, Kp // TK)            Kp = K rounded up to the tile TK (a power of two)
     program (b, h, t):
       q rows   q[b, h*G:(h+1)*G, :]      [G, hd]  (loaded one row at a time, so G needs no padding)
-      ids      cand_ids[b, t*TK:+TK]     [TK]     (-1 / out of range -> score -inf, row 0 read instead)
+      ids      cand_ids[b, t*TK:+TK]     [TK]     (+ id_offset where >= 0; -1 / out of range -> score -inf, row 0
+                                                  read instead)
       per slice j < m:
         gathers  meta_min[ids*m + j, h, :], meta_max[ids*m + j, h, :]   [TK, hd] each (hd contiguous floats)
         work     2*TK*hd multiply-adds + a [TK, hd] -> [TK] reduction (then a running log-sum-exp if m > 1)
@@ -94,6 +95,7 @@ def _lse_combine(parts: list[Array], scale: float) -> Array:
 def _block_scores_kernel(
     q_ref,  # [G, hd]      the query heads of one KV head group, any float dtype
     ids_ref,  # [TK]       int32 physical block ids of this candidate tile (-1 = padding)
+    off_ref,  # [1]        added to every id >= 0
     min_ref,  # [NB*m, hd] meta_min[:, h, :] (the whole pool's rows of KV head h, m slices per block)
     max_ref,  # [NB*m, hd] meta_max[:, h, :]
     o_ref,  # [R, TK]      R = 1 (group sum) or G (per query head)
@@ -106,6 +108,7 @@ def _block_scores_kernel(
     scale: float,
 ):
     ids = ids_ref[...]
+    ids = jnp.where(ids >= 0, ids + off_ref[0], -1)
     valid = (ids >= 0) & (ids < num_blocks)
     safe = jnp.where(valid, ids, 0) * sub
     qs = [q_ref[g, :].astype(jnp.float32) for g in range(group)]  # static unroll, G <= 16 in practice
@@ -131,6 +134,7 @@ def _block_scores_pallas(
     meta_min: Float[Array, "NBm Hkv hd"],
     meta_max: Float[Array, "NBm Hkv hd"],
     cand_ids: Int[Array, "B Kp"],
+    id_offset: Int[Array, "1"],
     *,
     tile_k: int,
     per_head: bool,
@@ -155,6 +159,7 @@ def _block_scores_pallas(
         in_specs=[
             pl.BlockSpec((None, None, g, hd), lambda i, h, t: (i, h, 0, 0)),  # q4 [B, Hkv, G, hd]
             pl.BlockSpec((None, tile_k), lambda i, h, t: (i, t)),  # cand_ids [B, Kp]
+            pl.BlockSpec((1,), lambda i, h, t: (0,)),  # id_offset
             meta_spec,  # meta_min [NB, Hkv, hd]
             meta_spec,  # meta_max [NB, Hkv, hd]
         ],
@@ -163,7 +168,7 @@ def _block_scores_pallas(
         interpret=interpret,
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
         name=f"block_scores_{tile_k=}_{per_head=}_{sub=}",  # beta is folded into q: same kernel shape
-    )(q4, cand_ids, meta_min, meta_max)
+    )(q4, cand_ids, id_offset, meta_min, meta_max)
 
 
 def _check_inputs(q: Array, meta_min: Array, meta_max: Array, cand_ids: Array) -> None:
@@ -206,6 +211,7 @@ def block_scores(
     meta_min: Float[Array, "NBm Hkv hd"],
     meta_max: Float[Array, "NBm Hkv hd"],
     cand_ids: Int[Array, "B K"],
+    id_offset: Int[Array, ""] | None = None,
     *,
     per_head: bool = False,
     beta: float = 1.0,
@@ -215,7 +221,8 @@ def block_scores(
     num_warps: int = 4,
     interpret: bool | None = None,
 ) -> Float[Array, "B S K"]:
-    """Quest scores of the candidate blocks `cand_ids` (physical ids, -1 = padding -> -inf).
+    """Quest scores of the candidate blocks `cand_ids` (physical ids, -1 = padding -> -inf; `id_offset` added to every
+    id >= 0 inside the kernel: a layer's rows of a metadata array shared by layers, without a kernel to add it).
 
     Returns float32 [B, Hkv, K] (group sums; the default) or [B, Hq, K] with `per_head=True` (one bound
     per query head; summing each group's G rows gives the default up to rounding, at sub_blocks = 1).
@@ -245,8 +252,9 @@ def block_scores(
     tile_k = min(tile_k, next_pow2(max(k, 1)))
     kp = -(-max(k, 1) // tile_k) * tile_k
     ids = jnp.pad(cand_ids.astype(jnp.int32), ((0, 0), (0, kp - k)), constant_values=-1)
+    off = jnp.zeros((1,), jnp.int32) if id_offset is None else jnp.asarray(id_offset, jnp.int32).reshape(1)
     out = on_platform(lambda interp: _block_scores_pallas(
-        q, meta_min, meta_max, ids, tile_k=tile_k, per_head=per_head, beta=float(beta), sub=sub_blocks,
+        q, meta_min, meta_max, ids, off, tile_k=tile_k, per_head=per_head, beta=float(beta), sub=sub_blocks,
         scale=float(scale), num_warps=num_warps, interpret=interp), interpret)  # [B, Hkv, R, Kp]
     return out.reshape(b, -1, kp)[:, :, :k]
 
@@ -256,6 +264,7 @@ def block_scores_reference(
     meta_min: Float[Array, "NBm Hkv hd"],
     meta_max: Float[Array, "NBm Hkv hd"],
     cand_ids: Int[Array, "B K"],
+    id_offset: Int[Array, ""] | None = None,
     *,
     per_head: bool = False,
     beta: float = 1.0,
@@ -267,6 +276,8 @@ def block_scores_reference(
     slices (rows id * m + j), combined by logsumexp(scale * s_j) / scale."""
     _check_inputs(q, meta_min, meta_max, cand_ids)
     _check_options(beta, sub_blocks, meta_min.shape[0])
+    if id_offset is not None:
+        cand_ids = jnp.where(cand_ids >= 0, cand_ids + id_offset, -1)
     b, hq, hd = q.shape
     nr, hkv, _ = meta_min.shape
     g = hq // hkv

@@ -14,9 +14,9 @@ in order (last one partial) is dense decode attention.
 Kernel design (Triton lowering of `pl.pallas_call`)
 ---------------------------------------------------
 grid = (B, Hkv, split_k); program (b, h, s) handles sequence b, KV head h, split s, and loads:
-  * q_ref    [Gp, hd]      the G query heads of KV head h, zero-padded by the wrapper to Gp =
-                           max(16, next_pow2(G)) rows (Triton dots need every dim >= 16); the padded
-                           rows compute garbage-free zeros and are sliced off by the wrapper.
+  * q_ref    [G, hd]       the G query heads of KV head h (q reshaped, no copy), loaded as Gp =
+                           max(16, next_pow2(G)) rows (Triton dots need every dim >= 16), the rows past G
+                           masked to zero; they compute garbage-free zeros, sliced off by the wrapper.
   * k_ref    [NB, bs, hd]  K of every pool block for head h: the BlockSpec squeezes the K|V and head
   * v_ref    [NB, bs, hd]  axes (block index 0 / 1 and h), so no copy; the pool is passed twice.
   * ids_ref  [Ks]          split s of list row (b, h) (headwise) or (b, 0) (SoloHead);
@@ -117,7 +117,7 @@ def _dot_f32(a: Array, b: Array, *, trans_b: bool, precision: jax.lax.Precision 
 
 
 def _sparse_decode_kernel(
-    q_ref,  # [Gp, hd]     query group of (b, h), compute dtype, rows >= G are zero
+    q_ref,  # [G, hd]      query group of (b, h), compute dtype (loaded as Gp rows, those >= G zero)
     k_ref,  # [NB, rows, hd] K of head h for every pool block (rows = bs, or bs + float8's scale rows)
     v_ref,  # [NB, rows, hd] V of head h for every pool block
     ids_ref,  # [Ks] int32 this split's block ids, < 0 = padding
@@ -128,15 +128,20 @@ def _sparse_decode_kernel(
     *,
     scale: float,
     blocks_per_step: int,
+    gp: int,
     precision: jax.lax.Precision | None,
 ):
-    gp, hd = q_ref.shape
+    g, hd = q_ref.shape
     quantized = kv_quant.is_quantized(k_ref.dtype)
     bs = kv_quant.block_tokens(k_ref.shape[1], hd, k_ref.dtype)  # (float8: rows past bs hold the scales)
     cdt = q_ref.dtype  # the dots' operand dtype (the pool's, or the compute dtype for float8)
     num_steps = ids_ref.shape[0] // blocks_per_step
     tokens = blocks_per_step * bs
-    q = q_ref[...]  # [Gp, hd]
+    if g == gp:
+        q = q_ref[...]  # [Gp, hd]
+    else:  # (the dots need >= 16 rows: the padding rows are masked loads, not a padded copy of q)
+        q = plt.load(q_ref.at[pl.ds(0, gp)], mask=jnp.broadcast_to((jnp.arange(gp) < g)[:, None], (gp, hd)),
+                     other=0)
     tok = jnp.arange(tokens, dtype=jnp.int32)  # [T] token index within a step
     tok_entry = tok // bs  # [T] which of the step's P entries the token belongs to
     tok_slot = tok % bs  # [T] its slot in that block
@@ -188,7 +193,7 @@ def _sparse_decode_kernel(
 # 2. pallas_call wrapper
 # --------------------------------------------------------------------------------------------------
 def _sparse_decode_call(
-    q_grouped: Float[Array, "B Hkv Gp hd"],
+    q_grouped: Float[Array, "B Hkv G hd"],
     pool: Float[Array, "NB 2 rows Hkv hd"],
     block_ids: Int[Array, "B S Kp"],
     block_lens: Int[Array, "B S Kp"],
@@ -202,7 +207,8 @@ def _sparse_decode_call(
 ) -> tuple[Float[Array, "P B Hkv Gp hd"], Float[Array, "P B Hkv Gp"], Float[Array, "P B Hkv Gp"]]:
     """Run the kernel on grid (B, Hkv, split_k); returns per-split (acc, m, l), acc unnormalised. q_grouped is in the
     dots' dtype: the pool's, or for a float8 pool the compute dtype (`_compute_dtype`)."""
-    b, hkv, gp, hd = q_grouped.shape
+    b, hkv, g, hd = q_grouped.shape
+    gp = max(MIN_DOT_DIM, next_pow2(g))
     nb, _, rows, _, _ = pool.shape
     bs = kv_quant.tokens_per_block(pool)
     s_rows, kp = block_ids.shape[1], block_ids.shape[2]
@@ -217,10 +223,11 @@ def _sparse_decode_call(
         _sparse_decode_kernel,
         scale=scale,
         blocks_per_step=blocks_per_step,
+        gp=gp,
         precision=matmul_precision(q_grouped.dtype),
     )
     in_specs = [
-        pl.BlockSpec((None, None, gp, hd), lambda i, h, s: (i, h, 0, 0)),  # q   -> [Gp, hd]
+        pl.BlockSpec((None, None, g, hd), lambda i, h, s: (i, h, 0, 0)),  # q   -> [G, hd]
         pl.BlockSpec((nb, None, rows, None, hd), lambda i, h, s: (0, 0, 0, h, 0)),  # K -> [NB, rows, hd]
         pl.BlockSpec((nb, None, rows, None, hd), lambda i, h, s: (0, 1, 0, h, 0)),  # V -> [NB, rows, hd]
         pl.BlockSpec((None, None, ks), list_map),  # block_ids  -> [Ks]
@@ -379,7 +386,6 @@ def sparse_decode_attention(
     bs = kv_quant.tokens_per_block(pool)
     k = block_ids.shape[2]
     g = hq // hkv
-    gp = max(MIN_DOT_DIM, next_pow2(g))
     scale = float(hd ** -0.5 if scale is None else scale)
     cdt = _compute_dtype(q.dtype, pool.dtype)
 
@@ -396,9 +402,8 @@ def sparse_decode_attention(
     ids = jnp.pad(block_ids.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)), constant_values=-1)
     lens = jnp.pad(block_lens.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)))
 
-    q_grouped = jnp.pad(q.reshape(b, hkv, g, hd), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [B, Hkv, Gp, hd]
-    # (into the pool's basis after the padding: XLA:GPU fuses the pad into float8's rotation, one kernel for both)
-    q_grouped = kv_quant.cache_basis(q_grouped, pool.dtype).astype(cdt)
+    # [B, Hkv, G, hd]: a free reshape (bfloat16 pools); float8 pools rotate it into their basis (one kernel)
+    q_grouped = kv_quant.cache_basis(q.reshape(b, hkv, g, hd), pool.dtype).astype(cdt)
 
     acc, m, l = on_platform(lambda interp: _sparse_decode_call(  # noqa: E741
         q_grouped, pool, ids, lens,

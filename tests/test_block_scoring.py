@@ -353,6 +353,21 @@ def test_block_scores_beta_matches_reference_and_interpolates(group, beta, per_h
         block_scores_reference(*args, beta=-0.1)
 
 
+def test_block_scores_id_offset_shifts_listed_ids_only():
+    """`id_offset` (a layer's first row in a metadata array shared by layers) is added to every id >= 0 in the kernel:
+    the scores equal those of the shifted ids bit for bit; padding (-1) stays padding."""
+    q, meta_min, meta_max, cand, _ = _scoring_case(7, 16, 2, 64, 11)
+    off = 3
+    base = np.where(cand >= 0, np.minimum(cand, meta_min.shape[0] - 1 - off), -1).astype(np.int32)
+    shifted = np.where(base >= 0, base + off, -1).astype(np.int32)
+    args = (jnp.asarray(q), meta_min, meta_max)
+    for fn in (block_scores, block_scores_reference):
+        want = np.asarray(fn(*args, jnp.asarray(shifted), per_head=True))
+        got = np.asarray(fn(*args, jnp.asarray(base), jnp.int32(off), per_head=True))
+        np.testing.assert_array_equal(got, want)
+        assert np.isneginf(got[0][:, base[0] < 0]).all() and (base[0] < 0).any()
+
+
 def test_block_scores_bf16_query_and_tight_bound():
     """bf16 queries are read as f32; a one-token block's bound is exactly its q.k (min = max = k)."""
     rng = np.random.default_rng(3)

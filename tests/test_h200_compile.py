@@ -17,7 +17,7 @@ pytest.importorskip("jax_plugins.xla_cuda13", reason="needs jax's CUDA plugin: .
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from pulseinfer_jax.pallas_kernels import block_scoring, grouped_matmul, sparse_decode_attention  # noqa: E402
+from pulseinfer_jax.pallas_kernels import block_scoring, grouped_matmul, select_plan, sparse_decode_attention  # noqa: E402
 
 from bench import gather_scatter  # noqa: E402
 from bench.aot import check  # noqa: E402
@@ -219,6 +219,26 @@ def test_slot_plan_compiles_to_a_few_kernels_without_sorts(compiler):
     assert row["cost"]["launches"] <= 24, names  # 21 (33 with sorts, scatters and a per-layer slice of the table)
     table = 4 * sl * r * s * c
     assert row["cost"]["bytes"] < 2 * table  # no copy of a state table (a copy alone reads and writes it: 2x)
+
+
+@pytest.mark.parametrize("select,rows,lanes", [("normalized_sum", 32, 1), ("headwise", 8, 8)])
+def test_fused_selection_and_plan_is_one_kernel_without_spills(compiler, select, rows, lanes):
+    """The selection and slot plan of a sparse layer (pallas_kernels/select_plan.py) at the engine's shape for
+    Llama-3.1-8B at 32K x 8 (2,560 candidates, budget 128, 246 slots, 30 sparse layers): one Triton kernel, no
+    register spills, the state updated in place (no copy of its tables)."""
+    b, k, n, c, sl, r = 8, 2560, 128, 246, 30, 9
+    row, table = spec((b,), I32), spec((b, k), I32)
+    state = spec((sl, r, lanes, c), I32)
+    fn = functools.partial(select_plan.select_plan, budget=n, sink=1, window=4, select=select, scale=0.088,
+                           bonus=0.25, block_size=16, interpret=False)
+    kept = (spec((b, rows, 5), jnp.float32), spec((b, 5), I32)) if select == "normalized_sum" else None
+    args = (spec((b, rows, k), jnp.float32), row, state, state, spec((), I32), row, row, table, table,
+            spec((b, c), I32), row, spec((), I32), (row, row), spec((), I32), kept)
+    got = compiler(program("select_plan", "kernel", jax.jit(fn, donate_argnums=(2, 3)), args,
+                           pallas=("select_plan",)))
+    assert got["status"] == "compiled", got.get("error")
+    assert not got["violations"], got["violations"]
+    assert got["cost"]["launches"] == 1, [kr["name"] for kr in got["kernels"]]  # (a copy of a state table: 2)
 
 
 def test_tensor_parallel_steps_compile_with_megatron_all_reduces(target):

@@ -100,6 +100,7 @@ def test_spill_recall_land_move_float8_blocks_bit_for_bit(tiny4, monkeypatch):
     """Every recalled float8 block lands in its GPU slot byte for byte as its host row holds it (values and scales):
     what the spill wrote is what attention reads, never re-quantised on the way."""
     from pulseinfer_jax.runner import sparse_decoder, sparse_layer
+    from pulseinfer_jax.selection import slot_plan
 
     land = sparse_layer.land_attend_finish
     checked = []
@@ -107,11 +108,14 @@ def test_spill_recall_land_move_float8_blocks_bit_for_bit(tiny4, monkeypatch):
     def checking(model, lp, x, q, kv, layer, plan, staging, early, *rest, **kw):
         kv, x = land(model, lp, x, q, kv, layer, plan, staging, early, *rest, **kw)
         if staging is not None:
-            n, recall, got = int(plan.count), np.asarray(plan.recall), np.asarray(kv[int(layer)])
+            info, got = np.asarray(plan.info), np.asarray(kv[int(layer)])
+            rows, _ = slot_plan.recall_lanes(info)
+            taken = np.arange(info.shape[2] - 4) < info[:, :, -3:-2]
+            slots = np.asarray(plan.misses)[taken]  # the misses' slot blocks, in the order they were staged
             stage = np.asarray(staging)
-            for i in range(n):
-                assert np.array_equal(got[recall[0, i]], stage[i])  # landed = staged
-                host = engine.host_pool.read(int(layer) - engine.host_pool.first_layer, int(recall[2, i]))
+            for i in range(len(rows)):
+                assert np.array_equal(got[slots[i]], stage[i])  # landed = staged
+                host = engine.host_pool.read(int(layer) - engine.host_pool.first_layer, int(rows[i]))
                 assert np.array_equal(stage[i], host)  # staged = the spilled host row
                 checked.append(1)
         return kv, x

@@ -517,9 +517,9 @@ def test_two_level_scoring_scores_kept_groups_only(tiny4, monkeypatch):
     widths = []
     real = sparse_layer.block_scores_reference
 
-    def spy(q, meta_min, meta_max, cand, **k):
+    def spy(q, meta_min, meta_max, cand, *rest, **k):
         widths.append((meta_min.shape[0], cand.shape[1]))
-        return real(q, meta_min, meta_max, cand, **k)
+        return real(q, meta_min, meta_max, cand, *rest, **k)
 
     monkeypatch.setattr(sparse_layer, "block_scores_reference", spy)
     sparse_layer.sparse_pre.clear_cache()

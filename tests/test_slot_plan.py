@@ -131,13 +131,22 @@ def test_layer_plan_lists_match_its_contract(mode, lanes):
                         host_l.append(step.host[r, sel[r, lane, i]])
         np.testing.assert_array_equal(np.asarray(got.early), want_early)
         np.testing.assert_array_equal(np.asarray(got.late), want_late)
-        p = np.asarray(got.recall).shape[1]
-        assert p >= b * lanes * n and p & (p - 1) == 0
-        recall = np.zeros((3, p), np.int64)
-        recall[:, : len(dst)] = dst, lane_l, host_l
-        np.testing.assert_array_equal(np.asarray(got.recall), recall)
-        assert int(got.count) == len(dst)
-        info = np.concatenate([[len(dst)], hit.sum(axis=(1, 2)), miss.sum(axis=(1, 2)), recall[2], recall[1]])
-        np.testing.assert_array_equal(np.asarray(got.info), info)
+        # per lane: the misses' slot blocks and host rows in selection order, the counts; the host's reading of
+        # them lists every miss in row / lane / selection order
+        want_slots = np.zeros((b, lanes, n), np.int64)
+        want_info = np.zeros((b, lanes, n + 4), np.int64)
+        want_info[:, :, -2:] = -1  # no spare-block fill in this step
+        for r in range(b):
+            for lane in range(lanes):
+                picks = [i for i in range(n) if miss[r, lane, i]]
+                want_slots[r, lane, : len(picks)] = [step.slots[r, slot[r, lane, i]] for i in picks]
+                want_info[r, lane, -4], want_info[r, lane, -3] = hit[r, lane].sum(), len(picks)
+                want_info[r, lane, : len(picks)] = [step.host[r, sel[r, lane, i]] for i in picks]
+        np.testing.assert_array_equal(np.asarray(got.misses), want_slots)
+        np.testing.assert_array_equal(np.asarray(got.info), want_info)
+        rows_l, lanes_l = slot_plan.recall_lanes(np.asarray(got.info))
+        np.testing.assert_array_equal(rows_l, host_l)
+        np.testing.assert_array_equal(lanes_l, lane_l)
+        assert len(dst) == int(np.asarray(got.info)[:, :, -3].sum())
         if mode == "none":
             np.testing.assert_array_equal(np.asarray(key), np.asarray(key0))

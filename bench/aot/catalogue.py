@@ -335,7 +335,7 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         if recall:  # (`land_pending`: before a request's first step, or before a finished request's blocks are freed)
             fan = c.num_kv_heads if (cfg.ablation.io == "fragmented" and plan.selection == "solohead") else 1
             staging = _recall_calls(es, layout, recall, lambda p, n: None, host_s, dev_s, sl_n, group)
-            landing = Landing(staging, spec((3, _recall_len(layout, len(reqs))), I32), _scalar())
+            landing = _landing(layout, len(reqs), staging)
             add(es.program("land", group, sparse_layer.land, (es.kv(layout.num_gpu_blocks), _scalar(), landing),
                            {"fan": fan}), 0.0)
     k = max(1, min(micro_batches, len(reqs)))
@@ -373,7 +373,7 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
             landing = None
             if recall:
                 staging = _recall_calls(es, layout, recall, add, host_s, dev_s, sl_n, group)
-                landing = Landing(staging, spec((3, _recall_len(layout, len(members))), I32), _scalar())
+                landing = _landing(layout, len(members), staging)
             per_row = min(float(recall) / len(members), plan.budget_blocks * plan.lanes) if recall else 0.0
             early_frac = len(members) * (plan.budget_blocks * plan.lanes - per_row) / (bp * plan.budget_blocks
                                                                                          * plan.lanes)
@@ -425,10 +425,11 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
     return list(calls.values()) + sample_calls(es, len(reqs))
 
 
-def _recall_len(layout: SparseLayout, rows: int) -> int:
-    """Entries of a layer plan's recall list (slot_plan.layer_plan's P) for `rows` requests."""
+def _landing(layout: SparseLayout, rows: int, staging: Spec) -> Landing:
+    """A recall's landing for `rows` requests (bucketed): its staging and the plan's miss lists and info."""
     plan = layout.plan
-    return 1 << max(0, (bucket(rows) * plan.lanes * plan.budget_blocks - 1).bit_length())
+    b, n = bucket(rows), plan.budget_blocks
+    return Landing(staging, spec((b, plan.lanes, n), I32), spec((b, plan.lanes, n + 4), I32))
 
 
 def _recall_calls(es: EngineShapes, layout: SparseLayout, recall: int, add, host_s, dev_s, sl_n: int,

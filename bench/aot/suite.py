@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from pulseinfer_jax.models.config import ModelConfig
 from pulseinfer_jax.models.presets import PRESETS
-from pulseinfer_jax.pallas_kernels import block_scoring, grouped_matmul, sparse_decode_attention
+from pulseinfer_jax.pallas_kernels import block_scoring, grouped_matmul, select_plan, sparse_decode_attention
 
 from bench import gather_scatter
 from bench.aot import catalogue as cat
@@ -248,6 +248,20 @@ def kernel_cases(suite: Suite, quick: bool = False) -> None:
                 args = (spec((b, hq, hd), BF16), meta, meta, spec((b, kc), I32))
                 _kernel(suite, "block_scores", block_scoring.block_scores, args, f"{label} ctx {ctx} B {b}",
                         default=label in ("per head f8", "per KV head f8"), per_head=per_head, sub_blocks=m, beta=0.5)
+    # the fused selection + slot plan at the engine's budgets (128 / 256 blocks, slot caches of about 2x), SoloHead
+    # normalized_sum over per-query-head scores and headwise over per-KV-head ones
+    for ctx in ((32768,) if quick else (32768, 131072)):
+        kc = ctx // bs
+        for b in ((8,) if quick else (1, 8, 24)):
+            for budget, cap in ((128, 246), (256, 502)):
+                for select, rows, lanes in (("normalized_sum", hq, 1), ("headwise", hkv, hkv)):
+                    state = spec((32, b + 1, lanes, cap), I32)
+                    row, table = spec((b,), I32), spec((b, kc), I32)
+                    args = (spec((b, rows, kc), jnp.float32), row, state, state, spec((), I32), row, row, table,
+                            table, spec((b, cap), I32), row, spec((), I32), (row, row))
+                    _kernel(suite, "select_plan", select_plan.select_plan, args,
+                            f"{select} budget {budget} ctx {ctx} B {b}", default=select == "normalized_sum",
+                            budget=budget, sink=1, window=4, select=select, scale=0.088, bonus=0.25, block_size=bs)
     pool = spec((16384, 2, bs, hkv, hd), BF16)
     for n in ((512,) if quick else (64, 512, 4096)):
         cache = spec((2 * n, 2, bs, hkv, hd), BF16)

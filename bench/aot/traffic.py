@@ -72,13 +72,24 @@ def _sparse_decode_attention(ops: list[tuple[Array, ...]], outs: tuple[Array, ..
 
 
 def _block_scores(ops, outs, valid: float = 1.0) -> tuple[int, int]:
-    """q4 [B, Hkv, G, hd], cand_ids [B, Kp], meta_min [R, Hkv, hd], meta_max: each (b, h, tile) program reads its
-    head's row of both bounds for every candidate (m rows each with sub-blocks: name `sub=m`); a padding candidate
-    reads row 0 again (a cache hit, not HBM traffic): `valid` of the candidates are real."""
-    q, ids, lo, _ = (o[0] for o in ops)
+    """q4 [B, Hkv, G, hd], cand_ids [B, Kp], id_offset [1], meta_min [R, Hkv, hd], meta_max: each (b, h, tile) program
+    reads its head's row of both bounds for every candidate (m rows each with sub-blocks: name `sub=m`); a padding
+    candidate reads row 0 again (a cache hit, not HBM traffic): `valid` of the candidates are real."""
+    q, ids, _, lo, _ = (o[0] for o in ops)
     b, hkv, _, hd = q.dims
     item = lo.bytes // max(1, _numel(lo))
     return int(q.bytes + ids.bytes + 2 * b * ids.dims[1] * valid * hkv * hd * item), sum(o.bytes for o in outs)
+
+
+def _select_plan(ops, outs, valid: float = 1.0) -> tuple[int, int]:
+    """Per (row, lane) program: its scores, block tables, kept scores and its rows of the slot state [SL*R*S, C] (not
+    the whole state, which the call aliases in place); it writes the lists, counts and those state rows. The maps it
+    keeps in scratch outputs stay in L2 (written and read back by the same program): not counted."""
+    scores, gpu, host, slots, stamp = (o[0] for o in ops[9:14])
+    rows_c = slots.dims[0] * outs[0].dims[1] * stamp.dims[-1] * 4  # B * S state rows of C int32 each
+    small = sum(o[0].bytes for o in ops[:9]) + sum(o[0].bytes for o in ops[15:])
+    read = small + scores.bytes + gpu.bytes + host.bytes + slots.bytes + 2 * rows_c
+    return read, sum(o.bytes for o in outs[:7]) + 2 * rows_c  # the lists and info, then the state rows
 
 
 def _gather_rows(ops, outs, valid: float = 1.0) -> tuple[int, int]:
@@ -105,6 +116,7 @@ def _grouped_matmul(ops, outs, valid: float = 1.0) -> tuple[int, int]:
 PALLAS_TRAFFIC: dict[str, Callable] = {
     "sparse_decode_attention": _sparse_decode_attention,
     "block_scores": _block_scores,
+    "select_plan": _select_plan,
     "gather_block_heads": _gather_rows,
     "gather_blocks": _gather_rows,
     "scatter_block_heads": _scatter_rows,

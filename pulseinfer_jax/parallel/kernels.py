@@ -14,6 +14,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
@@ -44,12 +45,24 @@ def decode_attention(fn: Callable[..., Partial], q: Float[Array, "B Hq hd"], poo
 
 
 def block_scores(fn: Callable[..., Array], q: Float[Array, "B Hq hd"], meta_min: Float[Array, "M Hkv hd"],
-                 meta_max: Float[Array, "M Hkv hd"], cand: Int[Array, "B K"], **kw) -> Float[Array, "B S K"]:
-    """`fn(q, meta_min, meta_max, cand, **kw)` (the block-scoring kernel's contract) per device on its heads: scores
-    [B, heads, K] split by head (per query head or per KV head, whichever `fn` returns)."""
+                 meta_max: Float[Array, "M Hkv hd"], cand: Int[Array, "B K"], id_offset: Int[Array, ""] | None = None,
+                 **kw) -> Float[Array, "B S K"]:
+    """`fn(q, meta_min, meta_max, cand, id_offset, **kw)` (the block-scoring kernel's contract) per device on its
+    heads: scores [B, heads, K] split by head (per query head or per KV head, whichever `fn` returns)."""
     if tp_size() == 1:
-        return fn(q, meta_min, meta_max, cand, **kw)
+        return fn(q, meta_min, meta_max, cand, id_offset, **kw)
+    if id_offset is None:
+        id_offset = jnp.zeros((), jnp.int32)
     mapped = jax.shard_map(functools.partial(fn, **kw),
-                           in_specs=(split_spec(3, 1), split_spec(3, 1), split_spec(3, 1), P()),
+                           in_specs=(split_spec(3, 1), split_spec(3, 1), split_spec(3, 1), P(), P()),
                            out_specs=split_spec(3, 1), check_vma=False)
-    return mapped(q, meta_min, meta_max, cand)
+    return mapped(q, meta_min, meta_max, cand, id_offset)
+
+
+def replicated(fn: Callable[..., object], *args, **kw):
+    """`fn(*args, **kw)` whole on every device (a kernel that mixes heads, e.g. the fused selection and slot plan):
+    its inputs gathered, its outputs replicated."""
+    if tp_size() == 1:
+        return fn(*args, **kw)
+    specs = jax.tree.map(lambda _: P(), args)
+    return jax.shard_map(functools.partial(fn, **kw), in_specs=specs, out_specs=P(), check_vma=False)(*args)

@@ -27,7 +27,7 @@ One decode step of the sparse requests (`SparseDecoder.decode`):
           it against the slot caches, all in the same call on the device (`slot_plan.layer_plan`): each
           selected block is resident (sink, window), a slot-cache hit, or a miss given a slot (LRU); the
           early (resident + hits) and late (misses) attention entries stay on the device, and one small
-          array comes back: the recall list (host rows, lanes) and per-request counts
+          array comes back: per lane its counts and its misses' host rows (`slot_plan.recall_lanes`)
                                                                         -> STOP until that array is on host
        b. host: ISSUE THE RECALL of the misses at once: coalesced = one host gather into one pinned staging
           buffer + one host-to-device copy for the whole micro-batch; fragmented = one copy per (block, head);
@@ -340,11 +340,11 @@ class SparseDecoder:
             plans.append((sl, plan, sel))
         out = sparse_layer.logits(model, head, x)
         for sl, plan, sel in plans:  # the GPU is still on the later layers while these are read
-            info = self._read_plan(np.asarray(plan.info), sparse, bp)
+            info = self._read_plan(np.asarray(plan.info), sparse)
             self.selector.observe(sl, sparse, lengths, sel, info.hits, info.misses)
             staging = self._issue_recall(sl, info, sparse)
             if staging is not None:
-                self._pending[sl] = Landing(staging, plan.recall, plan.count)
+                self._pending[sl] = Landing(staging, plan.misses, plan.info)
         self.step_log.append({"batch": len(sparse), "micro_batches": 1, "h2d_copies": self.pool.h2d_copies - copies0,
                               "h2d_bytes": self.pool.h2d_bytes - bytes0, "recall_wait_s": 0.0, "late_recalls": late})
         self.steps_logged += 1
@@ -432,7 +432,7 @@ class SparseDecoder:
             early = sparse_layer.attend(q, self.kv, plan.early, attention=self.attention) if ab.recall == "eager" \
                 else None
             yield "select", plan.info, None
-            info = self._read_plan(np.asarray(plan.info), sparse, bp)
+            info = self._read_plan(np.asarray(plan.info), sparse)
             self.selector.observe(sl, sparse, lengths, sel, info.hits, info.misses)
             staging = self._issue_recall(sl, info, sparse)
             lid = self._layer_ids[layer]
@@ -487,16 +487,13 @@ class SparseDecoder:
         self.slot_state = tuple(jax.device_put(a, self.replicated) for a in new)
 
 
-    def _read_plan(self, info: np.ndarray, sparse: list[SparseKV], bp: int) -> PlanInfo:
-        """The plan's host part (`slot_plan.layer_plan`'s info) unpacked; counts each request's reuse."""
-        count = int(info[0])
-        hits, misses = info[1: 1 + bp], info[1 + bp: 1 + 2 * bp]
-        p_len = (len(info) - 1 - 2 * bp) // 2
-        rows = info[1 + 2 * bp: 1 + 2 * bp + count]
-        lanes = info[1 + 2 * bp + p_len: 1 + 2 * bp + p_len + count]
+    def _read_plan(self, info: np.ndarray, sparse: list[SparseKV]) -> PlanInfo:
+        """The plan's host part (`slot_plan.LayerPlan.info`, [bp, S, N + 4]) unpacked; counts each request's reuse."""
+        hits, misses = info[:, :, -4].sum(axis=1), info[:, :, -3].sum(axis=1)
+        rows, lanes = slot_plan.recall_lanes(info)
         for b, s in enumerate(sparse):
             s.counters.reused_blocks += int(hits[b])
-        return PlanInfo(count, hits[: len(sparse)], misses[: len(sparse)], rows, lanes)
+        return PlanInfo(len(rows), hits[: len(sparse)], misses[: len(sparse)], rows, lanes)
 
     def _issue_recall(self, sl: int, info: PlanInfo, sparse: list[SparseKV]):
         """Start the host-to-device copy (copies) of the layer's misses; returns the device staging, or None when

@@ -117,11 +117,11 @@ class SparseLayerRefs:
 @dataclasses.dataclass(frozen=True)
 class Landing:
     """A sparse layer's recall issued one step ahead (`recall="ahead"`), landed by that layer's next call: the
-    copied blocks (or (block, head) units) and the plan that listed them (`LayerPlan.recall`, `LayerPlan.count`)."""
+    copied blocks (or (block, head) units) and the plan that listed them (`LayerPlan.misses`, `LayerPlan.info`)."""
 
     staging: Float[Array, "n 2 bs Hkv hd"] | Float[Array, "n 2 bs hd"]
-    recall: Int[Array, "3 P"]  # slot block, lane and host row of each miss
-    count: Int[Array, ""]
+    misses: Int[Array, "B S N"]  # each lane's misses' slot blocks
+    info: Int[Array, "B S M"]  # per lane: hits, misses, ... (slot_plan.LayerPlan.info)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +162,17 @@ class SelectSpec:
     @property
     def favours_resident(self) -> bool:
         return self.scoring.favours_resident(self.mode, self.solohead)
+
+    @property
+    def fused(self) -> bool:
+        """Selection and slot plan in one kernel (`pallas_kernels.select_plan`): the Pallas backend's recall plans
+        (the replayed traces' override and the device placements' bookkeeping keep the jnp path)."""
+        return self.attention == "pallas" and self.plan_mode == "recall" and not self.override
+
+    @property
+    def select(self) -> str:
+        """The selection rule by name: "headwise", or SoloHead's variant."""
+        return "headwise" if self.mode == "headwise" else self.solohead
 
 
 @dataclasses.dataclass(frozen=True)

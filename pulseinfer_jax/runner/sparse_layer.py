@@ -16,6 +16,7 @@ picks the attention implementation: "pallas" (the sparse decode kernel; Pallas i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,6 +29,7 @@ from pulseinfer_jax.models.transformer import Transformer
 from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, update_bounds
 from pulseinfer_jax.pallas_kernels.block_scoring import block_scores, block_scores_reference, default_scale
 from pulseinfer_jax.pallas_kernels.merge import merge_attention_partials
+from pulseinfer_jax.pallas_kernels.select_plan import select_plan
 from pulseinfer_jax.pallas_kernels.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_reference,
@@ -43,7 +45,7 @@ from pulseinfer_jax.runner.sparse_inputs import (
 )
 from pulseinfer_jax.selection import slot_plan
 from pulseinfer_jax.selection.kept_blocks import kept_block_scores, kept_lens, with_kept_scores
-from pulseinfer_jax.selection.policy import BlockScoring, resident_mask, select_blocks, top_groups
+from pulseinfer_jax.selection.policy import BlockScoring, resident_mask, select_blocks, summed_shares, top_groups
 from pulseinfer_jax.selection.slot_plan import LayerPlan, SlotStep
 
 Partial = tuple[Array, Array, Array]  # (o [B, Hq, hd], m [B, Hq] f32, l [B, Hq] f32), see pallas_kernels/merge.py
@@ -171,11 +173,12 @@ def ahead_layer(
     plan's other misses are not attended now: the caller recalls them after dispatching the step, for this layer's
     next call. Returns (kv, x, slot state, plan, selection)."""
     if landing is not None:
-        kv = _land(kv, layer.unit_offset // kv.shape[1], landing.recall, landing.count, landing.staging, fan)
+        kv = _land(kv, layer.unit_offset // kv.shape[1], landing.misses, landing.info, landing.staging, fan)
     kv, q, slot_state, plan, sel = _select_and_plan(model, lp, kv, x, bounds, slot_state, rows, step, layer,
                                                     spec=spec)
     o, _, _ = _attend(attention, q, kv, plan.early[0], plan.early[1])
-    return kv, model.layer_finish(lp, x, o[:, None]), slot_state, plan, sel
+    # (the fill is done: not an output, so its per-lane halves are never materialised)
+    return kv, model.layer_finish(lp, x, o[:, None]), slot_state, dataclasses.replace(plan, fill=None), sel
 
 
 def _select_and_plan(
@@ -200,7 +203,9 @@ def _select_and_plan(
     the same for every layer of a step, only `layer` (device scalars) changes. Where `spec.favours_resident`, the
     logical blocks in this layer's slot caches (the slot state `(stamp, key)` of sparse layer `layer.index`, rows
     `step.rows`, see slot_plan.py) get the resident-block bonus. Then the slot-cache plan of the selection
-    (`slot_plan.layer_plan`, `spec.plan_mode`), which updates the slot state. With `spec.override` (the throughput
+    (`slot_plan.layer_plan`, `spec.plan_mode`), which updates the slot state. With `spec.fused` (the Pallas backend's
+    recall plans) selection and plan run as one kernel (`pallas_kernels.select_plan`, the same rules).
+    With `spec.override` (the throughput
     bench's replayed selections), the middle blocks selected are `step.override[layer.index]` ([B, S, M], -1 padded)
     instead of the scorer's; sinks and window stay the scorer's.
     With `spec.coarse` > 0 (two-level scoring, `BlockScoring.coarse_group`) the groups are scored first from their
@@ -212,7 +217,6 @@ def _select_and_plan(
     scoring, cands = spec.scoring, rows.candidates
     write_unit = jnp.where(rows.newest >= 0, layer.unit_offset + rows.newest, 0)
     kv, q = _qkv_and_write(model, lp, kv, x, rows.positions, write_unit)
-    cand = jnp.where(cands.rows >= 0, cands.rows + layer.meta_offset, -1)
     pallas = spec.attention == "pallas"
     score_fn = functools.partial(tp_kernels.block_scores, block_scores) if pallas else block_scores_reference
     per_head = spec.per_head
@@ -220,12 +224,13 @@ def _select_and_plan(
     scale = default_scale(c.head_dim, c.group_size, per_head)
     fine = bounds.fine
     if spec.coarse:
+        cand = jnp.where(cands.rows >= 0, cands.rows + layer.meta_offset, -1)
         groups = jnp.where(cands.groups >= 0, cands.groups + layer.coarse_offset, -1)
         scores = two_level_scores(score_fn, q, fine.lo, fine.hi, cand, bounds.coarse.lo, bounds.coarse.hi, groups,
                                   keep=spec.coarse, scoring=scoring, per_head=per_head,
                                   scale=scale)  # [B, Hq or Hkv, K]
     else:
-        scores = score_fn(q, fine.lo, fine.hi, cand, per_head=per_head, beta=scoring.beta,
+        scores = score_fn(q, fine.lo, fine.hi, cands.rows, layer.meta_offset, per_head=per_head, beta=scoring.beta,
                           sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, K]
     if spec.scores_kept:
         kept = rows.kept
@@ -233,21 +238,39 @@ def _select_and_plan(
         kept_units = jnp.where(kept.gpu >= 0, layer.unit_offset + kept.gpu, -1)
         kept_s = kept_block_scores(q, _flat(kv), kept_units, lens, per_head=per_head, beta=scoring.beta,
                                    sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, KK]
-        scores = with_kept_scores(scores, kept_s, kept.logical)
+        kept_scores = (kept_s, kept.logical)
+    else:
+        kept_scores = None
     stamp, key = slot_state
-    resident = None
-    if spec.favours_resident:
-        resident = resident_mask(key[layer.index, step.rows, 0], scores.shape[2])  # [B, C] -> [B, K]
-    sel = select_blocks(scores, cands.num_blocks, budget_blocks=spec.budget, sink_blocks=spec.sink,
-                        window_blocks=spec.window, mode=spec.mode, solohead=spec.solohead,
-                        retrieval_head=layer.retrieval_head, score_scale=scale, resident=resident,
-                        resident_bonus=scoring.resident_bonus)
-    if spec.override:
-        sel = _with_middle(sel, jax.lax.dynamic_index_in_dim(step.override, layer.index, 0, keepdims=False),
-                           cands.num_blocks, spec.sink, spec.window)
-    stamp, key, plan = slot_plan.layer_plan(stamp, key, layer.index, sel, step, layer.unit_offset,
-                                            block_size=tokens_per_block(kv), sink=spec.sink, window=spec.window,
-                                            mode=spec.plan_mode)
+    if spec.fused:  # selection and slot plan in one kernel (the rules of select_blocks + layer_plan below)
+        select = spec.select
+        if select == "normalized_sum" and tp_kernels.tp_size() > 1:  # heads split over devices: sum them first
+            if kept_scores is not None:
+                scores, kept_scores = with_kept_scores(scores, *kept_scores), None
+            scores, select = summed_shares(scores, cands.num_blocks, scale), "summed"
+        out = tp_kernels.replicated(
+            select_plan, scores, cands.num_blocks, stamp, key, layer.index, step.rows, step.capacity, step.gpu,
+            step.host, step.slots, step.lengths, layer.unit_offset, step.spare, layer.retrieval_head, kept_scores,
+            budget=spec.budget, sink=spec.sink, window=spec.window, select=select, scale=scale,
+            bonus=scoring.resident_bonus if spec.favours_resident else 0.0, block_size=tokens_per_block(kv))
+        stamp, key, sel = out.stamp, out.key, out.sel
+        plan = slot_plan.fused_layer_plan(out, step.spare is not None)
+    else:
+        if kept_scores is not None:
+            scores = with_kept_scores(scores, *kept_scores)
+        resident = None
+        if spec.favours_resident:
+            resident = resident_mask(key[layer.index, step.rows, 0], scores.shape[2])  # [B, C] -> [B, K]
+        sel = select_blocks(scores, cands.num_blocks, budget_blocks=spec.budget, sink_blocks=spec.sink,
+                            window_blocks=spec.window, mode=spec.mode, solohead=spec.solohead,
+                            retrieval_head=layer.retrieval_head, score_scale=scale, resident=resident,
+                            resident_bonus=scoring.resident_bonus)
+        if spec.override:
+            sel = _with_middle(sel, jax.lax.dynamic_index_in_dim(step.override, layer.index, 0, keepdims=False),
+                               cands.num_blocks, spec.sink, spec.window)
+        stamp, key, plan = slot_plan.layer_plan(stamp, key, layer.index, sel, step, layer.unit_offset,
+                                                block_size=tokens_per_block(kv), sink=spec.sink, window=spec.window,
+                                                mode=spec.plan_mode)
     if plan.fill is not None:  # (`step.spare`) a miss on the block that just left the window: copied on the GPU
         dst, src = plan.fill  # [B, S] each, -1 = none: the null block copies onto itself
         li = layer.unit_offset // kv.shape[1]
@@ -311,7 +334,7 @@ def land_attend_finish(
     fan = 1). Rows past the misses are padding: they land in the null block 0. `late_rows` (recall ahead's first step
     of a request): only these rows attend their misses now. Returns (kv, x)."""
     if staging is not None:
-        kv = _land(kv, layer, plan.recall, plan.count, staging, fan)
+        kv = _land(kv, layer, plan.misses, plan.info, staging, fan)
     if early is None:
         early = _attend(attention, q, kv, plan.early[0], plan.early[1])
     parts = [early]
@@ -324,26 +347,31 @@ def land_attend_finish(
     return kv, model.layer_finish(lp, x, o[:, None])
 
 
-def _land(kv: Array, layer: Int[Array, ""], recall: Int[Array, "3 P"], count: Int[Array, ""],
+def _land(kv: Array, layer: Int[Array, ""], misses: Int[Array, "B S N"], info: Int[Array, "B S M"],
           staging: Float[Array, "n 2 bs Hkv hd"] | Float[Array, "n 2 bs hd"], fan: int) -> Array:
-    """Write a recall's staging into its slots of `layer`: whole blocks [n, 2, bs, Hkv, hd], or (block, head) units
-    [n, 2, bs, hd] (unit i: miss i // `fan`, head i % `fan`; headwise, fan 1: the miss's lane). Rows past the
-    misses are padding and land in the null block 0."""
+    """Write a recall's staging into its slots of `layer`: the plan's misses in row / lane / selection order (lane
+    (b, s) holds `info[b, s, -3]` of them, their slot blocks `misses[b, s]`), as whole blocks [n, 2, bs, Hkv, hd] or
+    (block, head) units [n, 2, bs, hd] (unit i: miss i // `fan`, head i % `fan`; headwise, fan 1: the miss's lane).
+    Rows past the misses are padding and land in the null block 0."""
     n = staging.shape[0]
+    b, s, width = misses.shape
+    counts = info[:, :, -3].reshape(-1)  # [B * S]
+    ends = jnp.cumsum(counts)
     entry = jnp.arange(n) // fan
-    real = entry < count
-    entry = jnp.minimum(entry, recall.shape[1] - 1)
-    blocks = jnp.where(real, recall[0, entry], 0)
+    lane = jnp.minimum(jnp.sum(ends[None, :] <= entry[:, None], axis=1), b * s - 1)  # the lane each entry is from
+    at = jnp.clip(entry - (ends[lane] - counts[lane]), 0, width - 1)
+    real = entry < ends[-1]
+    blocks = jnp.where(real, misses.reshape(b * s, width)[lane, at], 0)
     if staging.ndim == 5:
         return kv.at[layer, blocks].set(staging.astype(kv.dtype))
-    heads = jnp.arange(n) % fan if fan > 1 else recall[1, entry]
+    heads = jnp.arange(n) % fan if fan > 1 else lane % s
     return kv.at[layer, blocks, :, :, jnp.where(real, heads, 0)].set(staging.astype(kv.dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("fan",), donate_argnames=("kv",))
 def land(kv: Float[Array, "L NB 2 rows Hkv hd"], layer: Int[Array, ""], landing: Landing, *, fan: int = 1) -> Array:
     """A recall issued ahead, landed on its own (`SparseDecoder.land_pending`): its blocks into their slots."""
-    return _land(kv, layer, landing.recall, landing.count, landing.staging, fan)
+    return _land(kv, layer, landing.misses, landing.info, landing.staging, fan)
 
 
 @functools.partial(jax.jit, donate_argnames=("kv",))

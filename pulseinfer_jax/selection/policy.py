@@ -240,6 +240,14 @@ def _softmax_over_valid(
     return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
 
 
+def summed_shares(scores: Float[Array, "B H K"], num_blocks_total: Int[Array, " B"],
+                  score_scale: float | Float[Array, ""]) -> Float[Array, "B 1 K"]:
+    """SoloHead normalized_sum's ranking key before the resident bonus: each head's softmax over the valid blocks,
+    summed over heads (under tensor parallelism the sum over devices is one all-reduce of [B, K])."""
+    valid = jnp.arange(scores.shape[2])[None, None, :] < num_blocks_total[:, None, None]
+    return jnp.sum(_softmax_over_valid(scores, valid, score_scale), axis=1, keepdims=True)
+
+
 def select_blocks(
     scores: Float[Array, "B H K"],
     num_blocks_total: Int[Array, " B"],
@@ -321,8 +329,7 @@ def _select_blocks(
         sel = _top_blocks(scores.reshape(b * h, k), jnp.repeat(n, h), budget, sink, window)
         return sel.reshape(b, h, budget)
     if solohead == "normalized_sum":
-        valid = jnp.arange(k)[None, None, :] < n[:, None, None]
-        key = jnp.sum(_softmax_over_valid(scores, valid, score_scale), axis=1)  # [B, K]
+        key = summed_shares(scores, n, score_scale)[:, 0]  # [B, K]
         if resident is not None:
             key = jnp.where(resident, key * (1.0 + bonus), key)
     else:  # retrieval_head

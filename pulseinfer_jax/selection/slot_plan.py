@@ -1,10 +1,12 @@
 """Slot-cache planning on the device: the `SlotTable` contract (selection/slot_table.py, the numpy reference)
-in jnp, fused into a sparse layer's selection call (`sparse_layer.sparse_pre`).
+in jnp, fused into a sparse layer's selection call (`sparse_layer.sparse_pre` / `ahead_layer`); the Pallas backend
+runs the selection and this plan as one kernel (`pallas_kernels/select_plan.py`) and `fused_layer_plan` assembles its
+`LayerPlan`.
 
 Why on the device: a decode step plans every sparse layer of every request. Done on the host (numpy over the
 micro-batch) it costs a few hundred microseconds per layer in fixed per-call overhead (`bench/host_overhead.py`),
 which on a GPU sits between the layer's selection and its attention; here it is a few small fused ops, and the
-host only reads back what it must act on: the recall list (host rows to gather) and per-request counts.
+host only reads back what it must act on: the misses' host rows (to gather) and per-lane counts.
 
 State (one array pair for every sparse layer, table row = request, lane = KV head for headwise, 0 for SoloHead):
     stamp [SL, R, S, C] int32  recency rank of each slot, 0 = next victim; free slots rank lowest, in slot order
@@ -22,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
+
+from pulseinfer_jax.pallas_kernels.select_plan import SelectPlanOut
 
 IntArray = Array | np.ndarray
 
@@ -50,13 +54,14 @@ class SlotStep:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
-    """A sparse layer's slot-cache plan (`layer_plan`): its attention entry lists and its recall list."""
+    """A sparse layer's slot-cache plan (`layer_plan`): its attention entries, its misses and what the host reads."""
 
     early: tuple[Int[Array, "B S N"], Int[Array, "B S N"]]  # (units, valid tokens) of resident blocks and hits
     late: tuple[Int[Array, "B S N"], Int[Array, "B S N"]]  # the same for the misses (recalled into their slots)
-    recall: Int[Array, "3 P"]  # slot block, lane and host row of each miss, zero past the count
-    count: Int[Array, ""]  # the misses
-    info: Int[Array, " I"]  # what the host reads, in one copy: [count, hits [B], misses [B], host rows [P], lanes [P]]
+    misses: Int[Array, "B S N"]  # each lane's misses' slot blocks, in selection order, 0 padded: where recalls land
+    # what the host reads in one copy, per lane: the misses' host rows (selection order, 0 padded), then hits (GPU
+    # fills included), misses, the fill's slot block and its source block (-1 = none)
+    info: Int[Array, "B S M"]  # M = N + 4
     # with `SlotStep.spare`: (slot block, spare block) per row and lane of the miss filled on the GPU, -1 = none
     fill: tuple[Int[Array, "B S"], Int[Array, "B S"]] | None = None
 
@@ -134,7 +139,7 @@ def plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer: Int[
 def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer: Int[Array, ""],
                sel: Int[Array, "B S N"], step: SlotStep, unit_offset: Int[Array, ""], *, block_size: int,
                sink: int, window: int, mode: str) -> tuple[Array, Array, LayerPlan]:
-    """Sparse layer `layer`'s selection -> its slot-cache plan, attention entries and recall list, on the device.
+    """Sparse layer `layer`'s selection -> its slot-cache plan, attention entries and miss lists, on the device.
 
     `sel`: the selected logical blocks per row and lane (-1 = none); `step`: the step's `SlotStep` (the same for every
     layer of a step). GPU block g of this layer is flat unit `unit_offset + g`.
@@ -142,9 +147,9 @@ def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer
     are recalled), "bookkeep" (every block resident; the slot caches still track what "recall" would hold, for the
     resident-block bonus), "none" (every block resident, no slot caches).
 
-    Returns (stamp, key, `LayerPlan`): the entry lists in selection order, padded with (-1, 0); the recall list in
-    row / lane / selection order (P = a power of two >= B*S*N); the host's part packed in one int32 vector, read in
-    one copy (unpacked by `sparse_decoder.PlanInfo`).
+    Returns (stamp, key, `LayerPlan`): the entry lists in selection order, padded with (-1, 0); per lane its misses'
+    slot blocks and, in `info` (read by the host in one copy, `recall_lanes`), the counts and the misses' host rows.
+    Misses are recalled and landed in row / lane / selection order.
     """
     b, s, n = sel.shape
     valid = sel >= 0
@@ -173,7 +178,7 @@ def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer
         # caller does it before attending), not recalled: at most one per row and lane
         spare_block, spare_gpu = (a[:, None, None] for a in step.spare)
         filled = miss & (sel == spare_block) & (spare_block >= 0)
-        # (materialised here: fused into the recall list's reductions they spill registers at 256 blocks, H200)
+        # (materialised here: fused into the miss lists' reductions they spill registers at 256 blocks, H200)
         miss, filled = jax.lax.optimization_barrier((miss & ~filled, filled))
         fill = (jnp.max(jnp.where(filled, slot_block, -1), axis=-1),
                 jnp.max(jnp.where(filled, jnp.broadcast_to(spare_gpu, sel.shape), -1), axis=-1))  # [B, S] each
@@ -188,20 +193,31 @@ def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer
     dest = jnp.where(take, _rank(order, take), n)
     entries = jnp.stack([_place(dest, jnp.broadcast_to(units, take.shape), n, -1),
                          _place(dest, jnp.broadcast_to(lens, take.shape), n, 0)], axis=1)  # [2 lists, 2, B, S, N]
-    # the recall list: misses in row / lane / selection order, one scatter of (slot block, lane, host row)
-    p = 1 << max(0, (b * s * n - 1).bit_length())
-    flat = miss.reshape(-1)
-    at = jnp.where(flat, jnp.cumsum(flat) - 1, p)  # index p: dropped
+    # per lane: the misses' slot blocks and host rows in selection order (the late list's places), and the counts
     host = step.host[ri, safe]
-    lane_ids = jnp.broadcast_to(jnp.arange(s)[None, :, None], sel.shape)
-    cols = jnp.stack([slot_block, lane_ids, host]).reshape(3, -1).astype(jnp.int32)
-    recall = jnp.zeros((3, p), jnp.int32).at[:, at].set(cols, mode="drop")
-    count = flat.sum().astype(jnp.int32)
-    misses_row = miss.sum(axis=(1, 2)).astype(jnp.int32)
-    hits_row = (hit | filled).sum(axis=(1, 2)).astype(jnp.int32)
-    info = jnp.concatenate([count[None], hits_row, misses_row, recall[2], recall[1]])
+    miss_slots = _place(dest[1], slot_block, n, 0)
+    miss_hosts = _place(dest[1], host, n, 0)
+    fills = fill if fill is not None else (jnp.full((b, s), -1, jnp.int32),) * 2
+    counts = jnp.stack([(hit | filled).sum(axis=-1), miss.sum(axis=-1), *fills], axis=-1).astype(jnp.int32)
+    info = jnp.concatenate([miss_hosts.astype(jnp.int32), counts], axis=-1)  # [B, S, N + 4]
     # each list as its own (units, valid tokens) arrays: the attention kernel takes them as separate operands (a
     # stacked [2, ...] array would be sliced into copies by every consumer)
     early_list = (entries[0, 0], entries[0, 1])
     late_list = (entries[1, 0], entries[1, 1])
-    return stamp, key, LayerPlan(early_list, late_list, recall, count, info, fill)
+    return stamp, key, LayerPlan(early_list, late_list, miss_slots.astype(jnp.int32), info, fill)
+
+
+def fused_layer_plan(out: SelectPlanOut, spare: bool) -> LayerPlan:
+    """The `LayerPlan` of a fused selection and plan (`pallas_kernels.select_plan`, the same rules as `layer_plan` in
+    "recall" mode): its lists and info as they are."""
+    fill = (out.info[..., -2], out.info[..., -1]) if spare else None
+    return LayerPlan((out.early_units, out.early_lens), (out.late_units, out.late_lens), out.miss_slot, out.info, fill)
+
+
+def recall_lanes(info: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A plan's misses as the host reads them (`LayerPlan.info`, numpy [B, S, N + 4]): (host row, lane) of each, in
+    row / lane / selection order, the order recalls are staged and landed in (`sparse_layer._land`)."""
+    n = info.shape[2] - 4
+    taken = np.arange(n) < info[:, :, -3:-2]  # [B, S, N]
+    lanes = np.broadcast_to(np.arange(info.shape[1], dtype=np.int32)[None, :, None], taken.shape)
+    return info[:, :, :n][taken], lanes[taken]
