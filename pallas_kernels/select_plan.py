@@ -27,6 +27,9 @@ or the slots' (C-space), never as an [N, C] compare matrix:
   * victims: the free slots (not hit, below the capacity) in stamp order (a stamp -> slot map: stamps are a
     permutation of the slots), the i-th miss takes the i-th; new stamps = untouched slots in their order, then
     hits, then misses (the reference's ranks).
+With the cache given (recall ahead's spare fill: a miss on the block that just left the window, still whole in its spare
+GPU block), the program that filled it also copies that block into its slot (the cache aliased in place, at most one
+block per row and lane), so the layer needs no gather and scatter kernels for it.
 Intermediate maps live in small global scratch outputs, written and read back across `debug_barrier`s (one
 program's threads; in interpret mode programs run one by one and need none). Scattered writes whose mask is off
 go to a dump entry past the data, because interpret mode's masked scatter rewrites the old value at its index.
@@ -67,6 +70,7 @@ class SelectPlanOut(NamedTuple):
     info: Int[Array, "B S N+4"]
     stamp: Int[Array, "SL R S C"]
     key: Int[Array, "SL R S C"]
+    kv: Array | None = None  # the cache with the spare fills copied (when it was given)
 
 
 def _order_value(key: Array) -> Array:
@@ -106,12 +110,12 @@ def _softmax_share(x: Array, valid: Array, scale: float) -> Array:
 
 
 def _kernel(layer_ref, unit_ref, rhead_ref, n_ref, row_ref, cap_ref, len_ref, spb_ref, spg_ref,
-            scores_ref, gpu_ref, host_ref, slots_ref, stamp_in, key_in, kept_ref, kl_ref,
+            scores_ref, gpu_ref, host_ref, slots_ref, stamp_in, key_in, kept_ref, kl_ref, kv_in,
             sel_ref, eu_ref, el_ref, lu_ref, ll_ref, ms_ref, info_ref, stamp_ref, key_ref,
-            inv_ref, wm_ref, byst_ref, aux_ref, vict_ref, new_ref, tmp_ref,
-            *, k: int, c: int, n_sel: int, heads: int, table_rows: int, lanes: int, budget: int, sink: int,
+            inv_ref, wm_ref, byst_ref, aux_ref, vict_ref, new_ref, tmp_ref, *kv_out,
+            k: int, c: int, n_sel: int, heads: int, table_rows: int, lanes: int, budget: int, sink: int,
             window: int, select: str, scale: float, bonus: float, block_size: int, spare: bool, kept: int,
-            interpret: bool):
+            fill: tuple[int, int, int, int] | None, interpret: bool):
     barrier = (lambda: None) if interpret else plt.debug_barrier
     kp, cp, npad = next_pow2(k), next_pow2(c), next_pow2(n_sel)
     ki = jnp.arange(kp, dtype=jnp.int32)
@@ -128,8 +132,8 @@ def _kernel(layer_ref, unit_ref, rhead_ref, n_ref, row_ref, cap_ref, len_ref, sp
     # P0: initialise the maps
     inv_ref[pl.ds(0, kp)] = jnp.full((kp,), -1, jnp.int32)
     wm_ref[pl.ds(0, kp)] = jnp.zeros((kp,), jnp.int32)
-    for r, fill in enumerate((-1, -1, 0, -1, 0, 0, 0)):  # sel, early units / lens, late units / lens, miss lists
-        tmp_ref[r, pl.ds(0, npad)] = jnp.full((npad,), fill, jnp.int32)
+    for r, pad in enumerate((-1, -1, 0, -1, 0, 0, 0)):  # sel, early units / lens, late units / lens, miss lists
+        tmp_ref[r, pl.ds(0, npad)] = jnp.full((npad,), pad, jnp.int32)
     vict_ref[pl.ds(0, cp)] = jnp.zeros((cp,), jnp.int32)
     new_ref[1, pl.ds(0, cp)] = ky
     plt.store(byst_ref.at[jnp.where(cvalid, st, cp)], ci, mask=cvalid)  # stamp -> slot
@@ -230,6 +234,9 @@ def _kernel(layer_ref, unit_ref, rhead_ref, n_ref, row_ref, cap_ref, len_ref, sp
     any_fill = jnp.sum(filled.astype(jnp.int32)) > 0
     fill_dst = jnp.max(jnp.where(filled, slot_block, -1))
     fill_src = jnp.where(any_fill, spg_ref[0], -1) if spare else jnp.int32(-1)
+    if fill is not None:  # copy the filled block from its spare GPU block into its slot (this layer's flat units)
+        _copy_fill(kv_in, kv_out[0], unit // fill[0] * fill[0], fill_src, fill_dst, any_fill, s_lane, fill[1:],
+                   lanes > 1)
     i4 = jnp.arange(4, dtype=jnp.int32)
     info_ref[pl.ds(n_sel, 4)] = jnp.where(i4 == 0, jnp.sum((hit | filled).astype(jnp.int32)),
                                 jnp.where(i4 == 1, jnp.sum(late.astype(jnp.int32)),
@@ -240,6 +247,30 @@ def _kernel(layer_ref, unit_ref, rhead_ref, n_ref, row_ref, cap_ref, len_ref, sp
         plt.store(out.at[pl.ds(0, npad)], tmp_ref[rr, pl.ds(0, npad)], mask=jnp.arange(npad) < n_sel)
     plt.store(stamp_ref.at[srow, pl.ds(0, cp)], new_ref[0, pl.ds(0, cp)], mask=cvalid)
     plt.store(key_ref.at[srow, pl.ds(0, cp)], new_ref[1, pl.ds(0, cp)], mask=cvalid)
+
+
+def _copy_fill(kv_in, kv_out, first: Array, src: Array, dst: Array, on: Array, lane: Array,
+               shape: tuple[int, int, int], headwise: bool) -> None:
+    """Block `src` -> block `dst` of the layer whose flat units start at `first` (kv as [units, 2 * rows * Hkv * hd]),
+    whole (SoloHead) or lane `lane`'s head only (headwise), in power-of-two chunks; nothing unless `on`."""
+    rows, hkv, hd = shape
+    n = 2 * rows * (1 if headwise else hkv) * hd  # elements copied
+    chunk = min(next_pow2(n), 8192)
+    u_src, u_dst = first + jnp.maximum(src, 0), first + jnp.maximum(dst, 0)
+
+    def step(j, carry):
+        t = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        if headwise:  # element t of head `lane`: (K|V, row, feature) -> its offset in the block
+            kvr, d = t // hd, t % hd
+            t_at = (kvr * hkv + lane) * hd + d
+        else:
+            t_at = t
+        live = (t < n) & on
+        at = jnp.where(live, t_at, 0)
+        plt.store(kv_out.at[u_dst, at], plt.load(kv_in.at[u_src, at], mask=live, other=0), mask=live)
+        return carry
+
+    jax.lax.fori_loop(0, -(-n // chunk), step, 0)
 
 
 def _check(scores, num_blocks, stamp, key, rows, gpu, slots, budget, sink, window, select, kept):
@@ -269,7 +300,7 @@ def _check(scores, num_blocks, stamp, key, rows, gpu, slots, budget, sink, windo
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "sink", "window", "select", "scale", "bonus", "block_size",
-                                             "num_warps", "interpret"), donate_argnames=("stamp", "key"))
+                                             "num_warps", "interpret"), donate_argnames=("stamp", "key", "kv"))
 def select_plan(
     scores: Float[Array, "B H K"],
     num_blocks: Int[Array, " B"],
@@ -286,6 +317,7 @@ def select_plan(
     spare: tuple[Int[Array, " B"], Int[Array, " B"]] | None = None,
     retrieval_head: Int[Array, ""] | int = 0,
     kept: tuple[Float[Array, "B H KK"], Int[Array, "B KK"]] | None = None,
+    kv: Array | None = None,
     *,
     budget: int,
     sink: int,
@@ -302,6 +334,8 @@ def select_plan(
     shares the caller summed over heads, row 0 of `scores`, with the bonus), "retrieval_head" (SoloHead on
     head `retrieval_head`) or "headwise" (lane s selects on score head s). `kept` = (scores [B, H, KK], logical blocks
     [B, KK], -1 = none): normalized_sum's scores of those blocks replaced by these (`kept_blocks.with_kept_scores`).
+    `kv` (the cache [L, NB, 2, rows, Hkv, hd], with `spare`; aliased, updated in place): the kernel also copies each
+    spare fill's block into its slot (layer unit_offset // NB), returned as `kv` (else the caller copies it).
     `spare` = (logical block, GPU block) per
     row: a miss on that block is filled from it on the GPU (an early entry, `info[..., -2:]`), not recalled."""
     _check(scores, num_blocks, stamp, key, rows, gpu, slots, budget, sink, window, select, kept)
@@ -316,6 +350,14 @@ def select_plan(
     # (absent inputs: stand-ins the kernel never reads, not constants, which would each cost a kernel to fill)
     spb, spg = spare if spare is not None else (rows, rows)
     kk = 0 if kept is None else kept[1].shape[1]
+    if kv is not None and spare is None:
+        raise ValueError("kv is only passed for the spare fill's copy: give spare too")
+    fill = None
+    flat_kv = scores  # (a stand-in, never read)
+    if kv is not None:
+        nb_, rows_, hkv_, hd_ = kv.shape[1], kv.shape[3], kv.shape[4], kv.shape[5]
+        fill = (nb_, rows_, hkv_, hd_)
+        flat_kv = kv.reshape(kv.shape[0] * nb_, -1)  # (a free view: one row per flat unit)
     kept_s, kept_l = kept if kept is not None else (scores, gpu)
     flat_st, flat_ky = stamp.reshape(-1, c), key.reshape(-1, c)
     row_spec = pl.BlockSpec((1,), lambda i, s: (i,))
@@ -331,11 +373,13 @@ def select_plan(
            scratch(7, next_pow2(budget) + 1)]
     lists = jax.ShapeDtypeStruct((b, lanes, budget), i32)
 
+    kv_spec = pl.BlockSpec(flat_kv.shape, lambda i, s: (0,) * flat_kv.ndim)
+
     def run(interp: bool):
         kernel = functools.partial(
             _kernel, k=k, c=c, n_sel=budget, heads=h, table_rows=tr, lanes=lanes, budget=budget, sink=sink,
             window=window, select=select, scale=float(scale), bonus=float(bonus), block_size=block_size,
-            spare=spare is not None, kept=kk, interpret=interp)
+            spare=spare is not None, kept=kk, fill=fill, interpret=interp)
         return pl.pallas_call(
             kernel,
             grid=(b, lanes),
@@ -346,23 +390,25 @@ def select_plan(
                 pl.BlockSpec((None, slots.shape[1]), lambda i, s: (i, 0)),  # slots
                 state_spec, state_spec,
                 pl.BlockSpec((None, h, max(kk, 1)), lambda i, s: (i, 0, 0)),  # kept scores
-                pl.BlockSpec((None, max(kk, 1)), lambda i, s: (i, 0))],  # kept logical blocks
+                pl.BlockSpec((None, max(kk, 1)), lambda i, s: (i, 0)),  # kept logical blocks
+                kv_spec],  # the cache (the fill's copy), or a stand-in
             out_specs=[lane_out] * 6 + [pl.BlockSpec((None, None, budget + 4), lambda i, s: (i, s, 0)), state_spec,
-                                        state_spec] + [spec for spec, _ in scr],
+                                        state_spec] + [spec for spec, _ in scr] + [kv_spec] * (fill is not None),
             out_shape=[lists] * 6 + [jax.ShapeDtypeStruct((b, lanes, budget + 4), i32),
                                      jax.ShapeDtypeStruct(flat_st.shape, i32), jax.ShapeDtypeStruct(flat_ky.shape, i32)]
-            + [shape for _, shape in scr],
-            input_output_aliases={13: 7, 14: 8},
+            + [shape for _, shape in scr] + [jax.ShapeDtypeStruct(flat_kv.shape, flat_kv.dtype)] * (fill is not None),
+            input_output_aliases={13: 7, 14: 8, **({17: 9 + len(scr)} if fill is not None else {})},
             interpret=interp,
             compiler_params=triton_params(num_warps=num_warps, num_stages=1),
             name=f"select_plan_{select}_n{budget}",
         )(one(layer), one(unit_offset), one(retrieval_head), num_blocks.astype(i32), rows.astype(i32),
           capacity.astype(i32), lengths.astype(i32), spb.astype(i32), spg.astype(i32), scores.astype(jnp.float32),
           gpu.astype(i32), host.astype(i32), slots.astype(i32), flat_st, flat_ky, kept_s.astype(jnp.float32),
-          kept_l.astype(i32))
+          kept_l.astype(i32), flat_kv)
 
     out = on_platform(run, interpret)
-    return SelectPlanOut(*out[:7], out[7].reshape(stamp.shape), out[8].reshape(key.shape))
+    return SelectPlanOut(*out[:7], out[7].reshape(stamp.shape), out[8].reshape(key.shape),
+                         out[-1].reshape(kv.shape) if kv is not None else None)
 
 
 def select_plan_reference(
@@ -381,6 +427,7 @@ def select_plan_reference(
     spare: tuple[Int[Array, " B"], Int[Array, " B"]] | None = None,
     retrieval_head: Int[Array, ""] | int = 0,
     kept: tuple[Float[Array, "B H KK"], Int[Array, "B KK"]] | None = None,
+    kv: Array | None = None,
     *,
     budget: int,
     sink: int,
@@ -488,9 +535,17 @@ def select_plan_reference(
                 else jnp.full(fill_dst.shape, -1, i32))
     counts = jnp.stack([jnp.sum(hit | filled, axis=-1), jnp.sum(late, axis=-1), fill_dst, fill_src],
                        axis=-1).astype(i32)
+    if kv is not None:  # the spare fills: block src -> slot block dst of layer unit_offset // NB (-1: 0 onto itself)
+        li = unit_offset // kv.shape[1]
+        dst, src = jnp.maximum(fill_dst, 0), jnp.maximum(fill_src, 0)  # [B, S]
+        if lanes == 1:
+            kv = kv.at[li, dst[:, 0]].set(kv[li, src[:, 0]])
+        else:
+            hd_ = jnp.broadcast_to(jnp.arange(lanes), dst.shape)
+            kv = kv.at[li, dst, :, :, hd_].set(kv[li, src, :, :, hd_])
     return SelectPlanOut(
         compact(selm, csum(selm), jnp.broadcast_to(ki, selm.shape), -1),
         compact(early, epos, units, -1), compact(early, epos, lens, 0),
         compact(late, lpos, units, -1), compact(late, lpos, lens, 0),
         compact(late, lpos, slot_block, 0), jnp.concatenate([compact(late, lpos, hrow, 0), counts], axis=-1),
-        stamp.at[layer, rows].set(new_st.astype(i32)), key.at[layer, rows].set(new_ky.astype(i32)))
+        stamp.at[layer, rows].set(new_st.astype(i32)), key.at[layer, rows].set(new_ky.astype(i32)), kv)

@@ -36,7 +36,12 @@ def _step(rng, it, ties):
     host = rng.integers(0, 1000, (B, K)).astype(np.int32)
     slots = rng.integers(1, 99, (B, C)).astype(np.int32)
     lengths = np.maximum(nb * BS - rng.integers(0, BS, B) * (it % 2), 0).astype(np.int32)  # at a boundary or not
-    spare = (rng.integers(-1, K, B).astype(np.int32), rng.integers(0, 99, B).astype(np.int32))
+    spare = (np.full(B, -1, np.int32), rng.integers(0, 99, B).astype(np.int32))
+    for b in range(B):  # the block that just left the window: not resident, scored high (selected: a miss or a hit)
+        j = nb[b] - WINDOW - 1
+        if j >= SINK and rng.random() < 0.8:
+            spare[0][b], gpu[b, j] = j, -1
+            scores[b, :, j] = 3.0
     return scores, nb, rows, cap, gpu, host, slots, lengths, spare
 
 
@@ -66,14 +71,34 @@ CASES = [("normalized_sum", 1, False, True), ("normalized_sum", 1, True, False),
 def test_kernel_matches_reference_bit_for_bit(select, lanes, ties, spare):
     rng = np.random.default_rng(hash((select, ties, spare)) % 2**32)
     stamp, key = slot_plan.init_state(SL, R, lanes, C)
+    fills = 0
     for it in range(8):
         args = _args(stamp, key, it % SL, _step(rng, it, ties), spare, select == "normalized_sum")
-        ref = select_plan_reference(*args, **_kw(select))
-        got = select_plan(*args[:2], jnp.array(stamp), jnp.array(key), *args[4:], interpret=True, **_kw(select))
+        # with the spare fill: the cache too (the fill copies blocks of layer UNIT // NB = 1; NaN-poisoned elsewhere)
+        kv = None
+        if spare:
+            kv = np.full((2, UNIT, 2, BS, lanes if select == "headwise" else 2, 8), np.nan, np.float32)
+            kv[1] = rng.normal(size=kv[1].shape)
+            kv = jnp.asarray(kv)
+        ref = select_plan_reference(*args, kv, **_kw(select))
+        got = select_plan(*args[:2], jnp.array(stamp), jnp.array(key), *args[4:], None if kv is None else
+                          jnp.array(kv), interpret=True, **_kw(select))
         for name, a, b in zip(ref._fields, got, ref, strict=True):
+            if b is None:
+                assert a is None
+                continue
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"step {it}: {name}")
+        if spare:  # every fill copied its block (the source block's contents now in the slot)
+            info, kv_got = np.asarray(ref.info), np.asarray(got.kv)
+            for b_, s_ in zip(*np.nonzero(info[:, :, -2] >= 0), strict=True):
+                dst, src = info[b_, s_, -2], info[b_, s_, -1]
+                want = np.asarray(kv)[1, src] if select != "headwise" else np.asarray(kv)[1, src, :, :, s_]
+                have = kv_got[1, dst] if select != "headwise" else kv_got[1, dst, :, :, s_]
+                np.testing.assert_array_equal(have, want)
+                fills += 1
         stamp, key = ref.stamp, ref.key
     assert int(np.asarray(ref.info)[..., -4].sum()) > 0  # the state carried: hits happen
+    assert fills > 0 or not spare
 
 
 def _same_up_to_ties(got, want, sel_key):

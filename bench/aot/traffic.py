@@ -83,13 +83,19 @@ def _block_scores(ops, outs, valid: float = 1.0) -> tuple[int, int]:
 
 def _select_plan(ops, outs, valid: float = 1.0) -> tuple[int, int]:
     """Per (row, lane) program: its scores, block tables, kept scores and its rows of the slot state [SL*R*S, C] (not
-    the whole state, which the call aliases in place); it writes the lists, counts and those state rows. The maps it
-    keeps in scratch outputs stay in L2 (written and read back by the same program): not counted."""
+    the whole state, which the call aliases in place); it writes the lists, counts and those state rows, and with the
+    cache (aliased too) copies at most one block per row. The maps it keeps in scratch outputs stay in L2 (written and
+    read back by the same program): not counted."""
     scores, gpu, host, slots, stamp = (o[0] for o in ops[9:14])
     rows_c = slots.dims[0] * outs[0].dims[1] * stamp.dims[-1] * 4  # B * S state rows of C int32 each
-    small = sum(o[0].bytes for o in ops[:9]) + sum(o[0].bytes for o in ops[15:])
+    small = sum(o[0].bytes for o in ops[:9]) + sum(o[0].bytes for o in ops[15:17])
     read = small + scores.bytes + gpu.bytes + host.bytes + slots.bytes + 2 * rows_c
-    return read, sum(o.bytes for o in outs[:7]) + 2 * rows_c  # the lists and info, then the state rows
+    write = sum(o.bytes for o in outs[:7]) + 2 * rows_c  # the lists and info, then the state rows
+    if len(outs) > 16:  # the cache aliased in place: each row's spare fill reads and writes one block (at most)
+        cache = outs[-1]
+        block = cache.bytes // max(1, cache.dims[0])
+        read, write = read + slots.dims[0] * block, write + slots.dims[0] * block
+    return read, write
 
 
 def _gather_rows(ops, outs, valid: float = 1.0) -> tuple[int, int]:

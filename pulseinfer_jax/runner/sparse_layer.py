@@ -248,13 +248,19 @@ def _select_and_plan(
             if kept_scores is not None:
                 scores, kept_scores = with_kept_scores(scores, *kept_scores), None
             scores, select = summed_shares(scores, cands.num_blocks, scale), "summed"
+        # the spare fill's copy inside the kernel too (one device: under tensor parallelism the cache is split by
+        # head and the replicated kernel must not gather it)
+        in_kernel_fill = step.spare is not None and tp_kernels.tp_size() == 1
         out = tp_kernels.replicated(
             select_plan, scores, cands.num_blocks, stamp, key, layer.index, step.rows, step.capacity, step.gpu,
             step.host, step.slots, step.lengths, layer.unit_offset, step.spare, layer.retrieval_head, kept_scores,
-            budget=spec.budget, sink=spec.sink, window=spec.window, select=select, scale=scale,
-            bonus=scoring.resident_bonus if spec.favours_resident else 0.0, block_size=tokens_per_block(kv))
+            kv if in_kernel_fill else None, budget=spec.budget, sink=spec.sink, window=spec.window, select=select,
+            scale=scale, bonus=scoring.resident_bonus if spec.favours_resident else 0.0,
+            block_size=tokens_per_block(kv))
         stamp, key, sel = out.stamp, out.key, out.sel
         plan = slot_plan.fused_layer_plan(out, step.spare is not None)
+        if in_kernel_fill:
+            kv = out.kv
     else:
         if kept_scores is not None:
             scores = with_kept_scores(scores, *kept_scores)
@@ -271,7 +277,8 @@ def _select_and_plan(
         stamp, key, plan = slot_plan.layer_plan(stamp, key, layer.index, sel, step, layer.unit_offset,
                                                 block_size=tokens_per_block(kv), sink=spec.sink, window=spec.window,
                                                 mode=spec.plan_mode)
-    if plan.fill is not None:  # (`step.spare`) a miss on the block that just left the window: copied on the GPU
+        in_kernel_fill = False
+    if plan.fill is not None and not in_kernel_fill:  # (`step.spare`) the block that just left the window: GPU copy
         dst, src = plan.fill  # [B, S] each, -1 = none: the null block copies onto itself
         li = layer.unit_offset // kv.shape[1]
         dst, src = jnp.maximum(dst, 0), jnp.maximum(src, 0)
