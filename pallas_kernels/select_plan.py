@@ -29,7 +29,8 @@ or the slots' (C-space), never as an [N, C] compare matrix:
     hits, then misses (the reference's ranks).
 With the cache given (recall ahead's spare fill: a miss on the block that just left the window, still whole in its spare
 GPU block), the program that filled it also copies that block into its slot (the cache aliased in place, at most one
-block per row and lane), so the layer needs no gather and scatter kernels for it.
+block per row and lane), so the layer needs no gather and scatter kernels for it. The copies are independent: each row
+owns its slot blocks and spare blocks are never slots (`copy_fills`, the same copy in plain jnp).
 Intermediate maps live in small global scratch outputs, written and read back across `debug_barrier`s (one
 program's threads; in interpret mode programs run one by one and need none). Scattered writes whose mask is off
 go to a dump entry past the data, because interpret mode's masked scatter rewrites the old value at its index.
@@ -271,6 +272,17 @@ def _copy_fill(kv_in, kv_out, first: Array, src: Array, dst: Array, on: Array, l
         return carry
 
     jax.lax.fori_loop(0, -(-n // chunk), step, 0)
+
+
+def copy_fills(kv: Array, layer: Array | int, dst: Int[Array, "B S"], src: Int[Array, "B S"]) -> Array:
+    """The spare fills in plain jnp: block src -> slot block dst of cache layer `layer` (kv [L, NB, 2, rows, Hkv,
+    hd]), whole blocks for one lane (SoloHead), head s for lane s (headwise); -1 = none (the null block 0 onto
+    itself). Every dst is a different block and no dst is a src (each row owns its slots, spare blocks are no slots)."""
+    dst, src = jnp.maximum(dst, 0), jnp.maximum(src, 0)
+    if dst.shape[1] == 1:
+        return kv.at[layer, dst[:, 0]].set(kv[layer, src[:, 0]])
+    h = jnp.broadcast_to(jnp.arange(dst.shape[1]), dst.shape)
+    return kv.at[layer, dst, :, :, h].set(kv[layer, src, :, :, h])
 
 
 def _check(scores, num_blocks, stamp, key, rows, gpu, slots, budget, sink, window, select, kept):
@@ -535,14 +547,8 @@ def select_plan_reference(
                 else jnp.full(fill_dst.shape, -1, i32))
     counts = jnp.stack([jnp.sum(hit | filled, axis=-1), jnp.sum(late, axis=-1), fill_dst, fill_src],
                        axis=-1).astype(i32)
-    if kv is not None:  # the spare fills: block src -> slot block dst of layer unit_offset // NB (-1: 0 onto itself)
-        li = unit_offset // kv.shape[1]
-        dst, src = jnp.maximum(fill_dst, 0), jnp.maximum(fill_src, 0)  # [B, S]
-        if lanes == 1:
-            kv = kv.at[li, dst[:, 0]].set(kv[li, src[:, 0]])
-        else:
-            hd_ = jnp.broadcast_to(jnp.arange(lanes), dst.shape)
-            kv = kv.at[li, dst, :, :, hd_].set(kv[li, src, :, :, hd_])
+    if kv is not None:
+        kv = copy_fills(kv, unit_offset // kv.shape[1], fill_dst, fill_src)
     return SelectPlanOut(
         compact(selm, csum(selm), jnp.broadcast_to(ki, selm.shape), -1),
         compact(early, epos, units, -1), compact(early, epos, lens, 0),

@@ -29,7 +29,7 @@ from pulseinfer_jax.models.transformer import Transformer
 from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, update_bounds
 from pulseinfer_jax.pallas_kernels.block_scoring import block_scores, block_scores_reference, default_scale
 from pulseinfer_jax.pallas_kernels.merge import merge_attention_partials
-from pulseinfer_jax.pallas_kernels.select_plan import select_plan
+from pulseinfer_jax.pallas_kernels.select_plan import copy_fills, select_plan
 from pulseinfer_jax.pallas_kernels.sparse_decode_attention import (
     sparse_decode_attention,
     sparse_decode_attention_reference,
@@ -258,9 +258,8 @@ def _select_and_plan(
             scale=scale, bonus=scoring.resident_bonus if spec.favours_resident else 0.0,
             block_size=tokens_per_block(kv))
         stamp, key, sel = out.stamp, out.key, out.sel
-        plan = slot_plan.fused_layer_plan(out, step.spare is not None)
-        if in_kernel_fill:
-            kv = out.kv
+        plan = slot_plan.fused_layer_plan(out, step.spare is not None)  # (no fill left when the kernel copied it)
+        kv = kv if out.kv is None else out.kv
     else:
         if kept_scores is not None:
             scores = with_kept_scores(scores, *kept_scores)
@@ -277,16 +276,8 @@ def _select_and_plan(
         stamp, key, plan = slot_plan.layer_plan(stamp, key, layer.index, sel, step, layer.unit_offset,
                                                 block_size=tokens_per_block(kv), sink=spec.sink, window=spec.window,
                                                 mode=spec.plan_mode)
-        in_kernel_fill = False
-    if plan.fill is not None and not in_kernel_fill:  # (`step.spare`) the block that just left the window: GPU copy
-        dst, src = plan.fill  # [B, S] each, -1 = none: the null block copies onto itself
-        li = layer.unit_offset // kv.shape[1]
-        dst, src = jnp.maximum(dst, 0), jnp.maximum(src, 0)
-        if dst.shape[1] == 1:  # SoloHead: whole blocks
-            kv = kv.at[li, dst[:, 0]].set(kv[li, src[:, 0]])
-        else:  # headwise: lane h holds head h
-            h = jnp.broadcast_to(jnp.arange(dst.shape[1]), dst.shape)
-            kv = kv.at[li, dst, :, :, h].set(kv[li, src, :, :, h])
+    if plan.fill is not None:  # (`step.spare`) the block that just left the window: GPU copy
+        kv = copy_fills(kv, layer.unit_offset // kv.shape[1], *plan.fill)
     return kv, q, (stamp, key), plan, sel
 
 

@@ -209,8 +209,8 @@ def layer_plan(stamp: Int[Array, "SL R S C"], key: Int[Array, "SL R S C"], layer
 
 def fused_layer_plan(out: SelectPlanOut, spare: bool) -> LayerPlan:
     """The `LayerPlan` of a fused selection and plan (`pallas_kernels.select_plan`, the same rules as `layer_plan` in
-    "recall" mode): its lists and info as they are."""
-    fill = (out.info[..., -2], out.info[..., -1]) if spare else None
+    "recall" mode): its lists and info as they are; `fill` for the caller to copy unless the kernel did (`out.kv`)."""
+    fill = (out.info[..., -2], out.info[..., -1]) if spare and out.kv is None else None
     return LayerPlan((out.early_units, out.early_lens), (out.late_units, out.late_lens), out.miss_slot, out.info, fill)
 
 
