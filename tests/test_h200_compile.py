@@ -17,7 +17,13 @@ pytest.importorskip("jax_plugins.xla_cuda13", reason="needs jax's CUDA plugin: .
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from pulseinfer_jax.pallas_kernels import block_scoring, grouped_matmul, select_plan, sparse_decode_attention  # noqa: E402
+from pulseinfer_jax.pallas_kernels import (  # noqa: E402
+    block_scoring,
+    grouped_matmul,
+    kept_scores,
+    select_plan,
+    sparse_decode_attention,
+)
 
 from bench import gather_scatter  # noqa: E402
 from bench.aot import check  # noqa: E402
@@ -240,6 +246,22 @@ def test_fused_selection_and_plan_is_one_kernel_without_spills(compiler, select,
     assert got["status"] == "compiled", got.get("error")
     assert not got["violations"], got["violations"]
     assert got["cost"]["launches"] == 1, [kr["name"] for kr in got["kernels"]]  # (a copy of a state table: 2)
+
+
+@pytest.mark.parametrize("per_head,m,hq", [(True, 1, 32), (False, 1, 32), (True, 2, 40)])
+def test_kept_scores_is_one_kernel_reading_only_the_kept_blocks(compiler, per_head, m, hq):
+    """The always-kept blocks' scores (pallas_kernels/kept_scores.py) over a whole cache, flattened (Llama-3.1-8B's
+    32 x 7,711 blocks; Qwen3-14B's 40 query heads, a group of 5): one Triton kernel, no spills, and reading the
+    listed blocks' K tiles, not the cache it is handed."""
+    b, kk = 8, 5
+    fn = functools.partial(kept_scores.kept_scores, per_head=per_head, beta=0.5, sub_blocks=m, scale=0.088,
+                           interpret=False)
+    args = (spec((b, hq, 128), jnp.bfloat16), spec((32 * 7711, 2, 16, 8, 128), jnp.bfloat16), spec((b, kk), I32),
+            spec((b, kk), I32), spec((), I32))
+    row = _ok(compiler(program("kept_scores", "kernel", jax.jit(fn), args, pallas=("kept_scores",))))
+    assert row["cost"]["launches"] == 1, [kr["name"] for kr in row["kernels"]]
+    tiles = b * kk * 8 * 16 * 128 * 2
+    assert tiles <= row["cost"]["bytes"] <= tiles + b * hq * 128 * 2 + 8192  # (+ q, the lists and the scores)
 
 
 def test_tensor_parallel_steps_compile_with_megatron_all_reduces(target):

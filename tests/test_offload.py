@@ -442,9 +442,9 @@ def test_kept_blocks_scored_only_for_solohead_softmax(tiny4, monkeypatch, kw, ru
     seen = []
     real = sparse_layer.kept_block_scores
 
-    def spy(q, pool, units, lens, **k):
+    def spy(q, pool, units, lens, *a, **k):
         seen.append(units.shape)
-        return real(q, pool, units, lens, **k)
+        return real(q, pool, units, lens, *a, **k)
 
     monkeypatch.setattr(sparse_layer, "kept_block_scores", spy)
     sparse_layer.sparse_pre.clear_cache()

@@ -19,7 +19,13 @@ import jax
 import jax.numpy as jnp
 from pulseinfer_jax.models.config import ModelConfig
 from pulseinfer_jax.models.presets import PRESETS
-from pulseinfer_jax.pallas_kernels import block_scoring, grouped_matmul, select_plan, sparse_decode_attention
+from pulseinfer_jax.pallas_kernels import (
+    block_scoring,
+    grouped_matmul,
+    kept_scores,
+    select_plan,
+    sparse_decode_attention,
+)
 
 from bench import gather_scatter
 from bench.aot import catalogue as cat
@@ -262,6 +268,12 @@ def kernel_cases(suite: Suite, quick: bool = False) -> None:
                     _kernel(suite, "select_plan", select_plan.select_plan, args,
                             f"{select} budget {budget} ctx {ctx} B {b}", default=select == "normalized_sum",
                             budget=budget, sink=1, window=4, select=select, scale=0.088, bonus=0.25, block_size=bs)
+    # the always-kept blocks' scores from their keys (1 sink + 4 window blocks), per query head as the engine scores
+    for b in ((8,) if quick else (1, 8, 24)):
+        args = (spec((b, hq, hd), BF16), spec((32 * 7711, 2, bs, hkv, hd), BF16), spec((b, 5), I32), spec((b, 5), I32),
+                spec((), I32))
+        _kernel(suite, "kept_scores", kept_scores.kept_scores, args, f"5 kept blocks B {b}", default=True,
+                per_head=True, beta=0.5, sub_blocks=1, scale=0.088)
     pool = spec((16384, 2, bs, hkv, hd), BF16)
     for n in ((512,) if quick else (64, 512, 4096)):
         cache = spec((2 * n, 2, bs, hkv, hd), BF16)

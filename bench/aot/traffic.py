@@ -98,6 +98,17 @@ def _select_plan(ops, outs, valid: float = 1.0) -> tuple[int, int]:
     return read, write
 
 
+def _kept_scores(ops, outs, valid: float = 1.0) -> tuple[int, int]:
+    """offset [1], units [B, KK], lens [B, KK], q [B, Hq, hd], pool [U, 2, bs, Hkv, hd]: each (b, h) program reads its
+    query group and its head's [bs, hd] K tile of every kept entry (padding and unwritten tokens masked: at most)."""
+    off, units, lens, q, pool = (o[0] for o in ops)
+    b, kk = units.dims
+    hkv, hd, rows = pool.dims[3], pool.dims[4], pool.dims[2]
+    item = pool.bytes // max(1, _numel(pool))
+    read = off.bytes + units.bytes + lens.bytes + q.bytes + int(b * kk * valid * hkv * rows * hd * item)
+    return read, sum(o.bytes for o in outs)
+
+
 def _gather_rows(ops, outs, valid: float = 1.0) -> tuple[int, int]:
     """gather_blocks / gather_block_heads: the ids, then exactly the staging's bytes from the pool."""
     return sum(o[0].bytes for o in ops[:-1]) + sum(o.bytes for o in outs), sum(o.bytes for o in outs)
@@ -123,6 +134,7 @@ PALLAS_TRAFFIC: dict[str, Callable] = {
     "sparse_decode_attention": _sparse_decode_attention,
     "block_scores": _block_scores,
     "select_plan": _select_plan,
+    "kept_scores": _kept_scores,
     "gather_block_heads": _gather_rows,
     "gather_blocks": _gather_rows,
     "scatter_block_heads": _scatter_rows,

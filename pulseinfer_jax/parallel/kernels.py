@@ -59,6 +59,19 @@ def block_scores(fn: Callable[..., Array], q: Float[Array, "B Hq hd"], meta_min:
     return mapped(q, meta_min, meta_max, cand, id_offset)
 
 
+def kept_scores(fn: Callable[..., Array], q: Float[Array, "B Hq hd"], pool: Float[Array, "U 2 bs Hkv hd"],
+                units: Int[Array, "B KK"], lens: Int[Array, "B KK"], unit_offset: Int[Array, ""] | int = 0,
+                **kw) -> Float[Array, "B S KK"]:
+    """`fn(q, pool, units, lens, unit_offset, **kw)` (the kept blocks' scoring kernel's contract) per device on its
+    heads: scores [B, heads, KK] split by head."""
+    if tp_size() == 1:
+        return fn(q, pool, units, lens, unit_offset, **kw)
+    mapped = jax.shard_map(functools.partial(fn, **kw),
+                           in_specs=(split_spec(3, 1), split_spec(pool.ndim, -2), P(), P(), P()),
+                           out_specs=split_spec(3, 1), check_vma=False)
+    return mapped(q, pool, units, lens, jnp.asarray(unit_offset, jnp.int32))
+
+
 def replicated(fn: Callable[..., object], *args, **kw):
     """`fn(*args, **kw)` whole on every device (a kernel that mixes heads, e.g. the fused selection and slot plan):
     its inputs gathered, its outputs replicated."""

@@ -29,7 +29,7 @@ from jaxtyping import Array, Float, Int
 from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.kv.blocks import blocks_for, bucket
 from pulseinfer_jax.kv.cache import bucket_blocks
-from pulseinfer_jax.selection.kept_blocks import kept_logical
+from pulseinfer_jax.selection.kept_blocks import kept_lens, kept_logical
 from pulseinfer_jax.selection.policy import BlockScoring
 from pulseinfer_jax.selection.slot_plan import SlotStep
 
@@ -78,6 +78,7 @@ class KeptBlocks:
 
     logical: Int[IntArray, "B KK"]  # logical block, -1 = none
     gpu: Int[IntArray, "B KK"]  # its GPU block (layer-relative)
+    lens: Int[IntArray, "B KK"]  # its tokens the new token's query sees (its own included; 0 = none)
 
 
 @jax.tree_util.register_dataclass
@@ -268,6 +269,7 @@ def micro_batch_inputs(plan: SparsePlan, scoring: BlockScoring, solohead: str, n
         kept_l = np.full((bp, 1), -1, np.int32)
     kept_l[b_real:] = -1
     kept_gpu = np.where(kept_l >= 0, np.take_along_axis(tables.gpu, np.clip(kept_l, 0, kc - 1), axis=1), -1)
+    kept_n = kept_lens(kept_l, positions, bs, xp=np)
     dense_lens = np.clip(lengths_np[:, None] - np.arange(kc) * bs, 0, bs) * (np.arange(kc) < np.asarray(
         n_blocks)[:, None])
     dense_lens = np.pad(dense_lens, ((0, bp - b_real), (0, 0))).astype(np.int32)[:, None, :]
@@ -283,7 +285,7 @@ def micro_batch_inputs(plan: SparsePlan, scoring: BlockScoring, solohead: str, n
         dense_write.append(write)
     rows = SparseRows(positions=positions, newest=newest,
                       candidates=Candidates(rows=cand.astype(np.int32), num_blocks=nblk, groups=groups),
-                      kept=KeptBlocks(logical=kept_l.astype(np.int32), gpu=kept_gpu.astype(np.int32)))
+                      kept=KeptBlocks(logical=kept_l.astype(np.int32), gpu=kept_gpu.astype(np.int32), lens=kept_n))
     dense = DenseRows(lens=dense_lens, ids=tuple(dense_ids), write=tuple(dense_write))
     return MicroBatchInputs(tokens=tok, rows=rows, dense=dense, coarse=coarse, tables=tables)
 

@@ -44,7 +44,7 @@ from pulseinfer_jax.runner.sparse_inputs import (
     SparseRows,
 )
 from pulseinfer_jax.selection import slot_plan
-from pulseinfer_jax.selection.kept_blocks import kept_block_scores, kept_lens, with_kept_scores
+from pulseinfer_jax.selection.kept_blocks import kept_block_scores, with_kept_scores
 from pulseinfer_jax.selection.policy import BlockScoring, resident_mask, select_blocks, summed_shares, top_groups
 from pulseinfer_jax.selection.slot_plan import LayerPlan, SlotStep
 
@@ -234,10 +234,9 @@ def _select_and_plan(
                           sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, K]
     if spec.scores_kept:
         kept = rows.kept
-        lens = kept_lens(kept.logical, rows.positions, tokens_per_block(kv))
-        kept_units = jnp.where(kept.gpu >= 0, layer.unit_offset + kept.gpu, -1)
-        kept_s = kept_block_scores(q, _flat(kv), kept_units, lens, per_head=per_head, beta=scoring.beta,
-                                   sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, KK]
+        kept_s = kept_block_scores(q, _flat(kv), kept.gpu, kept.lens, layer.unit_offset, per_head=per_head,
+                                   beta=scoring.beta, sub_blocks=scoring.sub_blocks, scale=scale,
+                                   kernel=pallas)  # [B, Hq or Hkv, KK]
         kept_scores = (kept_s, kept.logical)
     else:
         kept_scores = None

@@ -10,7 +10,8 @@ window has less left to claim from the middle. Scored on middle blocks only, eve
 The engine keeps no key bounds of the kept blocks (their metadata rows are written when a block leaves the
 window), but their keys are resident: `kept_block_scores` bounds them on the fly from the cache, causally (the
 partial last block from the tokens written so far, the current one included), and scores them with the same
-formula as the middle blocks' metadata (`block_scores_reference`, `BlockScoring`'s beta / per-head / sub-blocks).
+formula as the middle blocks' metadata (`BlockScoring`'s beta / per-head / sub-blocks), in one Pallas kernel
+(`pallas_kernels/kept_scores.py`, beside its jnp reference).
 Sub-block slices with no token yet get no mass (-inf), so a one-token block is not credited with m keys. It reads
 (sinks + window) x block_size keys per sequence and layer, which the step's attention reads anyway: tiny next to
 the metadata scan. Used by `sparse_layer.sparse_pre` and, through `score_kept_from_keys` (the same code over a
@@ -19,14 +20,13 @@ plain key sequence), by `bench/oracle_accuracy.py` and `bench/selection_quality.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
 from pulseinfer_jax.kv import quant as kv_quant
-from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds
-from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference
+from pulseinfer_jax.pallas_kernels.kept_scores import kept_scores, kept_scores_reference
+from pulseinfer_jax.parallel import kernels as tp_kernels
 
 
 def kept_logical(num_blocks: Int[Array, " B"] | np.ndarray, sink: int, window: int, xp=np) -> Int[Array, "B KK"]:
@@ -42,11 +42,11 @@ def kept_logical(num_blocks: Int[Array, " B"] | np.ndarray, sink: int, window: i
     return xp.concatenate([lo, hi], axis=1).astype(xp.int32)
 
 
-def kept_lens(logical: Int[Array, "B KK"], positions: Int[Array, " B"], block_size: int) -> Int[Array, "B KK"]:
+def kept_lens(logical: Int[Array, "B KK"], positions: Int[Array, " B"], block_size: int, xp=jnp) -> Int[Array, "B KK"]:
     """Tokens of each kept logical block visible to the query at `positions` (its own token included): block_size
-    for full blocks, fewer for the partial last one, 0 for padding (-1)."""
-    n = jnp.clip(positions[:, None] + 1 - logical * block_size, 0, block_size)
-    return jnp.where(logical >= 0, n, 0).astype(jnp.int32)
+    for full blocks, fewer for the partial last one, 0 for padding (-1). `xp` as in `kept_logical`."""
+    n = xp.clip(xp.asarray(positions)[:, None] + 1 - logical * block_size, 0, block_size)
+    return xp.where(logical >= 0, n, 0).astype(xp.int32)
 
 
 def kept_block_scores(
@@ -54,31 +54,25 @@ def kept_block_scores(
     pool: Float[Array, "U 2 rows Hkv hd"],
     units: Int[Array, "B KK"],
     lens: Int[Array, "B KK"],
+    unit_offset: Int[Array, ""] | int = 0,
     *,
     per_head: bool,
     beta: float,
     sub_blocks: int,
     scale: float,
+    kernel: bool = True,
 ) -> Float[Array, "B S KK"]:
-    """Scores of the blocks `units` of a flat pool (their first `lens` tokens; len 0 or unit -1 = no block ->
-    -inf), in the units of `block_scores(q, meta, ..., per_head, beta, sub_blocks, scale)`: the slices' bound
-    scores combined by logsumexp(scale * s) / scale over the slices holding at least one token.
-    Returns float32 [B, S, KK] (S = Hq with per_head, else Hkv)."""
-    b, kk = units.shape
-    m = sub_blocks
-    live = (units >= 0) & (lens > 0)
-    ids = jnp.where(live, units, 0).reshape(-1)
-    kmin, kmax = block_key_bounds(pool, ids, jnp.where(live, lens, 0).reshape(-1), sub_blocks=m)  # [B*KK*m, ...]
-    sb = kv_quant.tokens_per_block(pool) // m
-    slice_len = jnp.clip(lens[:, :, None] - jnp.arange(m) * sb, 0, sb)  # [B, KK, m]
-    slice_live = (slice_len > 0) & live[:, :, None]
-    rows = jnp.arange(b * kk * m, dtype=jnp.int32).reshape(b, kk * m)
-    s = block_scores_reference(q, kmin, kmax, jnp.where(slice_live.reshape(b, -1), rows, -1), per_head=per_head,
-                               beta=beta)  # [B, S, KK*m], empty slices -inf
-    s = s.reshape(b, s.shape[1], kk, m)
-    if m == 1:
-        return s[..., 0]
-    return jax.nn.logsumexp(s * scale, axis=-1) / scale
+    """Scores of the blocks `units` (+ `unit_offset` where >= 0) of a flat pool (their first `lens` tokens; len 0
+    or unit -1 = no block -> -inf), in the units of `block_scores(q, meta, ..., per_head, beta, sub_blocks,
+    scale)`: the slices' bound scores combined by logsumexp(scale * s) / scale over the slices holding at least one
+    token. Returns float32 [B, S, KK] (S = Hq with per_head, else Hkv). With `kernel` (the Pallas backend) one Pallas
+    kernel (`pallas_kernels/kept_scores`, per device on its heads under tensor parallelism) for unquantised pools
+    with power-of-two blocks and heads; float8 pools, other shapes and the jnp backend in plain jnp."""
+    kw = dict(per_head=per_head, beta=beta, sub_blocks=sub_blocks, scale=scale)
+    bs, hd = pool.shape[2], pool.shape[4]
+    if not kernel or kv_quant.is_quantized(pool.dtype) or bs & (bs - 1) or hd & (hd - 1):
+        return kept_scores_reference(q, pool, units, lens, unit_offset, **kw)
+    return tp_kernels.kept_scores(kept_scores, q, pool, units, lens, unit_offset, **kw)
 
 
 def with_kept_scores(
