@@ -14,9 +14,11 @@ keys' gather with their min / max, the score, the masks); here one program per (
              the group [G] (or summed over the group)
     writes   out[b, h*G:(h+1)*G, :] (per_head) or out[b, h, :]   [.., KK] f32, -inf for no block / no token
 
-It reads (sinks + window) x bs keys per sequence and KV head, which the step's attention reads anyway. Pools of
-float or bfloat16 blocks only: float8 blocks are stored rotated with per-token scales, and their bounds are the
-dequantised keys' (`kept_scores_reference` handles them; `kept_blocks.kept_block_scores` picks).
+It reads (sinks + window) x bs keys per sequence and KV head, which the step's attention reads anyway. Float8 pools
+(`kv_quant`: e4m3 bytes with a bfloat16 scale per token and head, stored in the rotated basis): the keys are the values
+times their scales, rotated back by one [T, hd] x [hd, hd] bfloat16 dot of the e4m3 values with the +-1 Hadamard
+matrix (exact, float32 sums; T >= 16 rows, masked past the slice), then scaled, so the bounds are the dequantised
+keys' as `block_key_bounds` takes them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
@@ -34,17 +37,23 @@ from pulseinfer_jax.pallas_kernels.common import next_pow2, on_platform, triton_
 
 from pulseinfer_jax.kv import quant as kv_quant
 
+MIN_DOT_ROWS = 16  # Triton dots need >= 16 rows
 
-def _kernel(off_ref, units_ref, lens_ref, q_ref, k_ref, out_ref, *, g: int, gp: int, kk: int, m: int, per_head: bool,
-            beta: float, scale: float):
+
+def _kernel(off_ref, units_ref, lens_ref, q_ref, k_ref, *rest, g: int, gp: int, kk: int, m: int, per_head: bool,
+            beta: float, scale: float, rot_scale: float):
     """off_ref [1] (added to units >= 0); units_ref / lens_ref [KK]; q_ref [G, hd]; k_ref [U, rows, hd] (K of head h);
-    out_ref [G, KK] or [KK]."""
+    for a float8 pool rot_ref [hd, hd] (the cache's rotation x sqrt(p), bfloat16 +-1 / 0; rot_scale = 1 / sqrt(p))
+    next; out_ref [G, KK] or [KK]."""
+    out_ref = rest[-1]
     hd = q_ref.shape[1]
-    bs = k_ref.shape[1]
+    quantized = kv_quant.is_quantized(k_ref.dtype)
+    bs = kv_quant.block_tokens(k_ref.shape[1], hd, k_ref.dtype)  # (float8: rows past bs hold the scales)
     sb = bs // m
+    tp = max(sb, MIN_DOT_ROWS) if quantized else sb  # rows of a loaded slice (the rotation's dot needs >= 16)
     q = plt.load(q_ref.at[pl.ds(0, gp)], mask=jnp.broadcast_to((jnp.arange(gp) < g)[:, None], (gp, hd)),
                  other=0).astype(jnp.float32)  # [Gp, hd]: padding rows 0 (they add nothing)
-    tok = jnp.arange(sb, dtype=jnp.int32)
+    tok = jnp.arange(tp, dtype=jnp.int32)
     feat = jnp.arange(hd, dtype=jnp.int32)
     kkp = next_pow2(kk)
     col = jnp.arange(kkp, dtype=jnp.int32)
@@ -55,10 +64,22 @@ def _kernel(off_ref, units_ref, lens_ref, q_ref, k_ref, out_ref, *, g: int, gp: 
         u = u + off_ref[0]
         parts = []
         for j in range(m):
-            at = j * sb + tok  # [sb] token slots of slice j
-            valid = live & (at < n)
-            keys = plt.load(k_ref.at[(jnp.maximum(u, 0) + jnp.zeros((sb, 1), jnp.int32), at[:, None], feat[None, :])],
-                            mask=jnp.broadcast_to(valid[:, None], (sb, hd)), other=0).astype(jnp.float32)
+            at = j * sb + tok  # [T] token slots of slice j
+            valid = live & (at < n) & (tok < sb)
+            ids = jnp.maximum(u, 0) + jnp.zeros((tp,), jnp.int32)
+            keys = plt.load(k_ref.at[(ids[:, None], at[:, None], feat[None, :])],
+                            mask=jnp.broadcast_to(valid[:, None], (tp, hd)), other=0)
+            if quantized:  # e4m3 values x each token's bfloat16 scale (exact in float32), rotated back (x H)
+                scales = kv_quant.scale_from_bytes(*(
+                    plt.load(k_ref.at[(ids, *kv_quant.scale_position(at, byte, bs, hd))], mask=valid, other=0)
+                    for byte in range(kv_quant.SCALE_BYTES)))  # [T]
+                # rotate(v * s) = (v @ (H sqrt(p))) * s / sqrt(p): e4m3 values and a +-1 / 0 matrix are exact in
+                # bfloat16, their products summed in float32 exactly, so the dot is a tensor-core bfloat16 one
+                vals = kv_quant.as_float8(keys).astype(jnp.bfloat16)
+                keys = jax.lax.dot_general(vals, rest[0][...], (((1,), (0,)), ((), ())),
+                                           preferred_element_type=jnp.float32) * (scales * rot_scale)[:, None]
+            else:
+                keys = keys.astype(jnp.float32)
             kmin = jnp.min(jnp.where(valid[:, None], keys, jnp.inf), axis=0)  # [hd]
             kmax = jnp.max(jnp.where(valid[:, None], keys, -jnp.inf), axis=0)
             on = live & (n > j * sb)  # the slice holds a token
@@ -119,18 +140,20 @@ def kept_scores(
     """Scores of the blocks `units` (+ `unit_offset` where >= 0, inside the kernel: a layer's blocks of a flat
     cache) of a flat pool (their first `lens` tokens; len 0 or unit -1 = no block -> -inf), in the units of
     `block_scores(q, meta, ..., per_head, beta, sub_blocks, scale)` (module docstring). The pool's block size and
-    head dim must be powers of two and its blocks unquantised. Returns float32 [B, S, KK] (S = Hq with per_head,
-    else Hkv)."""
+    head dim must be powers of two (float8 blocks: bounds of their dequantised keys). Returns float32 [B, S, KK]
+    (S = Hq with per_head, else Hkv)."""
     _check(q, pool, units, lens, sub_blocks)
-    if kv_quant.is_quantized(pool.dtype):
-        raise ValueError("kept_scores reads unquantised pools; float8 blocks go through kept_scores_reference")
     b, hq, hd = q.shape
     u, _, rows, hkv, _ = pool.shape
     g, kk = hq // hkv, units.shape[1]
-    if rows & (rows - 1) or hd & (hd - 1):
-        raise ValueError(f"block size {rows} and head_dim {hd} must be powers of two (Triton tile sizes)")
+    bs = kv_quant.tokens_per_block(pool)
+    if bs & (bs - 1) or hd & (hd - 1):
+        raise ValueError(f"block size {bs} and head_dim {hd} must be powers of two (Triton tile sizes)")
+    quantized = kv_quant.is_quantized(pool.dtype)
+    p = hd & -hd  # the rotation's Hadamard block: entries +-1 / sqrt(p)
+    rot = [jnp.asarray(np.round(kv_quant.hadamard(hd) * np.sqrt(p)), jnp.bfloat16)] if quantized else []
     kernel = functools.partial(_kernel, g=g, gp=next_pow2(g), kk=kk, m=sub_blocks, per_head=per_head,
-                               beta=float(beta), scale=float(scale))
+                               beta=float(beta), scale=float(scale), rot_scale=float(1 / np.sqrt(p)))
     s = hq if per_head else hkv
     out_spec = (pl.BlockSpec((None, g, kk), lambda i, h: (i, h, 0)) if per_head else
                 pl.BlockSpec((None, None, kk), lambda i, h: (i, h, 0)))
@@ -141,13 +164,14 @@ def kept_scores(
                   pl.BlockSpec((None, kk), lambda i, h: (i, 0)),  # units -> [KK]
                   pl.BlockSpec((None, kk), lambda i, h: (i, 0)),  # lens -> [KK]
                   pl.BlockSpec((None, g, hd), lambda i, h: (i, h, 0)),  # q -> [G, hd]
-                  pl.BlockSpec((u, None, rows, None, hd), lambda i, h: (0, 0, 0, h, 0))],  # K of head h
+                  pl.BlockSpec((u, None, rows, None, hd), lambda i, h: (0, 0, 0, h, 0))]  # K of head h
+        + [pl.BlockSpec((hd, hd), lambda i, h: (0, 0))] * quantized,  # float8: the rotation
         out_specs=out_spec,
         out_shape=jax.ShapeDtypeStruct((b, s, kk), jnp.float32),
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
         interpret=interp,
-        name=f"kept_scores_kk{kk}_m{sub_blocks}" + ("_per_head" if per_head else ""),
-    )(jnp.asarray(unit_offset, jnp.int32).reshape(1), units.astype(jnp.int32), lens.astype(jnp.int32), q, pool),
+        name=f"kept_scores_kk{kk}_m{sub_blocks}" + ("_per_head" if per_head else "") + ("_f8" if quantized else ""),
+    )(jnp.asarray(unit_offset, jnp.int32).reshape(1), units.astype(jnp.int32), lens.astype(jnp.int32), q, pool, *rot),
         interpret)
 
 

@@ -248,20 +248,22 @@ def test_fused_selection_and_plan_is_one_kernel_without_spills(compiler, select,
     assert got["cost"]["launches"] == 1, [kr["name"] for kr in got["kernels"]]  # (a copy of a state table: 2)
 
 
-@pytest.mark.parametrize("per_head,m,hq", [(True, 1, 32), (False, 1, 32), (True, 2, 40)])
-def test_kept_scores_is_one_kernel_reading_only_the_kept_blocks(compiler, per_head, m, hq):
+@pytest.mark.parametrize("per_head,m,hq,f8", [(True, 1, 32, False), (False, 1, 32, False), (True, 2, 40, False),
+                                               (True, 1, 32, True), (False, 2, 32, True)])
+def test_kept_scores_is_one_kernel_reading_only_the_kept_blocks(compiler, per_head, m, hq, f8):
     """The always-kept blocks' scores (pallas_kernels/kept_scores.py) over a whole cache, flattened (Llama-3.1-8B's
-    32 x 7,711 blocks; Qwen3-14B's 40 query heads, a group of 5): one Triton kernel, no spills, and reading the
-    listed blocks' K tiles, not the cache it is handed."""
+    32 x 7,711 blocks; Qwen3-14B's 40 query heads, a group of 5; a float8 cache, 17 rows a block): one Triton kernel,
+    no spills, and reading the listed blocks' K tiles, not the cache it is handed."""
     b, kk = 8, 5
     fn = functools.partial(kept_scores.kept_scores, per_head=per_head, beta=0.5, sub_blocks=m, scale=0.088,
                            interpret=False)
-    args = (spec((b, hq, 128), jnp.bfloat16), spec((32 * 7711, 2, 16, 8, 128), jnp.bfloat16), spec((b, kk), I32),
-            spec((b, kk), I32), spec((), I32))
+    pool = spec((32 * 7711, 2, 17, 8, 128), kv_quant.STORAGE) if f8 else spec((32 * 7711, 2, 16, 8, 128), jnp.bfloat16)
+    args = (spec((b, hq, 128), jnp.bfloat16), pool, spec((b, kk), I32), spec((b, kk), I32), spec((), I32))
     row = _ok(compiler(program("kept_scores", "kernel", jax.jit(fn), args, pallas=("kept_scores",))))
     assert row["cost"]["launches"] == 1, [kr["name"] for kr in row["kernels"]]
-    tiles = b * kk * 8 * 16 * 128 * 2
-    assert tiles <= row["cost"]["bytes"] <= tiles + b * hq * 128 * 2 + 8192  # (+ q, the lists and the scores)
+    tiles = b * kk * 8 * 16 * (128 + 2 if f8 else 128 * 2)
+    extra = b * hq * 128 * 2 + 8192 + (128 * 128 * 4 if f8 else 0)  # q, the lists, the scores (, the rotation)
+    assert tiles <= row["cost"]["bytes"] <= tiles + extra
 
 
 def test_tensor_parallel_steps_compile_with_megatron_all_reduces(target):

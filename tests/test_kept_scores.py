@@ -10,6 +10,7 @@ from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds_refere
 from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference, default_scale
 from pulseinfer_jax.pallas_kernels.kept_scores import kept_scores, kept_scores_reference
 
+from pulseinfer_jax.kv import quant as kv_quant
 from pulseinfer_jax.selection.kept_blocks import kept_block_scores
 
 B, U, BS, HKV, HD = 3, 40, 8, 2, 16
@@ -52,6 +53,31 @@ def test_bfloat16_pool_matches_reference():
     kw = dict(per_head=True, beta=0.5, sub_blocks=1, scale=default_scale(HD, 4, True))
     got = np.asarray(kept_scores(q, pool, units, lens, interpret=True, **kw))
     want = np.asarray(kept_scores_reference(q, pool, units, lens, **kw))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m,per_head", [(1, True), (2, False)])
+def test_float8_pool_matches_reference(m, per_head):
+    """A float8 cache's blocks (e4m3 bytes, a bfloat16 scale per token and head, rotated): the kernel bounds the
+    dequantised keys; unused token slots hold NaN bytes (0x7F), values and scales."""
+    rng = np.random.default_rng(11 + m)
+    q, pool, units, lens = _inputs(rng, 4, 5)
+    keys = np.nan_to_num(np.asarray(pool), nan=0.0)  # [U, 2, bs, Hkv, hd]
+    packed = np.array(kv_quant.pack_blocks(jnp.asarray(keys), kv_quant.STORAGE))  # [U, 2, rows, Hkv, hd] uint8
+    n = np.zeros(U, np.int64)
+    n[np.asarray(units)[np.asarray(units) >= 0]] = np.asarray(lens)[np.asarray(units) >= 0]
+    for u_ in range(U):  # poison every slot past the written tokens: their values and their scale bytes
+        packed[u_, :, n[u_]:BS] = 0x7F
+        for slot in range(n[u_], BS):
+            for byte in range(kv_quant.SCALE_BYTES):
+                row, col = (int(x) for x in kv_quant.scale_position(np.int32(slot), byte, BS, HD))
+                packed[u_, :, row, :, col] = 0x7F
+    pool8 = jnp.asarray(packed)
+    kw = dict(per_head=per_head, beta=0.5, sub_blocks=m, scale=default_scale(HD, 4, per_head))
+    got = np.asarray(kept_scores(q, pool8, units, lens, interpret=True, **kw))
+    want = np.asarray(kept_scores_reference(q, pool8, units, lens, **kw))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    assert not np.isnan(got).any()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -1,5 +1,6 @@
 """float8 KV quantisation (pulseinfer_jax/kv/quant.py): error bounds per granularity, zeros, outliers, shapes."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -187,6 +188,51 @@ def test_write_tokens_appends_without_touching_the_block():
     changed = {tuple(c) for c in np.argwhere(after != before)}
     assert {c[:4] for c in changed} <= {(1, 2, h, 9) for h in (0, 1)} | {(1, 2, h, 17) for h in (0, 1)}
     assert all(c[3] != 17 or c[5] in (2, 3) for c in changed)  # in the scale rows, only token 9's two bytes
+
+
+def _write_per_field(kv, li, bi, off, k, v):
+    """write_tokens' contract field by field (values, then each scale byte of K and V): the reference of its one
+    scatter."""
+    from pulseinfer_jax.kv import quant as kq
+
+    if not kq.is_quantized(kv.dtype):
+        return kv.at[li, bi, 0, off].set(k.astype(kv.dtype)).at[li, bi, 1, off].set(v.astype(kv.dtype))
+    bs, hd = kq.tokens_per_block(kv), kv.shape[-1]
+    cast = (lambda a: a) if kv.dtype == kq.STORAGE else kq.as_float8
+    for half, x in ((0, k), (1, v)):
+        values, scale_bytes = kq.encode(x)
+        kv = kv.at[li, bi, half, off].set(cast(values))
+        for byte in range(kq.SCALE_BYTES):
+            row, col = kq.scale_position(off, byte, bs, hd)
+            kv = kv.at[li, bi, half, row, :, col].set(cast(scale_bytes[..., byte]))
+    return kv
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "storage", "float8"])
+@pytest.mark.parametrize("bs,hd", [(16, 128), (16, 16), (8, 64)])
+def test_write_tokens_is_the_per_field_write_bit_for_bit(dtype, bs, hd):
+    """One scatter of every byte the new tokens write equals writing values and scale bytes field by field, over
+    random bytes elsewhere (untouched), several layers and blocks, offsets at block boundaries, a shared layer index."""
+    from pulseinfer_jax.kv import quant as kq
+
+    rng = np.random.default_rng(bs * hd)
+    if dtype in ("storage", "float8"):
+        kv = jnp.asarray(rng.integers(0, 256, (3, 5, 2, kq.block_rows(bs, hd, FP8), 2, hd)), kq.STORAGE)
+        kv = kq.as_float8(kv) if dtype == "float8" else kv
+    else:
+        kv = jnp.asarray(rng.normal(size=(3, 5, 2, bs, 2, hd)), dtype)
+    li = jnp.array([0, 2, 1, 2], jnp.int32)
+    bi = jnp.array([4, 0, 3, 1], jnp.int32)
+    off = jnp.array([0, bs - 1, bs // 2, 1], jnp.int32)
+    k = jnp.asarray(rng.normal(size=(4, 2, hd)) * 5, jnp.float32)
+    v = jnp.asarray(rng.normal(size=(4, 2, hd)), jnp.float32)
+    view = (lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))) if dtype == "float8" else np.asarray
+    for layer in (li, jnp.int32(2)):
+        got = kq.write_tokens(kv, layer, bi, off, k, v)
+        want = _write_per_field(kv, layer, bi, off, k, v)
+        assert got.dtype == kv.dtype and got.shape == kv.shape
+        np.testing.assert_array_equal(view(got), view(want))
+        assert not np.array_equal(view(got), view(kv))
 
 
 def test_storage_geometry_and_refusals():

@@ -99,14 +99,19 @@ def _select_plan(ops, outs, valid: float = 1.0) -> tuple[int, int]:
 
 
 def _kept_scores(ops, outs, valid: float = 1.0) -> tuple[int, int]:
-    """offset [1], units [B, KK], lens [B, KK], q [B, Hq, hd], pool [U, 2, bs, Hkv, hd]: each (b, h) program reads its
-    query group and its head's [bs, hd] K tile of every kept entry (padding and unwritten tokens masked: at most)."""
-    off, units, lens, q, pool = (o[0] for o in ops)
+    """offset [1], units [B, KK], lens [B, KK], q [B, Hq, hd], pool [U, 2, rows, Hkv, hd] (, the float8 rotation): each
+    (b, h) program reads its query group and its head's [bs, hd] K tile of every kept entry (padding and unwritten
+    tokens masked: at most); a float8 pool's tiles bs value rows and 2 scale bytes a token."""
+    off, units, lens, q, pool = (o[0] for o in ops[:5])
     b, kk = units.dims
     hkv, hd, rows = pool.dims[3], pool.dims[4], pool.dims[2]
     item = pool.bytes // max(1, _numel(pool))
-    read = off.bytes + units.bytes + lens.bytes + q.bytes + int(b * kk * valid * hkv * rows * hd * item)
-    return read, sum(o.bytes for o in outs)
+    if pool.dtype == "u8" or pool.dtype.startswith("f8"):
+        per_tile = block_tokens(rows, hd, "float8_e4m3fn") * (hd + SCALE_BYTES)
+    else:
+        per_tile = rows * hd
+    read = off.bytes + units.bytes + lens.bytes + q.bytes + sum(o[0].bytes for o in ops[5:])
+    return read + int(b * kk * valid * hkv * per_tile * item), sum(o.bytes for o in outs)
 
 
 def _gather_rows(ops, outs, valid: float = 1.0) -> tuple[int, int]:

@@ -268,19 +268,32 @@ def unpack_blocks(blocks: Array, dtype, *, rotated: bool = False) -> Float[Array
     return (values if rotated else rotate(values)).astype(dtype)
 
 
-def write_tokens(kv: Array, li: Int[Array, " B"], bi: Int[Array, " B"], off: Int[Array, " B"],
+def write_tokens(kv: Array, li: Int[Array, " B"] | Int[Array, ""], bi: Int[Array, " B"], off: Int[Array, " B"],
                  k: Float[Array, "B Hkv hd"], v: Float[Array, "B Hkv hd"]) -> Array:
     """One new token per row b at slot off[b] of block (li[b], bi[b]) of the cache `kv` [L, NB, 2, rows, Hkv, hd]: K
-    and V (float8: values and their scale's two bytes; the block's other tokens are left bit for bit)."""
+    and V (float8: values and their scale's two bytes; the block's other tokens are left bit for bit). One scatter
+    into the cache viewed as [L * NB * 2 * rows, Hkv * hd] (a bitcast): whole rows, or for float8 every byte the
+    tokens write (the value rows' and the scale bytes'), where per-field updates compiled to six scatter kernels."""
+    n_l, nb, _, rows, h, hd = kv.shape
+    b = k.shape[0]
+    li = jnp.broadcast_to(jnp.asarray(li, jnp.int32), (b,))
+    first = ((li * nb + bi.astype(jnp.int32))[:, None] * 2 + jnp.arange(2, dtype=jnp.int32)) * rows  # [B, 2] K, V
+    flat = kv.reshape(n_l * nb * 2 * rows, h * hd)
+    row = first + off.astype(jnp.int32)[:, None]  # [B, 2] the token's row of K and of V
     if not is_quantized(kv.dtype):
-        kv = kv.at[li, bi, 0, off].set(k.astype(kv.dtype))
-        return kv.at[li, bi, 1, off].set(v.astype(kv.dtype))
-    bs, hd = tokens_per_block(kv), kv.shape[-1]
+        upd = jnp.stack([k, v], axis=1).astype(kv.dtype).reshape(2 * b, h * hd)
+        return flat.at[row.reshape(-1)].set(upd).reshape(kv.shape)
+    bs = tokens_per_block(kv)
     cast = (lambda a: a) if kv.dtype == STORAGE else as_float8  # (a float8-typed cache)
-    for half, x in ((0, k), (1, v)):
-        values, scale_bytes = encode(x)  # [B, Hkv, hd], [B, Hkv, 2]
-        kv = kv.at[li, bi, half, off].set(cast(values))
-        for byte in range(SCALE_BYTES):
-            row, col = scale_position(off, byte, bs, hd)
-            kv = kv.at[li, bi, half, row, :, col].set(cast(scale_bytes[..., byte]))  # advanced indices first: [B, Hkv]
-    return kv
+    values, scale_bytes = encode(jnp.stack([k, v], axis=1))  # [B, 2, Hkv, hd], [B, 2, Hkv, 2]
+    cols = jnp.arange(h * hd, dtype=jnp.int32)
+    v_rows = jnp.broadcast_to(row[:, :, None], (b, 2, h * hd))
+    v_cols = jnp.broadcast_to(cols, (b, 2, h * hd))
+    at = [scale_position(off.astype(jnp.int32), byte, bs, hd) for byte in range(SCALE_BYTES)]  # [B] each
+    srow, scol = (jnp.stack(x, axis=-1)[:, None, None, :] for x in zip(*at, strict=True))  # [B, 1, 1, 2]
+    s_rows = jnp.broadcast_to(first[:, :, None, None] + srow, (b, 2, h, SCALE_BYTES))
+    s_cols = jnp.broadcast_to(jnp.arange(h, dtype=jnp.int32)[None, None, :, None] * hd + scol, (b, 2, h, SCALE_BYTES))
+    at_rows = jnp.concatenate([v_rows.reshape(-1), s_rows.reshape(-1)])
+    at_cols = jnp.concatenate([v_cols.reshape(-1), s_cols.reshape(-1)])
+    upd = cast(jnp.concatenate([values.reshape(-1), scale_bytes.reshape(-1)]))
+    return flat.at[at_rows, at_cols].set(upd).reshape(kv.shape)

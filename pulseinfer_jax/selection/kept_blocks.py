@@ -66,11 +66,11 @@ def kept_block_scores(
     or unit -1 = no block -> -inf), in the units of `block_scores(q, meta, ..., per_head, beta, sub_blocks,
     scale)`: the slices' bound scores combined by logsumexp(scale * s) / scale over the slices holding at least one
     token. Returns float32 [B, S, KK] (S = Hq with per_head, else Hkv). With `kernel` (the Pallas backend) one Pallas
-    kernel (`pallas_kernels/kept_scores`, per device on its heads under tensor parallelism) for unquantised pools
-    with power-of-two blocks and heads; float8 pools, other shapes and the jnp backend in plain jnp."""
+    kernel (`pallas_kernels/kept_scores`, per device on its heads under tensor parallelism) for pools with
+    power-of-two blocks and heads (float8 blocks included); other shapes and the jnp backend in plain jnp."""
     kw = dict(per_head=per_head, beta=beta, sub_blocks=sub_blocks, scale=scale)
-    bs, hd = pool.shape[2], pool.shape[4]
-    if not kernel or kv_quant.is_quantized(pool.dtype) or bs & (bs - 1) or hd & (hd - 1):
+    bs, hd = kv_quant.tokens_per_block(pool), pool.shape[4]
+    if not kernel or bs & (bs - 1) or hd & (hd - 1):
         return kept_scores_reference(q, pool, units, lens, unit_offset, **kw)
     return tp_kernels.kept_scores(kept_scores, q, pool, units, lens, unit_offset, **kw)
 
