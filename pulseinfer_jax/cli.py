@@ -193,12 +193,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import pathlib
 
     from pulseinfer_jax.engine.core import Engine
 
     try:
-        from pulseinfer_jax.serving.app import serve
+        from pulseinfer_jax.serving.app import default_model_name, serve
         from pulseinfer_jax.serving.engine_loop import EngineLoop
     except ImportError as e:
         raise ValueError(f"the server needs its extra: pip install 'pulseinfer-jax[serve]' ({e})") from None
@@ -207,8 +206,8 @@ def _serve(args: argparse.Namespace) -> int:
     if engine.model.tokenizer is None:
         raise ValueError(f"{engine.model.source} has no tokenizer (random:<preset> models are for throughput and "
                          "compile checks); serve a real model")
-    name = args.served_model_name or pathlib.Path(engine.model.source).stem
     loop = EngineLoop(engine, max_queue=args.max_queue, seed=args.seed)
+    name = args.served_model_name or default_model_name(loop)
     say(f"serving {name} on http://{args.host}:{args.port}/v1 (mode {config.mode}; GET /health, /metrics)")
     serve(loop, name, host=args.host, port=args.port)
     return 0

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pulseinfer_jax import Engine, EngineConfig, generate_long, load_model
-from pulseinfer_jax.serving.app import ServerThread
+from pulseinfer_jax.serving.app import ServerThread, default_model_name
 from pulseinfer_jax.serving.engine_loop import EngineLoop
 from pulseinfer_jax.serving.protocol import ApiError, parse_job
 
@@ -52,6 +52,12 @@ def tiny_server(tiny4):
                           host_kv_tokens=4096, progress=False)
     with ServerThread(EngineLoop(Engine(tiny4, cfg), max_queue=64), "tiny") as srv:
         yield srv
+
+
+def test_default_name_is_what_pulseinfer_serve_serves(smol):
+    """A server given no name answers to the model file's stem, the name `pulseinfer serve` uses by default."""
+    loop = EngineLoop(Engine(smol, EngineConfig.of(gpu_kv_budget=300_000_000, progress=False)))
+    assert default_model_name(loop) == "SmolLM2-135M-Instruct.Q4_1"
 
 
 def client(srv) -> openai.OpenAI:

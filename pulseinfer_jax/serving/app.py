@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import pathlib
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +31,12 @@ from pulseinfer_jax.serving.protocol import ApiError, Job, chunk, parse_job, res
 
 log = logging.getLogger("pulseinfer_jax")
 DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that its client is still there
+
+
+def default_model_name(loop: EngineLoop) -> str:
+    """The name a server answers to unless told otherwise (`--served-model-name`): the model file's or folder's stem,
+    e.g. SmolLM2-135M-Instruct.Q4_1 for the embedded model."""
+    return pathlib.Path(loop.engine.model.source).stem
 
 
 def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
@@ -158,12 +165,13 @@ class ServerThread:
     """The server on a thread of this process, on a port the OS picks (tests, benchmarks): `url` once `start` has
     returned; `stop` shuts it down (and the engine's thread with it)."""
 
-    def __init__(self, loop: EngineLoop, model_name: str, *, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, loop: EngineLoop, model_name: str | None = None, *, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning"):
         import uvicorn
 
         self.loop = loop
-        self.server = uvicorn.Server(uvicorn.Config(create_app(loop, model_name), host=host, port=port,
+        self.model_name = model_name or default_model_name(loop)  # (as `pulseinfer serve` names it)
+        self.server = uvicorn.Server(uvicorn.Config(create_app(loop, self.model_name), host=host, port=port,
                                                     log_level=log_level))
         self._thread = threading.Thread(target=self.server.run, name="pulseinfer-http", daemon=True)
         self.url = ""
