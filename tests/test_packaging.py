@@ -44,8 +44,12 @@ def test_installed_names_do_not_collide_with_a_user_models_package(tmp_path):
     src.mkdir()
     for name in SOURCES:  # a clean copy: the build leaves the checkout as it is
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(wheels), str(src)], check=True, capture_output=True, timeout=600)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w",
+                            str(wheels), str(src)], check=True, capture_output=True, text=True, timeout=600)
+    # the build backend's own warnings (deprecated pyproject fields, data outside the packages) stay out of an install
+    noise = [line for line in (built.stdout + built.stderr).splitlines() if "DeprecationWarning" in line
+             or "BuildBackendWarning" in line or "!!" in line]
+    assert not noise, noise
     (wheel,) = wheels.glob("pulseinfer_jax-*.whl")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True, timeout=600)
