@@ -38,7 +38,10 @@ class GenerateOptions:
     dtype: str | None = None  # weights / KV dtype when the model is loaded here (default float32)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop) if not isinstance(self.stop, str) else self.stop)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # one string, as the OpenAI API takes it
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop={self.stop!r} must be a string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
         self.sampling  # noqa: B018 - validates the sampling fields
         s = self.seed
         if isinstance(s, bool) or not isinstance(s, int) or not (0 <= s < 2**32):

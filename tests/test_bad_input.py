@@ -33,6 +33,9 @@ def tiny():
     ([[1, 2]], {"top_p": 0}, "top_p"),
     ([[1, 2]], {"top_k": -1}, "top_k"),
     ([[1, 2]], {"seed": -1}, "seed"),
+    ([[1, 2]], {"stop": 5}, "stop=5 must be a string or a list"),
+    ([[1, 2]], {"stop": ["ok", 3]}, "non-empty strings"),
+    ([[1, 2]], {"stop": [""]}, "non-empty strings"),
     ([[1, 2]], {"block_size": 0}, "block_size"),
     ([[1, 2]], {"mode": "sparse"}, "mode"),
     ([[1, 2]], {"kv_cache_tokens": 32, "max_new_tokens": 100}, "KV cache holds"),
@@ -40,6 +43,12 @@ def tiny():
 def test_bad_generate_args(tiny, prompts, kw, match):
     with pytest.raises(ValueError, match=match):
         generate_long(prompts, tiny, **kw)
+
+
+def test_a_single_stop_string_is_one_stop(tiny):
+    from pulseinfer_jax.api import GenerateOptions
+
+    assert GenerateOptions(stop="\n").stop == ("\n",) and GenerateOptions(stop=["a", "b"]).stop == ("a", "b")
 
 
 def test_bad_dtype_and_missing_paths(tmp_path):
