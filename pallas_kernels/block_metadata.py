@@ -49,6 +49,12 @@ def _check_inputs(pool: Array, block_ids: Array, block_lens: Array, full_cache: 
         raise ValueError(f"block_ids ({block_ids.dtype}) and block_lens ({block_lens.dtype}) must be integer arrays")
 
 
+def check_sub_blocks(sub_blocks: int, block_size: int) -> None:
+    """Sub-block slices must split a block evenly: a positive int dividing the block size."""
+    if isinstance(sub_blocks, bool) or not isinstance(sub_blocks, int) or sub_blocks < 1 or block_size % sub_blocks:
+        raise ValueError(f"sub_blocks={sub_blocks!r} must be a positive int dividing the block size {block_size}")
+
+
 @functools.partial(jax.jit, static_argnames=("sub_blocks",))
 def block_key_bounds(
     pool: Float[Array, "NB 2 rows Hkv hd"] | Float[Array, "L NB 2 rows Hkv hd"],
@@ -74,8 +80,7 @@ def block_key_bounds(
     """
     _check_inputs(pool, block_ids, block_lens, full_cache=layer is not None)
     bs = kv_quant.tokens_per_block(pool)
-    if isinstance(sub_blocks, bool) or not isinstance(sub_blocks, int) or sub_blocks < 1 or bs % sub_blocks:
-        raise ValueError(f"sub_blocks={sub_blocks!r} must be a positive int dividing the block size {bs}")
+    check_sub_blocks(sub_blocks, bs)
     if layer is None:
         blocks = pool[block_ids, 0]  # [n, rows, Hkv, hd]
     else:

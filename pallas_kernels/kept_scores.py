@@ -31,7 +31,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
-from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds
+from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, check_sub_blocks
 from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference
 from pulseinfer_jax.pallas_kernels.common import next_pow2, on_platform, triton_params
 
@@ -117,9 +117,7 @@ def _check(q, pool, units, lens, sub_blocks):
                          "of Hkv")
     if units.ndim != 2 or units.shape[0] != b or lens.shape != units.shape:
         raise ValueError(f"units {units.shape} and lens {lens.shape} must both be [B, KK] with B = {b}")
-    bs = kv_quant.tokens_per_block(pool)
-    if isinstance(sub_blocks, bool) or not isinstance(sub_blocks, int) or sub_blocks < 1 or bs % sub_blocks:
-        raise ValueError(f"sub_blocks={sub_blocks!r} must be a positive int dividing the block size {bs}")
+    check_sub_blocks(sub_blocks, kv_quant.tokens_per_block(pool))
 
 
 @functools.partial(jax.jit, static_argnames=("per_head", "beta", "sub_blocks", "scale", "num_warps", "interpret"))

@@ -59,16 +59,19 @@ def _sparse_decode_attention(ops: list[tuple[Array, ...]], outs: tuple[Array, ..
     masked, not fetched): `valid` of the listed entries, as the caller knows them (1 = every entry). A float8 pool's
     blocks have bs + r rows: the program reads bs value rows and the 2 scale bytes of each token."""
     q, pool, _, ids, lens = (o[0] for o in ops)
-    b, hkv, _, hd = q.dims
-    rows = pool.dims[2]
+    b, hkv = q.dims[:2]
     entries = b * hkv * ids.dims[2] * valid
     item = pool.bytes // max(1, _numel(pool))
-    if pool.dtype == "u8" or pool.dtype.startswith("f8"):  # a float8 cache's bytes: values, then 2 scale bytes a token
-        bs = block_tokens(rows, hd, "float8_e4m3fn")
-        per_tile = bs * (hd + SCALE_BYTES)
-    else:
-        per_tile = rows * hd
-    return int(q.bytes + ids.bytes + lens.bytes + entries * 2 * per_tile * item), sum(o.bytes for o in outs)
+    return int(q.bytes + ids.bytes + lens.bytes + entries * 2 * _tile(pool) * item), sum(o.bytes for o in outs)
+
+
+def _tile(pool: Array) -> int:
+    """Elements a kernel reads of one block's K (or V) tile of one head, pool [.., rows, Hkv, hd]: rows x hd, or for a
+    float8 cache's bytes bs value rows and 2 scale bytes a token."""
+    rows, hd = pool.dims[-3], pool.dims[-1]
+    if pool.dtype == "u8" or pool.dtype.startswith("f8"):
+        return block_tokens(rows, hd, "float8_e4m3fn") * (hd + SCALE_BYTES)
+    return rows * hd
 
 
 def _block_scores(ops, outs, valid: float = 1.0) -> tuple[int, int]:
@@ -104,14 +107,10 @@ def _kept_scores(ops, outs, valid: float = 1.0) -> tuple[int, int]:
     tokens masked: at most); a float8 pool's tiles bs value rows and 2 scale bytes a token."""
     off, units, lens, q, pool = (o[0] for o in ops[:5])
     b, kk = units.dims
-    hkv, hd, rows = pool.dims[3], pool.dims[4], pool.dims[2]
+    hkv = pool.dims[3]
     item = pool.bytes // max(1, _numel(pool))
-    if pool.dtype == "u8" or pool.dtype.startswith("f8"):
-        per_tile = block_tokens(rows, hd, "float8_e4m3fn") * (hd + SCALE_BYTES)
-    else:
-        per_tile = rows * hd
     read = off.bytes + units.bytes + lens.bytes + q.bytes + sum(o[0].bytes for o in ops[5:])
-    return read + int(b * kk * valid * hkv * per_tile * item), sum(o.bytes for o in outs)
+    return read + int(b * kk * valid * hkv * _tile(pool) * item), sum(o.bytes for o in outs)
 
 
 def _gather_rows(ops, outs, valid: float = 1.0) -> tuple[int, int]:
