@@ -153,6 +153,7 @@ def _stats(r: Request, t_start: float, engine: Engine, chat: bool) -> dict[str, 
         "compile_s": r.compile_s,
         "queue_s": max(0.0, r.t_admit - t_start),
         "admitted_at_step": r.admit_step,
+        "preemptions": r.preemptions,  # times its KV left the GPU pool for host memory (or was recomputed)
         "total_s": r.t_done - t_start,
         "mode": r.placement or "dense",
         "offloaded": r.sparse is not None and engine.config.ablation.placement == "host",

@@ -154,6 +154,9 @@ class EngineConfig:
                                          "by gpu_kv_budget")
     gpu_kv_budget: int | None = option(None, "cap on GPU KV bytes (pool + offload metadata); default 4 GiB on CPU, "
                                        "85% of free memory on a GPU. A small value emulates a smaller GPU")
+    swap_kv_tokens: int | None = option(None, "host memory for the KV of requests preempted when the GPU pool runs "
+                                        "out, in tokens (0: none, their KV is recomputed); default as many as the GPU "
+                                        "pool within a quarter of the host's free memory")
     tensor_parallel: int = option(1, "devices that split the model's heads, MLP and experts (a 1-D 'tp' mesh); the "
                                   "model must be loaded for the same number")
     progress: bool | None = option(None, "progress bar over long prefills; default when stderr is a terminal",
@@ -170,6 +173,7 @@ class EngineConfig:
         if self.prefill_chunk % bs or self.key_chunk % bs:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} and key_chunk={self.key_chunk} must be "
                              f"multiples of block_size={bs}")
+        _positive_int("swap_kv_tokens", self.swap_kv_tokens, zero_ok=True, none_ok=True)
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < bs:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} must be >= block_size={bs}")
         if self.gpu_kv_budget is not None:

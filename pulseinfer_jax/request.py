@@ -44,6 +44,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
     RUNNING = "running"
+    PREEMPTED = "preempted"  # its GPU blocks were taken back (its KV swapped out, or dropped); it waits at the head
     FINISHED = "finished"
 
 
@@ -74,10 +75,24 @@ class Request:
     sparse: Any = None  # host_offload.placement.SparseKV of a sparse request
     mode: str | None = None  # a placement this request asks for ("dense" | "offload"), else the engine's mode decides
     stream: int | None = None  # its sampling's random stream (None: its index; a server: the client's seed)
+    preemptions: int = 0  # times it was preempted (its KV swapped to host memory, or dropped and recomputed)
+    recompute: bool = False  # preempted without a host copy: its prompt and output so far prefill again
 
     @property
     def need_tokens(self) -> int:
         return len(self.prompt) + self.max_new_tokens
+
+    @property
+    def start_tokens(self) -> int:
+        """Tokens a dense request's first GPU blocks hold: its context and the KV of the next token (it grows from there
+        as it decodes)."""
+        return min(self.need_tokens, len(self.context) + 1)
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens a prefill writes to the cache: the prompt, or after a preemption that dropped the request's KV the
+        prompt and every generated token but the last (the one the next decode step writes)."""
+        return self.prompt + self.output[:-1] if self.recompute else self.prompt
 
     @property
     def seq_len(self) -> int:

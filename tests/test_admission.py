@@ -58,28 +58,30 @@ def simulate(cfg_model, config: EngineConfig, queue: list[tuple[int, int]], budg
             sched.add(r)
         except ValueError:
             refused.add(r.index)
-    peak, left = 0, {r.index: r.max_new_tokens for r in reqs}
+    peak = 0
     for _ in range(10_000):
         if not sched.has_work():
             break
+        sched.reserve_decode()  # dense requests grow (preempting the youngest when the pool is out)
         sched.admit()
         if not sched.prefilling and not sched.running:
             break  # stalled: the waiting requests would wait forever
         pf = sched.next_prefill()
         peak = max(peak, alloc.num_used * per_block + meta)
         for r in list(sched.running):  # one decode step
+            assert len(r.blocks) * bs >= r.seq_len or r.placement == "offload"
             r.output.append(0)
-            left[r.index] -= 1
-            if not left[r.index]:
+            if len(r.output) >= r.max_new_tokens:
                 sched.finish(r, "length")
         if pf is not None:
             if pf.placement == "offload":  # a whole prompt never half-spills: all of its host rows from admission
                 assert len(pf.sparse.host_rows) == blocks_for(pf.need_tokens, bs)
+            recomputed, pf.recompute = pf.recompute, False  # (a preempted request's context is back: no new token)
             sched.prefill_done(pf)
-            pf.output.append(0)
-            left[pf.index] -= 1
-            if not left[pf.index]:
-                sched.finish(pf, "length")
+            if not recomputed:
+                pf.output.append(0)
+                if len(pf.output) >= pf.max_new_tokens:
+                    sched.finish(pf, "length")
         alloc.check_integrity()
         if pool is not None:
             pool.check_integrity()

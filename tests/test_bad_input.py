@@ -38,7 +38,7 @@ def tiny():
     ([[1, 2]], {"stop": [""]}, "non-empty strings"),
     ([[1, 2]], {"block_size": 0}, "block_size"),
     ([[1, 2]], {"mode": "sparse"}, "mode"),
-    ([[1, 2]], {"kv_cache_tokens": 32, "max_new_tokens": 100}, "KV cache holds"),
+    ([list(range(3, 40))], {"kv_cache_tokens": 32}, "prompt of 37 tokens .* GPU KV pool holds 2"),
 ])
 def test_bad_generate_args(tiny, prompts, kw, match):
     with pytest.raises(ValueError, match=match):

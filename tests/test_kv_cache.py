@@ -91,8 +91,8 @@ def _req(i, prompt_len, max_new=4):
 
 def test_scheduler_reserves_fifo_and_frees():
     alloc = BlockAllocator(1 + 6)  # 6 usable blocks of 4 tokens
-    s = Scheduler(alloc, block_size=4, max_batch=8)
-    reqs = [_req(0, 8), _req(1, 8), _req(2, 2)]  # need 3, 3, 2 blocks
+    s = Scheduler(alloc, block_size=4, max_batch=8, watermark=0)
+    reqs = [_req(0, 8), _req(1, 8), _req(2, 5)]  # prompt + first token: 3, 3, 2 blocks
     for r in reqs:
         s.add(r)
     admitted = s.admit()
@@ -112,5 +112,5 @@ def test_scheduler_respects_max_batch_and_rejects_oversized():
     for i in range(4):
         s.add(_req(i, 3))
     assert len(s.admit()) == 2 and len(s.waiting) == 2
-    with pytest.raises(ValueError, match="KV cache holds"):
+    with pytest.raises(ValueError, match="prompt of 1000 tokens .* GPU KV pool holds 99"):
         s.add(_req(9, 1000))

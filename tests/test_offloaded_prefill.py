@@ -126,7 +126,7 @@ def test_offloaded_prefill_fits_where_the_prompt_does_not(tiny4):
     per_block = c.num_layers * 2 * c.num_kv_heads * 4 * c.head_dim * 4
     budget = (blocks_for(241 + 8, 4) // 2) * per_block
     base = dict(**BASE, gpu_kv_budget=budget, slot_cache_blocks=3)
-    with pytest.raises(ValueError, match="KV cache holds"):
+    with pytest.raises(ValueError, match="GPU KV pool holds"):
         generate_long([prompt], tiny4, max_new_tokens=8, engine_config=EngineConfig.of(**base))
     for mode in ("offload", "auto"):
         eng, (req,) = _start(tiny4, EngineConfig.of(**base, **{**OFFLOAD, "mode": mode, "dense_layers": 0}), [prompt],

@@ -25,7 +25,8 @@ import numpy as np
 from pulseinfer_jax.backends import ResolvedBackends, resolve_backends
 from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.engine.compile_clock import compile_seconds
-from pulseinfer_jax.kv.blocks import BlockAllocator, bucket
+from pulseinfer_jax.host_offload.swap import SwapSpace
+from pulseinfer_jax.kv.blocks import BlockAllocator, blocks_for, bucket
 from pulseinfer_jax.kv.cache import CacheSpec, bucket_blocks
 from pulseinfer_jax.kv.quant import layer_block_bytes, storage_dtype
 from pulseinfer_jax.models.loading import LoadedModel
@@ -90,6 +91,7 @@ class Engine:
         self._layer_ids: list[jax.Array] | None = None
         self._bars: dict = {}
         self.host_pool = None  # host_offload.HostKVPool (modes offload / auto)
+        self.swap: SwapSpace | None = None  # preempted dense requests' KV in host memory (ensure_pool sizes it)
         self.sparse = None  # sparse_decoder.SparseDecoder
         self.prefiller = None  # offloaded_prefill.SegmentedPrefiller (offloaded prompts)
         self._segments: dict[int, object] = {}  # request index -> its offloaded_prefill.SegmentedPrefill
@@ -200,6 +202,8 @@ class Engine:
         self.allocator.check_integrity()
         if self.allocator.num_free != self.allocator.capacity:
             raise RuntimeError(f"KV blocks leaked: {self.allocator.capacity - self.allocator.num_free} still in use")
+        if self.swap is not None and self.swap.used_blocks:
+            raise RuntimeError(f"swapped-out KV leaked: {self.swap.used_blocks} blocks still held in host memory")
         if self.host_pool is not None:
             self.host_pool.check_integrity()
             if self.host_pool.allocator.num_free != self.host_pool.allocator.capacity:
@@ -219,14 +223,43 @@ class Engine:
             self.kv = self.spec.allocate(self.layout.kv_heads(len(self.spec.shape)))
         self.allocator = BlockAllocator(num_blocks)
         self._segments = {}
+        self.swap = SwapSpace(self._swap_blocks(num_blocks), self.spec.bytes_per_block)
         if plan is None:
-            self.scheduler = Scheduler(self.allocator, bs, cfg.max_batch)
+            self.scheduler = Scheduler(self.allocator, bs, cfg.max_batch, mover=self)
             return
         self._ensure_offload(plan, rows, num_blocks)
         placer = OffloadPlacer(plan, self.allocator, self.host_pool, bs)
         ioaa = IOAAConfig(h2d_bytes_per_s=self._h2d_bandwidth(), slack=cfg.offload.ioaa_slack)
         self.scheduler = Scheduler(self.allocator, bs, cfg.max_batch, mode=cfg.mode, placer=placer, ioaa=ioaa,
-                                   cost=FixedStepTime(cfg.offload.ioaa_step_time_s))
+                                   cost=FixedStepTime(cfg.offload.ioaa_step_time_s), mover=self)
+
+    def _swap_blocks(self, num_blocks: int) -> int:
+        """Blocks of host memory for preempted requests' KV: swap_kv_tokens, by default as many as the GPU pool holds
+        within a quarter of the host's free memory (resolved here, logged once per size)."""
+        tokens = self.config.swap_kv_tokens
+        per_block = self.spec.bytes_per_block
+        if tokens is not None:
+            return blocks_for(tokens, self.config.block_size) if tokens else 0
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        blocks = max(0, min(num_blocks - 1, free // 4 // per_block))
+        if self.swap is None or self.swap.capacity_blocks != blocks:
+            log.info("swap space for preempted requests: %d blocks (%.2f GiB of host memory); set swap_kv_tokens to "
+                     "choose", blocks, blocks * per_block / 2**30)
+        return blocks
+
+    # ---- preemption: the scheduler's KVMover -------------------------------------------------------
+    def swap_out(self, req: Request) -> bool:
+        """Copy a preempted dense request's KV to host memory; False when the swap space has no room for it."""
+        if self.swap is None or not self.swap.can_hold(len(req.blocks)):
+            return False
+        self.swap.swap_out(self.kv, req.blocks, req.index)
+        return True
+
+    def swap_in(self, req: Request, blocks: list[int]) -> None:
+        self.kv = self.swap.swap_in(self.kv, blocks, req.index)
+
+    def drop(self, req: Request) -> None:
+        self.swap.drop(req.index)
 
     def _ensure_offload(self, plan, rows: int, num_blocks: int) -> None:
         from pulseinfer_jax.host_offload.host_pool import HostKVPool
@@ -309,9 +342,11 @@ class Engine:
         step's prefill chunk, if any."""
         sched = self.scheduler
         now = time.perf_counter()
+        sched.reserve_decode()  # the running requests' next blocks first (preempting the youngest if out)
         for r in sched.admit():
-            r.t_admit = now
-            r.admit_step = self.steps
+            if not r.preemptions:  # (a resumed request keeps its first admission)
+                r.t_admit = now
+                r.admit_step = self.steps
         self.steps += 1
         pf = sched.next_prefill()
         if pf is None and not sched.running and sched.waiting:
@@ -341,6 +376,12 @@ class Engine:
             bar.update(n)
             bar.close()
             del self._bars[req.index]
+        if req.recompute:  # a preempted request's context is back in the cache: it decodes on from its last token
+            req.recompute = False
+            self.scheduler.prefill_done(req)
+            req.prefill_s += time.perf_counter() - t0
+            req.compile_s += compile_seconds() - c0
+            return []
         token = self._sample(logits[None], [req])[0]
         if s is not None and s.plan.placement == "device":  # block roles and key bounds of the prompt
             self.sparse.index_prompt(self.kv, s, len(req.prompt))
@@ -368,11 +409,12 @@ class Engine:
         prefill blocks); returns (tokens consumed, logits [V] of the prompt's last position once it is done)."""
         cfg = self.config
         start = req.prefilled
-        remaining = len(req.prompt) - start
+        context = req.context
+        remaining = len(context) - start
         size = chunk_size(remaining, cfg.prefill_chunk, cfg.block_size)
         n = min(size, remaining)
         chunk = np.zeros(size, np.int32)
-        chunk[:n] = req.prompt[start:start + n]
+        chunk[:n] = context[start:start + n]
         table = self._table(blocks, bucket_blocks(len(blocks)))
         args = (self.kv, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n), jnp.asarray(table))
         key_chunk = min(cfg.key_chunk, size)
@@ -382,7 +424,7 @@ class Engine:
         else:
             self.kv, logits = prefill_step(self.transformer, self.model.stacked_params, *args,
                                            key_chunk=key_chunk)
-        return n, (logits if start + n == len(req.prompt) else None)
+        return n, (logits if start + n == len(context) else None)
 
     def _progress_bar(self, req: Request):
         if req.index in self._bars:

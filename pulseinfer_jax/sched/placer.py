@@ -30,7 +30,8 @@ class OffloadPlacer:
         return dense, offload_blocks(self.plan, req), -(-dense // a) * a
 
     def candidate(self, req: Request) -> Candidate:
-        dense, peak, rows = self._sizes(req)
+        _, peak, rows = self._sizes(req)
+        dense = blocks_for(req.start_tokens, self.block_size)  # a dense request's first blocks: it grows from there
         never = self.allocator.capacity + 1
         if not self.pool.allocator.can_allocate(rows) or req.mode == "dense":
             peak = never  # the host pool is full right now (offloading must wait), or the request wants dense
@@ -39,7 +40,8 @@ class OffloadPlacer:
         return Candidate(req.index, dense, peak, float(self.selection_bytes))
 
     def fits_ever(self, req: Request, mode: str) -> str | None:
-        dense, peak, rows = self._sizes(req)
+        _, peak, rows = self._sizes(req)
+        dense = blocks_for(req.start_tokens, self.block_size)  # (dense KV grows as it decodes, preempting if need be)
         gpu_cap, host_cap = self.allocator.capacity, self.pool.allocator.capacity
         dense_ok = dense <= gpu_cap
         gpu_ok, host_ok = peak <= gpu_cap, rows <= host_cap
@@ -47,8 +49,9 @@ class OffloadPlacer:
         host = (f"{rows} rows of the pinned host pool ({rows * bs} tokens, {rows * row_bytes / 2**20:.1f} MiB), which "
                 f"holds {host_cap} ({host_cap * bs} tokens, {host_cap * row_bytes / 2**20:.1f} MiB)")
         if mode == "dense" and not dense_ok:
-            return (f"needs {req.need_tokens} tokens of KV ({dense} blocks) but the GPU KV pool holds {gpu_cap} "
-                    f"blocks; raise gpu_kv_budget/kv_cache_tokens, lower max_new_tokens or use mode='offload'")
+            return (f"its prompt of {len(req.prompt)} tokens and first generated token need {dense} KV blocks of {bs} "
+                    f"but the GPU KV pool holds {gpu_cap} ({gpu_cap * bs} tokens); shorten the prompt, raise "
+                    "gpu_kv_budget/kv_cache_tokens or use mode='offload'")
         if mode == "offload" and not gpu_ok:
             return (f"offloaded it needs {peak} GPU blocks (of {gpu_cap}); raise gpu_kv_budget/kv_cache_tokens, or "
                     "lower max_new_tokens or slot_cache_blocks")

@@ -146,9 +146,10 @@ def _auto_sizes(config: EngineConfig, plan: SparsePlan, requests: Sequence[Reque
         cap = s.num_blocks - 1
         rows = -(-blocks_for(r.need_tokens, bs) // config.scoring.coarse_group) * config.scoring.coarse_group
         fits_off = offload_blocks(plan, r) <= cap and rows <= s.host_rows - config.scoring.coarse_group
-        return (dense and blocks_for(r.need_tokens, bs) <= cap) or fits_off
+        return (dense and blocks_for(r.start_tokens, bs) <= cap) or fits_off
 
-    alone = [r for r in requests if blocks_for(r.need_tokens, bs) <= dense_nb - 1 or runs(off, r, dense=False)]
+    # (a dense request runs once its prompt fits: its KV grows as it decodes, capped at what the pool holds)
+    alone = [r for r in requests if blocks_for(r.start_tokens, bs) <= dense_nb - 1 or runs(off, r, dense=False)]
     if all(runs(full, r) for r in alone):
         return full
     best, score = full, sum(runs(full, r) for r in alone)
@@ -160,7 +161,7 @@ def _auto_sizes(config: EngineConfig, plan: SparsePlan, requests: Sequence[Reque
             best, score = s, got
         if s is None:
             break
-        nxt = [r for r in requests if blocks_for(r.need_tokens, bs) > s.num_blocks - 1
+        nxt = [r for r in requests if blocks_for(r.start_tokens, bs) > s.num_blocks - 1
                and offload_blocks(plan, r) <= s.num_blocks - 1]
         if [r.index for r in nxt] == [r.index for r in must]:
             break

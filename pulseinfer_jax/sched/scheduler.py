@@ -1,12 +1,19 @@
 """Continuous batching over the paged KV pool (pure Python, testable without a model).
 
-Admission reserves every GPU block a request can ever need up front, FIFO, while the batch has room: for a
-dense request its whole KV (prompt + max_new_tokens), for an offloaded one its steady GPU footprint plus the few
-blocks its layer-by-layer prefill needs beyond its own, given back when the prefill ends (see
-host_offload/placement.py and pulseinfer_jax/runner/offloaded_prefill.py). A running request
-therefore never runs out of KV blocks and never has to be preempted: no KV is lost or recomputed. A
-finished request frees its blocks at once and the head of the queue joins the batch at the next step. A
-request that could never fit is rejected when added, so the queue can never wait forever.
+A dense request's KV is allocated as it grows: admission gives it the blocks its prompt and first generated token
+need, and before each decode step every running dense request gets the block its next token's KV goes to
+(`reserve_decode`). When the GPU pool runs out, the youngest running dense request (highest index) is preempted: its
+blocks' KV is copied to host memory whole (`KVMover.swap_out`, host_offload/swap.py) and the blocks are freed; it
+waits at the head of the queue and, once its blocks fit again, lands back bit for bit and resumes. Only when the host
+has no room for it is its KV dropped and recomputed on resumption (its prompt and output so far prefilled again):
+the last resort, never lost or half-copied KV. Preempted requests resume in index order before anything new is
+admitted, and admission leaves `watermark` blocks free for the running requests' growth. A dense request's output is
+capped at what the whole pool holds (`max_new_tokens`, finish reason "length"), so a request never fails for KV it
+might need later. An offloaded request reserves its steady GPU footprint (its slot caches and window: it does not
+grow) plus the few blocks its layer-by-layer prefill needs beyond its own, given back when the prefill ends (see
+host_offload/placement.py and pulseinfer_jax/runner/offloaded_prefill.py). A finished request frees its blocks at
+once and the head of the queue joins the batch at the next step. A request that could never fit is rejected when
+added, so the queue can never wait forever.
 
 Which placement a request gets is IOAA's decision (`pulseinfer_jax.sched.admission.admit_batch`), re-evaluated every
 step: mode "dense" / "offload" force it, "auto" runs dense while the queue fits in memory and, under
@@ -24,6 +31,22 @@ from typing import Protocol
 from pulseinfer_jax.kv.blocks import BlockAllocator, blocks_for
 from pulseinfer_jax.request import Request, Status
 from pulseinfer_jax.sched.admission import Candidate, CostModel, IOAAConfig, RecallEstimator, admit_batch
+
+
+class KVMover(Protocol):
+    """How preemption moves a dense request's GPU KV (supplied by the engine, which owns the cache)."""
+
+    def swap_out(self, req: Request) -> bool:
+        """Copy the KV of `req.blocks` to host memory; False (nothing copied) when the host has no room for it."""
+        ...
+
+    def swap_in(self, req: Request, blocks: list[int]) -> None:
+        """Write `req`'s host copy into `blocks` (as many as it swapped out, in table order) and forget the copy."""
+        ...
+
+    def drop(self, req: Request) -> None:
+        """Forget `req`'s host copy, if any (it ended while preempted)."""
+        ...
 
 
 class Placer(Protocol):
@@ -61,9 +84,13 @@ class FixedStepTime:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_batch: int, *, mode: str = "dense",
-                 placer: Placer | None = None, ioaa: IOAAConfig | None = None, cost: CostModel | None = None):
+                 placer: Placer | None = None, ioaa: IOAAConfig | None = None, cost: CostModel | None = None,
+                 mover: KVMover | None = None, watermark: int | None = None):
         if mode != "dense" and placer is None:
             raise ValueError(f"mode={mode!r} needs a placer (the engine's offload setup)")
+        self.mover = mover  # None: a preempted request's KV is recomputed
+        # blocks admission leaves free for the running requests' growth (1% of the pool, at least one)
+        self.watermark = max(1, allocator.capacity // 100) if watermark is None else watermark
         self.allocator = allocator
         self.block_size = block_size
         self.max_batch = max_batch
@@ -75,9 +102,18 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
+        self.preempted_swap = 0  # preemptions whose KV went to host memory
+        self.preempted_recompute = 0  # preemptions whose KV was dropped (recomputed on resumption)
+        self._swapped: dict[int, int] = {}  # request index -> blocks its host copy holds
 
     def blocks_needed(self, req: Request) -> int:
-        return blocks_for(req.need_tokens, self.block_size)
+        """GPU blocks a dense request is given when admitted: its context (prompt, or prompt and output when it is
+        recomputed) and the next token's KV."""
+        return blocks_for(req.start_tokens, self.block_size)
+
+    @property
+    def preemptions(self) -> int:
+        return self.preempted_swap + self.preempted_recompute
 
     def add(self, req: Request) -> None:
         """Queue `req` (FIFO); ValueError if it could never run (`check`)."""
@@ -96,27 +132,100 @@ class Scheduler:
         else:
             need = self.blocks_needed(req)
             if need > self.allocator.capacity:
+                cap = self.allocator.capacity
                 raise ValueError(
-                    f"request {req.index} needs {req.need_tokens} tokens of KV ({need} blocks of {self.block_size}) "
-                    f"but the KV cache holds {self.allocator.capacity} blocks; raise kv_cache_tokens/gpu_kv_budget "
-                    f"or lower max_new_tokens"
+                    f"request {req.index}: its prompt of {len(req.prompt)} tokens and first generated token need "
+                    f"{need} KV blocks of {self.block_size} but the GPU KV pool holds {cap} "
+                    f"({cap * self.block_size} tokens); shorten the prompt or raise kv_cache_tokens/gpu_kv_budget"
                 )
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
     def _candidate(self, req: Request) -> Candidate:
+        """What admission weighs: a dense request takes only its first blocks (it grows as it decodes)."""
         if self.placer is not None:
             return self.placer.candidate(req)
         return Candidate(req.index, self.blocks_needed(req), self.allocator.capacity + 1, 0.0)
 
+    # ---- growth and preemption -------------------------------------------------------------------
+    def reserve_decode(self) -> None:
+        """Before a decode step: each running dense request (oldest first) gets the block its next token's KV goes to;
+        when the pool is out, the youngest running dense request is preempted (possibly the one that asked)."""
+        for r in sorted(self._dense_running(), key=lambda r: r.index):
+            while r.status is Status.RUNNING:
+                need = blocks_for(r.seq_len, self.block_size) - len(r.blocks)
+                if need <= 0:
+                    break
+                if self.allocator.num_free >= need:
+                    r.blocks += self.allocator.allocate(need, owner=r.index)
+                    break
+                self.preempt(max(self._dense_running(), key=lambda x: x.index))
+
+    def _dense_running(self) -> list[Request]:
+        return [r for r in self.running if r.placement != "offload"]
+
+    def preempt(self, req: Request) -> None:
+        """Take a running dense request's blocks back: its KV to host memory (or, without room there, dropped to be
+        recomputed); it waits at the head of the queue, behind older preempted requests."""
+        if req.status is not Status.RUNNING or req.placement == "offload":
+            raise ValueError(f"request {req.index} is {req.status.value} ({req.placement}); only running dense "
+                             "requests are preempted")
+        swapped = self.mover is not None and self.mover.swap_out(req)
+        if swapped:
+            self.preempted_swap += 1
+            self._swapped[req.index] = len(req.blocks)
+        else:
+            self.preempted_recompute += 1
+            req.recompute, req.prefilled = True, 0
+        self.allocator.free(req.blocks, owner=req.index)
+        req.blocks = []
+        self.running.remove(req)
+        req.status = Status.PREEMPTED
+        req.preemptions += 1
+        head = [r for r in self.waiting if r.status is Status.PREEMPTED]
+        for _ in head:
+            self.waiting.popleft()
+        for r in sorted([*head, req], key=lambda r: r.index, reverse=True):
+            self.waiting.appendleft(r)
+
+    def _resume(self) -> list[Request]:
+        """Preempted requests at the head of the queue, oldest first, back into the batch while their blocks fit: a
+        swapped one lands back and decodes on, a recomputed one prefills its context again."""
+        back = []
+        while self.waiting and self.waiting[0].status is Status.PREEMPTED:
+            req = self.waiting[0]
+            if len(self.prefilling) + len(self.running) >= self.max_batch:
+                break
+            need = self.blocks_needed(req) if req.recompute else max(blocks_for(req.seq_len, self.block_size),
+                                                                     self._swapped[req.index])
+            if need > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            if req.recompute:
+                req.blocks = self.allocator.allocate(need, owner=req.index)
+                req.status = Status.PREFILLING
+                self.prefilling.append(req)
+            else:
+                held = self._swapped.pop(req.index)
+                req.blocks = self.allocator.allocate(held, owner=req.index)
+                self.mover.swap_in(req, req.blocks)
+                req.blocks += self.allocator.allocate(max(0, need - held), owner=req.index)
+                req.status = Status.RUNNING
+                self.running.append(req)
+            back.append(req)
+        return back
+
     def admit(self) -> list[Request]:
-        """Move waiting requests (FIFO) into prefill while the batch and the pool have room (IOAA decides the
-        placement of each)."""
-        if not self.waiting:
-            return []
+        """Preempted requests back first; then waiting requests (FIFO) into prefill while the batch and the pool have
+        room (IOAA decides the placement of each), leaving `watermark` blocks for the running requests' growth."""
+        admitted = self._resume()
+        if not self.waiting or self.waiting[0].status is Status.PREEMPTED:
+            return admitted
         cands = {r.index: self._candidate(r) for r in self.waiting}
-        decisions = admit_batch(list(cands.values()), mode=self.mode, free_blocks=self.allocator.num_free,
+        reserve = self.watermark if (self.running or self.prefilling) else 0  # (an idle engine takes what fits)
+        decisions = admit_batch(list(cands.values()), mode=self.mode,
+                                free_blocks=max(0, self.allocator.num_free - reserve),
                                 running=len(self.prefilling) + len(self.running),
                                 offloaded_running=sum(r.placement == "offload" for r in (*self.prefilling,
                                                                                          *self.running)),
@@ -125,7 +234,6 @@ class Scheduler:
                                 max_batch=self.max_batch,
                                 queued_dense_blocks=sum(c.dense_blocks for c in cands.values()
                                                         if c.dense_blocks <= self.allocator.capacity))
-        admitted = []
         for key, decision in decisions:
             if decision == "wait":
                 break
@@ -140,6 +248,9 @@ class Scheduler:
             need = cand.dense_blocks if decision == "dense" else cand.offload_blocks
             req.blocks = self.allocator.allocate(need, owner=req.index)
             req.placement = decision
+            if decision == "dense":  # it grows as it decodes, up to what the whole pool holds
+                req.max_new_tokens = min(req.max_new_tokens,
+                                         self.allocator.capacity * self.block_size - len(req.prompt))
             if decision == "offload":
                 self.placer.setup(req)
                 self.estimator.add(req.index, cand.budget_bytes)
@@ -168,8 +279,10 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.PREFILLING:
             self.prefilling.remove(req)
-        elif req.status is Status.WAITING and req in self.waiting:  # cancelled before admission
+        elif req.status in (Status.WAITING, Status.PREEMPTED) and req in self.waiting:  # cancelled while waiting
             self.waiting.remove(req)
+            if self._swapped.pop(req.index, None) is not None:
+                self.mover.drop(req)
         self.allocator.free(req.blocks, owner=req.index)
         req.blocks = []
         if req.placement == "offload":

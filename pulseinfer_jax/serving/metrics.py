@@ -2,7 +2,7 @@
 
 Requests: running (by mode: dense / offload) and waiting, finished / cancelled / rejected counts; latency: time to
 first token and time per output token, by mode; tokens: prompt and generated, by mode; memory: GPU KV blocks and
-host pool rows in use and in all; recall (offloaded requests), per engine step: bytes and copies host-to-device,
+host pool rows in use and in all, swap space blocks in use; preemptions (by where the KV went); recall (offloaded requests), per engine step: bytes and copies host-to-device,
 slot-cache hits, blocks recalled, recall wait. Updated from the engine's thread after each step.
 """
 
@@ -35,6 +35,12 @@ class ServerMetrics:
         self.host_used = Gauge(p + "host_kv_rows_used", "pinned host pool rows (blocks) held by requests", registry=r)
         self.host_total = Gauge(p + "host_kv_rows_total", "pinned host pool rows", registry=r)
         self.steps = Counter(p + "engine_steps", "engine steps run", registry=r)
+        self.preempted = Counter(p + "preemptions", "requests preempted when the GPU KV pool ran out, by where their "
+                                 "KV went (swap: host memory; recompute: dropped)", ["kind"], registry=r)
+        self.swap_used = Gauge(p + "swap_kv_blocks_used", "host swap space held by preempted requests (GPU blocks)",
+                               registry=r)
+        self.swap_total = Gauge(p + "swap_kv_blocks_total", "host swap space (GPU blocks)", registry=r)
+        self._preempt_seen: tuple[int, int] = (0, 0)  # the scheduler's (swap, recompute) counts already counted
         labels = ["mode"]  # (recall exists for offloaded requests only: mode="offload")
         self.recall_bytes = Counter(p + "recall_bytes", "bytes recalled host-to-device", labels, registry=r)
         self.recall_copies = Counter(p + "recall_copies", "host-to-device copies of recalls", labels, registry=r)
@@ -52,6 +58,8 @@ class ServerMetrics:
     def pools(self, engine: Any) -> None:
         self.gpu_total.set(engine.allocator.capacity)
         self.host_total.set(engine.host_pool.allocator.capacity if engine.host_pool is not None else 0)
+        self.swap_total.set(engine.swap.capacity_blocks if engine.swap is not None else 0)
+        self._preempt_seen = (0, 0)  # (a new scheduler counts from zero)
 
     def step(self, engine: Any, handles: Iterable[Any]) -> None:
         """After an engine step: requests, pools, and the recall this step made."""
@@ -79,6 +87,12 @@ class ServerMetrics:
             self.running.labels(mode).set(sum(1 for r in active if (r.placement or "dense") == mode))
         self.waiting.set(len(sched.waiting))
         self.gpu_used.set(engine.allocator.num_used)
+        if engine.swap is not None:
+            self.swap_used.set(engine.swap.used_blocks)
+        now = (sched.preempted_swap, sched.preempted_recompute)
+        for kind, n, seen in zip(("swap", "recompute"), now, self._preempt_seen, strict=True):
+            self.preempted.labels(kind).inc(max(0, n - seen))
+        self._preempt_seen = now
         if engine.host_pool is not None:
             a = engine.host_pool.allocator
             self.host_used.set(a.capacity - a.num_free)
