@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the model's file or directory name)")
     v.add_argument("--seed", type=int, default=0, help="random stream of requests that give no seed (default 0)")
+    v.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
+                   help="on SIGINT / SIGTERM, new requests get 503 and running ones have this long to finish before "
+                        "they end with finish_reason abort (default: %(default)s; a second Ctrl-C ends them at once)")
     _add_model_args(v, stats=False)
     _add_engine_args(v)
 
@@ -201,6 +204,8 @@ def _serve(args: argparse.Namespace) -> int:
         from pulseinfer_jax.serving.engine_loop import EngineLoop
     except ImportError as e:
         raise ValueError(f"the server needs its extra: pip install 'pulseinfer-jax[serve]' ({e})") from None
+    if not args.shutdown_grace >= 0:
+        raise ValueError(f"--shutdown-grace {args.shutdown_grace} must be >= 0 seconds")
     config = engine_config(args, progress=False)
     engine = Engine(load_for(config, args.model, args.dtype), config)
     if engine.model.tokenizer is None:
@@ -209,7 +214,7 @@ def _serve(args: argparse.Namespace) -> int:
     loop = EngineLoop(engine, max_queue=args.max_queue, seed=args.seed)
     name = args.served_model_name or default_model_name(loop)
     say(f"serving {name} on http://{args.host}:{args.port}/v1 (mode {config.mode}; GET /health, /metrics)")
-    serve(loop, name, host=args.host, port=args.port)
+    serve(loop, name, host=args.host, port=args.port, shutdown_grace=args.shutdown_grace)
     return 0
 
 

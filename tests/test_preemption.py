@@ -170,6 +170,7 @@ def test_the_documented_serve_command_admits_a_prompt_of_the_models_positions_mi
 
     from pulseinfer_jax.models.config import ModelConfig
     from pulseinfer_jax.models.presets import PRESETS
+
     from pulseinfer_jax.sched.pools import pool_sizes
 
     budget = int(re.search(r"pulseinfer serve .*--gpu-kv-budget (\d+)", (TINY.parents[2] / "docs" / "serving.md")

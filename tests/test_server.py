@@ -132,7 +132,7 @@ BAD = [
     ("completions", {"prompt": "hi", "mode": "fast"}, "'mode' must be", "mode"),
     ("completions", {"prompt": [5] * 600}, "positions", "prompt"),
     ("completions", {"prompt": [9999]}, "token ids outside", "prompt"),
-    ("completions", {"prompt": "hi", "max_tokens": 500, "mode": "dense"}, "GPU KV pool holds", None),  # never fits
+    ("completions", {"prompt": [5] * 480, "max_tokens": 4, "mode": "dense"}, "GPU KV pool holds", None),  # never fits
     ("chat/completions", {"messages": []}, "non-empty list", "messages"),
     ("chat/completions", {"messages": "hello"}, "non-empty list", "messages"),
     ("chat/completions", {"messages": [{"role": "user"}]}, "'role' and 'content'", "messages"),

@@ -30,9 +30,10 @@ class OffloadPlacer:
         return dense, offload_blocks(self.plan, req), -(-dense // a) * a
 
     def candidate(self, req: Request) -> Candidate:
-        _, peak, rows = self._sizes(req)
-        dense = blocks_for(req.start_tokens, self.block_size)  # a dense request's first blocks: it grows from there
+        full, peak, rows = self._sizes(req)
         never = self.allocator.capacity + 1
+        # IOAA weighs what a dense request grows to (capped at the pool, as it is); it is given its first blocks only
+        dense = min(full, never - 1) if blocks_for(req.start_tokens, self.block_size) < never else never
         if not self.pool.allocator.can_allocate(rows) or req.mode == "dense":
             peak = never  # the host pool is full right now (offloading must wait), or the request wants dense
         if req.mode == "offload":

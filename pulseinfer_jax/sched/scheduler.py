@@ -4,16 +4,17 @@ A dense request's KV is allocated as it grows: admission gives it the blocks its
 need, and before each decode step every running dense request gets the block its next token's KV goes to
 (`reserve_decode`). When the GPU pool runs out, the youngest running dense request (highest index) is preempted: its
 blocks' KV is copied to host memory whole (`KVMover.swap_out`, host_offload/swap.py) and the blocks are freed; it
-waits at the head of the queue and, once its blocks fit again, lands back bit for bit and resumes. Only when the host
-has no room for it is its KV dropped and recomputed on resumption (its prompt and output so far prefilled again):
-the last resort, never lost or half-copied KV. Preempted requests resume in index order before anything new is
-admitted, and admission leaves `watermark` blocks free for the running requests' growth. A dense request's output is
-capped at what the whole pool holds (`max_new_tokens`, finish reason "length"), so a request never fails for KV it
-might need later. An offloaded request reserves its steady GPU footprint (its slot caches and window: it does not
-grow) plus the few blocks its layer-by-layer prefill needs beyond its own, given back when the prefill ends (see
-host_offload/placement.py and pulseinfer_jax/runner/offloaded_prefill.py). A finished request frees its blocks at
-once and the head of the queue joins the batch at the next step. A request that could never fit is rejected when
-added, so the queue can never wait forever.
+waits at the head of the queue and, once its blocks fit again, lands back bit for bit and resumes. Only when the
+host has no room for it is its KV dropped and recomputed on resumption (its prompt and output so far prefilled
+again): the last resort, never lost or half-copied KV. Preempted requests resume in index order before anything new
+is admitted. In mode "dense" admission leaves `watermark` blocks free for the running requests' growth; in modes
+"offload" and "auto" IOAA weighs a dense request at what it grows to and counts that growth as taken. A dense
+request's output is capped at what the whole pool holds (`max_new_tokens`, finish reason "length"), so a request
+never fails for KV it might need later. An offloaded request reserves its steady GPU footprint (its slot caches and
+window: it does not grow) plus the few blocks its layer-by-layer prefill needs beyond its own, given back when the
+prefill ends (see host_offload/placement.py and pulseinfer_jax/runner/offloaded_prefill.py). A finished request
+frees its blocks at once and the head of the queue joins the batch at the next step. A request that could never fit
+is rejected when added, so the queue can never wait forever.
 
 Which placement a request gets is IOAA's decision (`pulseinfer_jax.sched.admission.admit_batch`), re-evaluated every
 step: mode "dense" / "offload" force it, "auto" runs dense while the queue fits in memory and, under
@@ -105,6 +106,7 @@ class Scheduler:
         self.preempted_swap = 0  # preemptions whose KV went to host memory
         self.preempted_recompute = 0  # preemptions whose KV was dropped (recomputed on resumption)
         self._swapped: dict[int, int] = {}  # request index -> blocks its host copy holds
+        self._footprint: dict[int, int] = {}  # dense request index -> the blocks IOAA weighed it at (what it grows to)
 
     def blocks_needed(self, req: Request) -> int:
         """GPU blocks a dense request is given when admitted: its context (prompt, or prompt and output when it is
@@ -143,7 +145,7 @@ class Scheduler:
         return bool(self.waiting or self.prefilling or self.running)
 
     def _candidate(self, req: Request) -> Candidate:
-        """What admission weighs: a dense request takes only its first blocks (it grows as it decodes)."""
+        """What admission weighs (a dense request is given only its first blocks: `blocks_needed`)."""
         if self.placer is not None:
             return self.placer.candidate(req)
         return Candidate(req.index, self.blocks_needed(req), self.allocator.capacity + 1, 0.0)
@@ -223,7 +225,11 @@ class Scheduler:
         if not self.waiting or self.waiting[0].status is Status.PREEMPTED:
             return admitted
         cands = {r.index: self._candidate(r) for r in self.waiting}
-        reserve = self.watermark if (self.running or self.prefilling) else 0  # (an idle engine takes what fits)
+        if self.placer is not None:  # IOAA weighs dense requests by what they grow to: it sees that growth as taken
+            reserve = sum(max(0, self._footprint.get(r.index, 0) - len(r.blocks))
+                          for r in (*self.prefilling, *self.running) if r.placement == "dense")
+        else:  # dense only: admission leaves the watermark for growth (an idle engine takes what fits)
+            reserve = self.watermark if (self.running or self.prefilling) else 0
         decisions = admit_batch(list(cands.values()), mode=self.mode,
                                 free_blocks=max(0, self.allocator.num_free - reserve),
                                 running=len(self.prefilling) + len(self.running),
@@ -245,7 +251,9 @@ class Scheduler:
                 if cand.offload_blocks > self.allocator.num_free:
                     break
             self.waiting.popleft()
-            need = cand.dense_blocks if decision == "dense" else cand.offload_blocks
+            need = self.blocks_needed(req) if decision == "dense" else cand.offload_blocks
+            if decision == "dense":
+                self._footprint[req.index] = cand.dense_blocks
             req.blocks = self.allocator.allocate(need, owner=req.index)
             req.placement = decision
             if decision == "dense":  # it grows as it decodes, up to what the whole pool holds
@@ -285,6 +293,7 @@ class Scheduler:
                 self.mover.drop(req)
         self.allocator.free(req.blocks, owner=req.index)
         req.blocks = []
+        self._footprint.pop(req.index, None)
         if req.placement == "offload":
             self.placer.release(req)
             self.estimator.remove(req.index)

@@ -6,9 +6,11 @@
     GET  /health                                 200 while the engine's thread runs, else 503
     GET  /metrics                                Prometheus text (metrics.py)
 
-Every refusal is an OpenAI error body (`{"error": {...}}`) with a 4xx status; the handlers run on the event loop and
-never wait on the engine (tokenizing and checking a prompt run in a worker thread, pieces arrive on a queue). A
-client that disconnects (a stream closed, or a plain request abandoned) has its request cancelled.
+Every refusal is an OpenAI error body (`{"error": {...}}`) with a 4xx status, the router's too (404, 405), and no
+input gets a 5xx: a body is read up to `MAX_BODY_BYTES` (413 past it, 415 unless it is JSON), then parsed and checked
+(protocol.py: `read_json`, `parse_job`). The handlers run on the event loop and never wait on the engine (parsing a
+body, tokenizing and checking a prompt run in a worker thread, pieces arrive on a queue). A client that disconnects (a
+stream closed, or a plain request abandoned) has its request cancelled.
 """
 
 from __future__ import annotations
@@ -17,20 +19,36 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import pathlib
 import threading
 import time
 from collections.abc import AsyncIterator
+from types import FrameType
 
+import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pulseinfer_jax.serving.engine_loop import EngineLoop, Handle
-from pulseinfer_jax.serving.protocol import ApiError, Job, chunk, parse_job, response, usage_chunk
+from pulseinfer_jax.serving.protocol import (
+    MAX_BODY_BYTES,
+    ApiError,
+    Job,
+    chunk,
+    parse_job,
+    read_json,
+    response,
+    usage_chunk,
+)
 
 log = logging.getLogger("pulseinfer_jax")
 DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that its client is still there
+SHUTDOWN_GRACE_S = 5.0  # how long running requests may go on after SIGINT / SIGTERM (`--shutdown-grace`)
 
 
 def default_model_name(loop: EngineLoop) -> str:
@@ -58,6 +76,27 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        """The router's own refusals (an unknown route, a method a route does not take) in OpenAI's error shape."""
+        where = f"{request.method} {request.url.path}"
+        if e.status_code == 404:
+            message = (f"no such route: {where}; this server serves POST /v1/completions, POST /v1/chat/completions, "
+                       "GET /v1/models, GET /health and GET /metrics")
+        elif e.status_code == 405:
+            message = f"{where}: method not allowed; use {(e.headers or {}).get('Allow', 'another method')}"
+        else:
+            message = str(e.detail)
+        return JSONResponse(ApiError(e.status_code, message).body(), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        """(No route declares a typed body today; should one, its refusals are OpenAI errors too.)"""
+        first = e.errors()[0] if e.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return JSONResponse(ApiError(400, f"invalid request: {first.get('msg', e)}", param=param).body(),
+                            status_code=400)
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("unexpected error in %s", request.url.path)
@@ -68,6 +107,8 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
     async def health() -> JSONResponse:
         if not loop.alive:
             return JSONResponse({"status": "down", "error": loop.error}, status_code=503)
+        if loop.draining:
+            return JSONResponse({"status": "shutting_down", "queued": loop.queued}, status_code=503)
         return JSONResponse({"status": "ok", "queued": loop.queued, "engine_steps": loop.steps})
 
     @app.get("/v1/models")
@@ -79,13 +120,47 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
     async def metrics() -> Response:
         return Response(loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def generate(request: Request, kind: str) -> Response:
+    async def read_body(request: Request) -> bytes:
+        """The body's bytes: ApiError 415 unless it is declared JSON (or not declared), 413 past MAX_BODY_BYTES,
+        found from Content-Length before reading or while reading a chunked body (never holding more)."""
+        ctype = request.headers.get("content-type", "")
+        media = ctype.partition(";")[0].strip().lower()
+        if media and media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            raise ApiError(415, f"the request body must be JSON, sent with 'Content-Type: application/json' (got "
+                                f"{ctype[:80]!r})", code="unsupported_media_type")
+        too_large = ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB, the most this server "
+                                  "reads; send a shorter prompt", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isascii() and declared.isdigit() and (len(declared) > 15 or int(declared) > MAX_BODY_BYTES):
+            raise too_large  # (the server discards what the client still sends, and the connection goes on)
+        parts, size = [], 0
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        job = parse_job(body, kind, model_name=model_name, config=loop.engine.config)
-        handle = await asyncio.to_thread(loop.submit, job, asyncio.get_running_loop())
+            async for part in request.stream():
+                size += len(part)
+                if size > MAX_BODY_BYTES:
+                    raise too_large
+                parts.append(part)
+        except ClientDisconnect:  # (nobody reads the answer: the client is gone)
+            raise ApiError(400, "the client disconnected before sending the whole body") from None
+        return b"".join(parts)
+
+    def parse(data: bytes, kind: str) -> Job:
+        """A checked job from a body's bytes. A failure no check foresaw still comes from the body: a 400 (logged
+        without a traceback), not a server error."""
+        try:
+            return parse_job(read_json(data), kind, model_name=model_name, config=loop.engine.config)
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the body makes a check raise is the body's fault
+            log.warning("a request body failed its checks unexpectedly: %s: %.200s", type(e).__name__, e)
+            raise ApiError(400, f"the request body could not be read: {type(e).__name__}: {str(e)[:200]}") from None
+
+    async def generate(request: Request, kind: str) -> Response:
+        data = await read_body(request)
+        aloop = asyncio.get_running_loop()
+        # reading a large body and tokenizing a long prompt take a while: a worker thread, not the event loop
+        handle = await asyncio.to_thread(lambda: loop.submit(parse(data, kind), aloop))
+        job = handle.job
         if job.stream:
             return StreamingResponse(_events(loop, handle), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -153,26 +228,72 @@ async def _whole(loop: EngineLoop, handle: Handle, request: Request) -> Response
             loop.cancel(handle)
 
 
-def serve(loop: EngineLoop, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> None:
-    """Run the server until interrupted (uvicorn)."""
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose exit (SIGINT / SIGTERM, or `begin_exit`) drains the engine first: new requests get a
+    503 at once, running ones have `grace_s` seconds to finish and then end with finish_reason "abort" (streams with
+    their last chunk and `[DONE]`). It keeps listening meanwhile (/health says it is shutting down) and exits as
+    uvicorn does once the engine is drained. A second signal ends the requests at once; a third is uvicorn's force
+    quit."""
 
-    uvicorn.run(create_app(loop, model_name), host=host, port=port, log_level=log_level)
+    EXIT_MARGIN_S = 0.5  # past the grace, how long the engine may take to end the requests before the server ends
+    # them itself (`EngineLoop.abandon`) and exits
+    BACKSTOP_S = 1  # then how long uvicorn waits for open connections before cancelling them
+
+    def __init__(self, config: uvicorn.Config, loop: EngineLoop, grace_s: float = SHUTDOWN_GRACE_S):
+        if not grace_s >= 0:
+            raise ValueError(f"shutdown grace {grace_s} s must be >= 0")
+        config.timeout_graceful_shutdown = self.BACKSTOP_S
+        super().__init__(config)
+        self.engine_loop, self.grace_s = loop, grace_s
+        self._signals = 0
+        self._exit_by = math.inf  # (time.monotonic) the server exits at the latest then, drained or not
+
+    def begin_exit(self, grace_s: float | None = None) -> None:
+        """Start shutting down with `grace_s` (default: the server's) for the running requests; non-blocking."""
+        grace_s = self.grace_s if grace_s is None else grace_s
+        self.engine_loop.drain(grace_s)
+        self._exit_by = min(self._exit_by, time.monotonic() + grace_s + self.EXIT_MARGIN_S)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """The signal handler: the first signal drains with the grace, the second without; the signals are handled
+        here, so the process exits normally rather than by re-raising them once the server is down."""
+        self._signals += 1
+        if self._signals <= 2:
+            self.begin_exit(None if self._signals == 1 else 0.0)
+        else:
+            super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        loop = self.engine_loop
+        if self._exit_by < math.inf and not self.should_exit:
+            if loop.drained or not loop.alive:
+                self.should_exit = True
+            elif time.monotonic() >= self._exit_by:  # the engine is stuck in a step: end the requests without it
+                log.warning("shutting down: the engine is inside a long step; requests ended without it: %d",
+                            loop.abandon())
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def serve(loop: EngineLoop, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info", shutdown_grace: float = SHUTDOWN_GRACE_S) -> None:
+    """Run the server until SIGINT / SIGTERM, then shut down within `shutdown_grace` + ~1 s (`DrainingServer`)."""
+    server = DrainingServer(uvicorn.Config(create_app(loop, model_name), host=host, port=port, log_level=log_level),
+                            loop, shutdown_grace)
+    server.run()
 
 
 class ServerThread:
     """The server on a thread of this process, on a port the OS picks (tests, benchmarks): `url` once `start` has
-    returned; `stop` shuts it down (and the engine's thread with it)."""
+    returned; `stop` shuts it down as SIGINT would (`shutdown_grace` for the running requests, then the engine's
+    thread with it)."""
 
     def __init__(self, loop: EngineLoop, model_name: str | None = None, *, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning"):
-        import uvicorn
-
+                 log_level: str = "warning", shutdown_grace: float = SHUTDOWN_GRACE_S):
         self.loop = loop
         self.model_name = model_name or default_model_name(loop)  # (as `pulseinfer serve` names it)
-        self.server = uvicorn.Server(uvicorn.Config(create_app(loop, self.model_name), host=host, port=port,
-                                                    log_level=log_level))
+        self.server = DrainingServer(uvicorn.Config(create_app(loop, self.model_name), host=host, port=port,
+                                                    log_level=log_level), loop, shutdown_grace)
         self._thread = threading.Thread(target=self.server.run, name="pulseinfer-http", daemon=True)
         self.url = ""
 
@@ -187,8 +308,9 @@ class ServerThread:
         self.url = f"http://{host}:{port}"
         return self
 
-    def stop(self, timeout: float = 60.0) -> None:
-        self.server.should_exit = True
+    def stop(self, timeout: float = 60.0, grace_s: float | None = None) -> None:
+        """Shut down (`grace_s`: default the server's) and wait for the server's thread."""
+        self.server.begin_exit(grace_s)
         self._thread.join(timeout)
 
     def __enter__(self) -> ServerThread:

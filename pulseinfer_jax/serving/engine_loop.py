@@ -6,6 +6,10 @@ continuous batching), runs `Engine.step`, turns each request's tokens into text 
 them to the handle through the event loop. A cancelled handle (the client went away) is stopped at the next step,
 which frees its GPU blocks and host rows. An exception inside a step fails the requests in flight with a server
 error and reopens the engine's pools; the server keeps going.
+
+Shutting down, `drain(grace_s)` stops admission (new jobs get a 503) and ends every request with finish_reason
+"abort": at once for those not yet running, after the grace for the running ones (which keep stepping until then).
+`drained` turns true once none is left and the engine holds no KV, so the server can exit.
 """
 
 from __future__ import annotations
@@ -84,6 +88,14 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.error: str | None = None  # the last step failure, if any (reported by /health)
+        self._deadline: float | None = None  # draining: when running requests end (time.monotonic)
+        self._drain_noted = False  # (the loop thread logged the drain's start)
+        self.drained = False  # draining, and every request ended with the engine's KV free
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: new jobs are refused (`drain`)."""
+        return self._deadline is not None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -101,11 +113,35 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def drain(self, grace_s: float) -> None:
+        """Begin shutting down: refuse new jobs (503) at once, end the queued ones at once and the running ones
+        `grace_s` seconds from now, each with finish_reason "abort" (the loop thread does it between steps; `drained`
+        says when it is done). Called again, the earlier deadline wins. Non-blocking and lock-free: a signal handler
+        calls it."""
+        deadline = time.monotonic() + max(0.0, grace_s)
+        if self._deadline is None or deadline < self._deadline:
+            self._deadline = deadline
+
+    def abandon(self) -> int:
+        """Draining and the engine is late (inside a long step, e.g. a compile): end every open request now with
+        finish_reason "abort" without waiting for it; its KV is freed once the step returns. Call it on the server's
+        event loop (the handles' pieces are put straight on their queues). Returns how many were ended."""
+        ended = 0
+        for h in list(self._active.values()):  # (a snapshot: the loop thread may change the dict meanwhile)
+            if not h.done:
+                h.done = True
+                h.pieces.put_nowait(Piece("", finish_reason="abort"))
+                ended += 1
+        return ended
+
     # ---- from the handlers ---------------------------------------------------------------------
     def submit(self, job: Job, aloop: asyncio.AbstractEventLoop) -> Handle:
         """Tokenize and check `job` and queue it for the engine (call it from a worker thread, not the event loop:
         tokenizing a long prompt takes a while). ApiError 400 for a prompt the model cannot take or that could never
-        fit the pools, 429 when the queue is full."""
+        fit the pools, 429 when the queue is full, 503 once the server is shutting down."""
+        if self.draining:
+            self.metrics.rejected("shutting_down")
+            raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
         with self._lock:
             if self._queued >= self.max_queue:
                 self.metrics.rejected("queue_full")
@@ -150,6 +186,8 @@ class EngineLoop:
         eng = self.engine
         while not self._stop.is_set():
             self._take_inbox(block=not eng.busy)
+            if self._deadline is not None:
+                self._drain()
             if not eng.busy:
                 continue
             try:
@@ -162,7 +200,17 @@ class EngineLoop:
                 self._deliver(ev)
             self._admitted()
             self.metrics.step(eng, self._active.values())
-        for h in list(self._active.values()):  # shutting down
+        if self.draining:  # stopped while draining: the rest end now, their KV freed
+            self.drain(0.0)
+            self._drain()
+        while True:  # stopped: jobs still in the inbox end with the running ones
+            try:
+                kind, h = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._active.setdefault(h.req.index, h)
+        for h in list(self._active.values()):
             h.done = True
             h.put(Piece("", error=ApiError(503, "the server is shutting down", type="server_error",
                                            code="shutting_down")))
@@ -183,6 +231,26 @@ class EngineLoop:
             except queue.Empty:
                 break
         self.metrics.state(self.engine)
+
+    def _drain(self) -> None:
+        """Shutting down: requests not yet running end at once, running ones at the deadline, each with finish_reason
+        "abort" (its KV freed); once none is left the engine must hold no KV, and `drained` is set."""
+        late = time.monotonic() >= self._deadline
+        if not self._drain_noted:
+            self._drain_noted = True
+            log.info("shutting down: requests in flight: %d; they get %.1f s to finish, then end with finish_reason "
+                     "abort", len(self._active), max(0.0, self._deadline - time.monotonic()))
+        for h in list(self._active.values()):
+            if late or (h.req.status is Status.WAITING and not h.req.output):
+                self._finish(h, "abort")
+        if not self._active and not self.drained:
+            try:
+                self.engine.check_drained()
+            except Exception as e:  # noqa: BLE001 - report a leak, but let the server exit
+                log.error("shutting down: the engine still holds KV after every request ended: %s", e)
+            self.metrics.state(self.engine)
+            self.drained = True
+            log.info("shutting down: every request ended, KV freed")
 
     def _add(self, h: Handle) -> None:
         try:

@@ -2,8 +2,9 @@
 
 Requests: running (by mode: dense / offload) and waiting, finished / cancelled / rejected counts; latency: time to
 first token and time per output token, by mode; tokens: prompt and generated, by mode; memory: GPU KV blocks and
-host pool rows in use and in all, swap space blocks in use; preemptions (by where the KV went); recall (offloaded requests), per engine step: bytes and copies host-to-device,
-slot-cache hits, blocks recalled, recall wait. Updated from the engine's thread after each step.
+host pool rows in use and in all, swap space blocks in use; preemptions (by where the KV went); recall (offloaded
+requests), per engine step: bytes and copies host-to-device, slot-cache hits, blocks recalled, recall wait. Updated
+from the engine's thread after each step.
 """
 
 from __future__ import annotations

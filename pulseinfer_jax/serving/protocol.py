@@ -7,11 +7,17 @@ with a 400 that says so (n > 1, logprobs, penalties, echo, best_of > 1) rather t
 define is refused too. Extensions: `top_k`, `ignore_eos`, and the engine's settings by their flat names
 (`EngineConfig.of`): `mode` places the request ("dense" | "offload", when the server runs mode "auto"), any other
 setting must equal the server's (one engine serves every request).
+
+`read_json` turns the body's bytes into JSON and `parse_job` checks it (`check_body` first), refusing what no OpenAI
+body is: text other than UTF-8, NaN / Infinity, nesting deeper than `MAX_JSON_DEPTH`, and text holding lone
+surrogates (`"\\ud800"`: no tokenizer can read it); the server refuses a body over `MAX_BODY_BYTES` before reading it.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import numbers
 import time
 import uuid
@@ -29,6 +35,9 @@ CHAT = COMMON | {"messages", "max_completion_tokens", "parallel_tool_calls", "to
                  "response_format", "metadata", "store"}
 COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the model's positions
+MAX_BODY_BYTES = 32 << 20  # the largest request body read (413 past it): millions of token ids or a very long text
+MAX_JSON_DEPTH = 64  # the deepest nesting of arrays and objects in a body (OpenAI's bodies need a handful of levels)
+TOP_K_CAP = (1 << 31) - 1  # larger top_k values mean the same (no top-k) and would not fit the sampler's int32
 
 
 class ApiError(Exception):
@@ -45,6 +54,82 @@ class ApiError(Exception):
 
 def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def too_deep(param: str | None = None) -> ApiError:
+    at = f" (in '{param}')" if param else ""
+    return bad(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep{at}; OpenAI's bodies "
+               "need only a few levels", param)
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+
+def read_json(data: bytes) -> Any:
+    """The JSON value of a request body, or ApiError 400 saying what is wrong: empty, not UTF-8, not JSON (NaN and
+    Infinity included: JSON has no such numbers), or nested too deep for the parser (`RecursionError`)."""
+    if not data.strip():
+        raise bad("the request body is empty; send a JSON object")
+    try:
+        text = data.decode("utf-8").removeprefix("\ufeff")  # (a byte-order mark, as some tools write, is no error)
+    except UnicodeDecodeError as e:
+        raise bad(f"the request body is not valid UTF-8 (byte {e.start}: {e.reason}); send JSON encoded as UTF-8") \
+            from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise too_deep() from None
+    except ValueError as e:  # JSONDecodeError, NaN / Infinity, an integer of more digits than Python converts
+        why = str(e).partition("; use sys.set_int_max_str_digits")[0]  # (the advice is for the server's code)
+        raise bad(f"the request body is not valid JSON: {why}") from None
+
+
+def _where(path: tuple) -> str:
+    """`messages[0].content` for the path ("messages", 0, "content"); "the body" for ()."""
+    out = ""
+    for p in path:
+        if isinstance(p, str) and p.isidentifier():
+            out += f".{p}" if out else p
+        else:
+            out += f"[{p!r}]"
+    return out or "the body"
+
+
+def _text(s: str, path: tuple, what: str = "") -> None:
+    """ApiError 400 unless `s` can be encoded as UTF-8: a Python str fails only on a surrogate code point, which
+    JSON carries as a lone `\\ud800`-style escape and no tokenizer can read."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        param = path[0] if path and isinstance(path[0], str) and path[0].isidentifier() else None
+        where = what or (f"'{_where(path)}'" if path else "the body")
+        raise bad(f"{where} holds a lone surrogate ({s[e.start]!r} at character {e.start}), which UTF-8 cannot encode; "
+                  "send valid Unicode text (a character beyond U+FFFF as a surrogate pair, e.g. \\ud83d\\ude00)",
+                  param) from None
+
+
+def check_body(body: Any) -> None:
+    """ApiError 400 if the body nests deeper than MAX_JSON_DEPTH or holds text that is not valid Unicode (a key or
+    a value, anywhere), naming where. Iterative, so a deep body cannot exhaust the stack here; every later check
+    (and its error message) then sees only valid text."""
+    todo = collections.deque([(body, (), 1)])  # (a value, where it is, its depth): breadth first
+    if isinstance(body, str):
+        _text(body, ())
+    while todo:
+        v, path, depth = todo.popleft()
+        if not isinstance(v, (Mapping, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise too_deep(path[0] if isinstance(path[0], str) and path[0].isidentifier() else None)
+        for k, x in (v.items() if isinstance(v, Mapping) else enumerate(v)):
+            if isinstance(k, str) and not k.isascii():  # (isascii is free: only other text can fail)
+                _text(k, (*path, k), f"a field name in {_where(path)}")
+            if isinstance(x, str):
+                if not x.isascii():
+                    _text(x, (*path, k))
+            elif isinstance(x, (Mapping, list)):
+                todo.append((x, (*path, k), depth + 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +261,7 @@ def parse_job(body: Any, kind: str, *, model_name: str, config: EngineConfig) ->
     """A checked generation job from a request body of `kind` ("chat" | "completion"); ApiError if it is not one."""
     if not isinstance(body, Mapping):
         raise bad("the request body must be a JSON object")
+    check_body(body)
     allowed = (CHAT if kind == "chat" else COMPLETION) | set(flat_names(EngineConfig))
     unknown = sorted(k for k in body if k not in allowed)
     if unknown:
@@ -229,7 +315,7 @@ def parse_job(body: Any, kind: str, *, model_name: str, config: EngineConfig) ->
     include_usage = bool(_bool(options or {}, "include_usage"))
     try:
         sampling = SamplingParams(temperature=temperature or 0.0, top_p=1.0 if top_p is None else top_p,
-                                  top_k=max(0, top_k or 0), max_new_tokens=max_tokens, stop=_stop(body),
+                                  top_k=min(max(0, top_k or 0), TOP_K_CAP), max_new_tokens=max_tokens, stop=_stop(body),
                                   ignore_eos=bool(_bool(body, "ignore_eos")))
     except ValueError as e:
         raise bad(str(e)) from None
