@@ -12,7 +12,7 @@ on a GPU of `--hbm-gb` next to the model's bf16 weights (`aot.suite.kv_cap`: 85%
 IOAA admits offloaded requests while their predicted recall fits `ioaa_slack` of a decode step at `--h2d-gbs`
 (20 ms steps assumed before any is measured: the engine's default), so its count can be below the memory's. Requests
 "held at once" decode their new tokens to the end together: a dense request's KV grows as it decodes (admission takes
-its prompt's blocks), and a set that would preempt one of them does not count as held.
+its prompt's blocks), and one preempted on the way does not count.
 
 Passkey (`--passkey`): SmolLM2-135M-Instruct on this machine with a `--tokens`-token passkey document under a GPU KV
 budget of a quarter of its dense KV: the dense engine refuses it, the offloaded one runs it (budget 1,024 tokens),
@@ -68,7 +68,7 @@ class Run:
 
 def admit(model_cfg, config, prompts: list[int], gpu_budget: int, host_bytes: int, h2d: float) -> Run:
     """Submit `prompts` together; run admission (prefill one request per step, nobody finishes) until it settles, then
-    decode every running request to its last token; `admitted` is 0 if that preempted one."""
+    decode every running request to its last token: `admitted` counts those that got there without a preemption."""
     from pulseinfer_jax.kv.blocks import BlockAllocator, blocks_for
     from pulseinfer_jax.kv.quant import layer_block_bytes, resolve_kv_dtype, storage_dtype
     from pulseinfer_jax.request import Request, SamplingParams
@@ -114,12 +114,11 @@ def admit(model_cfg, config, prompts: list[int], gpu_budget: int, host_bytes: in
             break
         sched.prefill_done(pf)
         pf.output.append(0)
-    running = len(sched.running)
-    for _ in range(NEW_TOKENS - 1):  # they decode to the end: a dense request's KV grows, and must not be preempted
+    for _ in range(NEW_TOKENS - 1):  # they decode to the end: a dense request's KV grows, the youngest preempted
         sched.reserve_decode()
         for r in sched.running:
             r.output.append(0)
-    return Run(0 if sched.preemptions else running, refused, sizes.num_blocks * per_block + meta, sizes.host_rows)
+    return Run(len(sched.running), refused, sizes.num_blocks * per_block + meta, sizes.host_rows)
 
 
 def largest(fits, lo: int, hi: int) -> int:
