@@ -16,7 +16,7 @@ from typing import Any
 from pulseinfer_jax.backends import plan_backends
 from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.engine.core import Engine
-from pulseinfer_jax.engine.text import Prompt, TextTracker, check_prompts, encode_prompt
+from pulseinfer_jax.engine.text import Prompt, TextTracker, check_prompts, check_token_ids, encode_for
 from pulseinfer_jax.models.loading import LoadedModel, load_model
 from pulseinfer_jax.options import flat_names, flatten, unknown_name
 from pulseinfer_jax.parallel.layout import DeviceLayout
@@ -48,6 +48,10 @@ class GenerateOptions:
             raise ValueError(f"seed={s!r} must be an integer in [0, 2**32)")
         if self.chat not in (None, True, False):
             raise ValueError(f"chat={self.chat!r} must be True, False or None (None: when the model has a template)")
+        if self.dtype is not None:
+            from pulseinfer_jax.models.transformer import resolve_dtype
+
+            resolve_dtype(self.dtype)  # (ValueError naming the supported dtypes)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -104,18 +108,27 @@ def resolve_options(options: GenerateOptions | None, engine_config: EngineConfig
 
 def _engine_for(model: Any, opts: GenerateOptions, config: EngineConfig | None) -> Engine:
     if isinstance(model, Engine):  # used as it is: its compiled code, pools and config
-        if config is not None and config != model.config:
-            have = flatten(model.config)
-            changed = sorted(k for k, v in flatten(config).items() if have[k] != v)
-            raise ValueError(f"model is an Engine built with a different config ({', '.join(changed)} differ); pass "
-                             "the engine alone to use it as it is, or build Engine(engine.model, new_config)")
-        _check_dtype(opts, model.model)
+        _check_engine(model, opts, config)
         return model
-    config = config or EngineConfig()
+    return Engine(_model_for(model, opts, config), config or EngineConfig())
+
+
+def _check_engine(engine: Engine, opts: GenerateOptions, config: EngineConfig | None) -> None:
+    """An Engine given as the model runs with its own config: the settings given must match it."""
+    if config is not None and config != engine.config:
+        have = flatten(engine.config)
+        changed = sorted(k for k, v in flatten(config).items() if have[k] != v)
+        raise ValueError(f"model is an Engine built with a different config ({', '.join(changed)} differ); pass "
+                         "the engine alone to use it as it is, or build Engine(engine.model, new_config)")
+    _check_dtype(opts, engine.model)
+
+
+def _model_for(model: Any, opts: GenerateOptions, config: EngineConfig | None) -> LoadedModel:
+    """The loaded model an engine for `model` (not an Engine) runs: `model` itself, or loaded here."""
     if isinstance(model, LoadedModel):
         _check_dtype(opts, model)
-        return Engine(model, config)
-    return Engine(load_for_engine(model, opts.dtype or "float32", config), config)
+        return model
+    return load_for_engine(model, opts.dtype or "float32", config or EngineConfig())
 
 
 def load_for_engine(model: Any, dtype: str, config: EngineConfig) -> LoadedModel:
@@ -164,7 +177,8 @@ def _stats(r: Request, t_start: float, engine: Engine, chat: bool) -> dict[str, 
 
 def _io_stats(r: Request, engine: Engine) -> dict[str, Any]:
     """Recall counters of a sparse request (zeros for a dense one), summed over its decode steps, and for a sparse
-    request the offload settings it ran with."""
+    request the offload settings as given and as they ran: budget_tokens_effective (cut to the longest context the
+    engine's requests can reach) and slot_cache_blocks_effective (shrunk to what the GPU KV budget holds)."""
     c = r.sparse.counters if r.sparse is not None else None
     out = {
         "recall_bytes": c.recall_bytes if c else 0,
@@ -175,20 +189,34 @@ def _io_stats(r: Request, engine: Engine) -> dict[str, Any]:
         "written_back_blocks": c.written_back_blocks if c else 0,
     }
     if c is not None:
+        plan = r.sparse.plan
         out.update(flatten(engine.config.offload))
+        out["budget_tokens_effective"] = plan.budget_blocks * plan.block_size  # (cut to the context: sched/pools.py)
+        out["slot_cache_blocks_effective"] = plan.slot_blocks  # (shrunk to what the GPU KV budget holds: pools.py)
     return out
 
 
 def stream_long(prompts: Sequence[Prompt], model: Any = None, *, options: GenerateOptions | None = None,
                 engine_config: EngineConfig | None = None, **settings: Any) -> Iterator[StreamEvent]:
-    """Like `generate_long` but yields a StreamEvent per generated token as soon as it exists."""
+    """Like `generate_long` but yields a StreamEvent per generated token as soon as it exists. Bad arguments raise
+    here, before the model loads (which happens on the first iteration)."""
     check_prompts(prompts)
     opts, config, _ = resolve_options(options, engine_config, settings,
                                       base=model.config if isinstance(model, Engine) else None)
-    engine = _engine_for(model, opts, config)
+    if isinstance(model, Engine):
+        _check_engine(model, opts, config)
+    return _stream(prompts, model, opts, config)
+
+
+def _stream(prompts: Sequence[Prompt], model: Any, opts: GenerateOptions,
+            config: EngineConfig | None) -> Iterator[StreamEvent]:
+    loaded = model.model if isinstance(model, Engine) else _model_for(model, opts, config)
     sampling = opts.sampling
     t_start = time.perf_counter()
-    encoded = [encode_prompt(engine, i, p, opts.chat) for i, p in enumerate(prompts)]
+    encoded = [encode_for(loaded, i, p, opts.chat) for i, p in enumerate(prompts)]
+    for i, (ids, _) in enumerate(encoded):  # against the model's vocabulary and positions, before anything compiles
+        check_token_ids(i, ids, loaded.cfg)
+    engine = model if isinstance(model, Engine) else Engine(loaded, config or EngineConfig())
     reqs = [engine.make_request(i, ids, sampling) for i, (ids, _) in enumerate(encoded)]
     trackers = [TextTracker(engine.model.tokenizer, sampling.stop) for _ in reqs]
     for ev in engine.run(reqs, seed=opts.seed):
@@ -234,8 +262,12 @@ def generate_long(prompts: Sequence[Prompt], model: Any = None, *, options: Gene
     on_token: called with each StreamEvent as it is produced (streaming).
     Each result's `.stats` has timings (tpot_s over the decode steps that compiled nothing; warmup_s, compile_s),
     the placement ("mode", "offloaded"), the backends that ran, and for sparse requests the recall counters summed
-    over its decode steps (recall_bytes, recall_transfers, recalled_blocks, reused_blocks, recall_wait_s) and the
-    offload settings.
+    over its decode steps (recall_bytes, recall_transfers, recalled_blocks, reused_blocks, recall_wait_s), the
+    offload settings as given, budget_tokens_effective (the budget it ran with: cut to the longest context, prompt +
+    max_new_tokens, of the engine's requests when budget_tokens is larger; all of it is attended then, as dense) and
+    slot_cache_blocks_effective (the slot cache, shrunk when the GPU KV budget holds no more).
+    Bad arguments (prompts, options, settings) raise ValueError before the model loads; token ids are checked
+    against the model's vocabulary once it is loaded, before anything compiles.
     """
     results: dict[int, GenerationResult] = {}
     for ev in stream_long(prompts, model, options=options, engine_config=engine_config, **settings):

@@ -157,15 +157,15 @@ def _print_stats(results) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from pulseinfer_jax.api import generate_long
-    from pulseinfer_jax.engine.core import Engine
 
+    options = generate_options(args)  # the sampling flags, then the engine's, before the prompt or the model
     config = engine_config(args, progress=True)
     prompt = _read_prompt(args)
     if not prompt.strip():
         raise ValueError("the prompt is empty; give some text")
-    engine = Engine(load_for(config, args.model, args.dtype), config)
-    if engine.model.tokenizer is None:
-        raise ValueError(f"{engine.model.source} has no tokenizer (random:<preset> models carry random weights for "
+    model = load_for(config, args.model, args.dtype)
+    if model.tokenizer is None:
+        raise ValueError(f"{model.source} has no tokenizer (random:<preset> models carry random weights for "
                          "throughput and compile checks: bench/, `pulseinfer info`); generate needs a real model")
 
     def on_token(ev) -> None:
@@ -173,7 +173,8 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
 
-    results = generate_long([prompt], engine, on_token=on_token, chat=args.chat, **_sampling_kwargs(args))
+    # the model, not an engine: generate_long builds one for this prompt (a budget past its context is cut to it)
+    results = generate_long([prompt], model, options=options, engine_config=config, on_token=on_token)
     if args.no_stream:
         sys.stdout.write(results[0].text)
     sys.stdout.write("\n")
@@ -182,9 +183,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sampling_kwargs(args: argparse.Namespace) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+def generate_options(args: argparse.Namespace):
+    """GenerateOptions from the sampling flags; a bad value is an error naming its flag (exit 2, like argparse's)."""
+    from pulseinfer_jax.api import GenerateOptions
+
+    try:
+        return GenerateOptions(chat=args.chat, stop=tuple(args.stop),
+                               **{f: getattr(args, f) for f in SAMPLING_FLAGS if f != "stop"})
+    except ValueError as e:
+        flag = next((f for f in SAMPLING_FLAGS if str(e).startswith(f + "=")), None)
+        if flag is None:
+            raise
+        raise ValueError(f"pulseinfer generate: argument --{flag.replace('_', '-')}: {e} (see --help)") from None
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -191,6 +191,23 @@ class EngineConfig:
         """This config with the settings named by their flat names replaced."""
         return replace_flat(self, settings)
 
+    def for_context(self, tokens: int) -> EngineConfig:
+        """This config with budget_tokens (and slot_cache_blocks) cut to what requests of at most `tokens` tokens
+        (prompt + new tokens) can use. A budget that holds every block of the context already attends to all of
+        them, as dense decode does; the selection and slot tables are sized by the budget, so a larger one only
+        costs time and memory."""
+        o, bs = self.offload, self.block_size
+        if self.mode == "dense":
+            return self
+        blocks = max(-(-tokens // bs), o.sink_blocks + self.window_blocks + 1)  # (the smallest budget allowed)
+        middle = blocks - o.sink_blocks - self.window_blocks
+        settings: dict[str, Any] = {}
+        if self.budget_blocks > blocks:
+            settings["budget_tokens"] = blocks * bs
+        if o.slot_cache_blocks is not None and o.slot_cache_blocks > middle:
+            settings["slot_cache_blocks"] = middle
+        return self.with_settings(**settings) if settings else self
+
     @property
     def scoring(self) -> BlockScoring:
         return self.offload.scoring

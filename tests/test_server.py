@@ -241,3 +241,10 @@ def test_metrics_explain_the_engine(tiny4, tiny_server):
     assert samples[("pulseinfer_recall_bytes_total", (("mode", "offload"),))] > 0
     assert samples[("pulseinfer_time_to_first_token_seconds_count", (("mode", "offload"),))] >= 2
     assert samples[("pulseinfer_gpu_kv_blocks_total", ())] > 0
+
+
+def test_refusals_name_the_requests_own_fields():
+    from pulseinfer_jax.serving.engine_loop import _as_request
+
+    msg = "request 7: offloaded it needs 9 rows; raise host_kv_tokens or lower max_new_tokens"
+    assert _as_request(msg, 7) == "the request: offloaded it needs 9 rows; raise host_kv_tokens or lower max_tokens"

@@ -116,11 +116,13 @@ class EngineShapes:
 
 
 class _Request:
-    """What offload's sizing helpers read of a scheduler Request: the prompt and the tokens it reserves."""
+    """What offload's sizing helpers read of a scheduler Request: the prompt, the tokens it reaches and those its first
+    dense blocks hold."""
 
     def __init__(self, prompt_tokens: int, max_new_tokens: int):
         self.prompt = range(prompt_tokens)
         self.need_tokens = prompt_tokens + max_new_tokens
+        self.start_tokens = min(self.need_tokens, prompt_tokens + 1)  # (a dense request's first blocks hold these)
 
 
 def _scalar(memory: str | None = None) -> Spec:

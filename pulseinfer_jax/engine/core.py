@@ -217,6 +217,11 @@ class Engine:
         meta_item = self.scoring.metadata_dtype(self.model.dtype).itemsize if cfg.mode != "dense" else 1
         sizes = pool_sizes(cfg, self.model.cfg, self.kv_dtype, meta_item, requests, self._kv_byte_cap())
         plan, rows, num_blocks = sizes.plan, sizes.host_rows, sizes.num_blocks
+        if plan is not None and plan.slot_blocks < cfg.slot_blocks and (self.sparse is None
+                                                                          or self.sparse.plan != plan):
+            log.info("slot cache: %d blocks per request and sparse layer, not %d: cut to the requests' context, or "
+                     "to what the GPU KV budget holds beside the longest one's resident blocks (sched/pools.py)",
+                     plan.slot_blocks, cfg.slot_blocks)
         if self.spec is None or self.spec.num_blocks != num_blocks:
             self.kv = None  # free the old pool before allocating the new one
             self.spec = self._spec(num_blocks)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pulseinfer_jax.engine.core import Engine
+    from pulseinfer_jax.models.config import ModelConfig
+    from pulseinfer_jax.models.loading import LoadedModel
 
 Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
 Prompt = str | Sequence[int] | Sequence[Message]  # text, token ids, or one conversation (chat template applied)
@@ -31,10 +33,16 @@ def check_prompts(prompts: Any) -> None:
         elif isinstance(p, Sequence) and p and all(isinstance(m, Mapping) for m in p):
             _check_messages(i, p)
         elif isinstance(p, Sequence):
+            if not p:
+                raise ValueError(f"prompt {i} is empty; give some text, token ids or messages")
             bad = [t for t in p if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
             if bad:
                 raise ValueError(f"prompt {i}: expected token ids (ints) or messages ({{'role', 'content'}} dicts), "
                                  f"got {bad[0]!r} ({type(bad[0]).__name__})")
+            negative = [int(t) for t in p if t < 0]
+            if negative:
+                raise ValueError(f"prompt {i} has negative token ids {negative[:5]}; token ids are >= 0 (indices "
+                                 "into the model's vocabulary)")
         else:
             raise ValueError(f"prompt {i} must be a string, a sequence of int token ids or a list of messages, got "
                              f"{type(p).__name__}")
@@ -52,9 +60,26 @@ def _check_messages(i: int, messages: Sequence[Mapping]) -> None:
         raise ValueError(f"prompt {i} ends with an assistant message; end it with a user message to get a reply")
 
 
+def check_token_ids(i: int, ids: Sequence[int], cfg: ModelConfig) -> None:
+    """Prompt `i`'s token ids against the model (`cfg`): inside its vocabulary, and short enough for its positions.
+    Checked as soon as the model is known, before an engine is built or anything compiles."""
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}) (the model's vocabulary): "
+                         f"{bad[:5]}")
+    if len(ids) >= cfg.max_position_embeddings:
+        raise ValueError(f"prompt {i} has {len(ids)} tokens but the model handles at most "
+                         f"{cfg.max_position_embeddings} positions; shorten the prompt")
+
+
 def encode_prompt(engine: Engine, i: int, prompt: Prompt, chat: bool | None) -> tuple[list[int], bool]:
     """Token ids of prompt `i`, and whether the chat template wrapped it."""
-    tok, source = engine.model.tokenizer, engine.model.source
+    return encode_for(engine.model, i, prompt, chat)
+
+
+def encode_for(model: LoadedModel, i: int, prompt: Prompt, chat: bool | None) -> tuple[list[int], bool]:
+    """`encode_prompt` with the model alone (before an engine exists)."""
+    tok, source = model.tokenizer, model.source
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
         if tok is None:
             raise ValueError(f"prompt {i} is text but model {source} has no tokenizer (random:<preset> models are for "

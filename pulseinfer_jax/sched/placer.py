@@ -54,8 +54,12 @@ class OffloadPlacer:
                     f"but the GPU KV pool holds {gpu_cap} ({gpu_cap * bs} tokens); shorten the prompt, raise "
                     "gpu_kv_budget/kv_cache_tokens or use mode='offload'")
         if mode == "offload" and not gpu_ok:
-            return (f"offloaded it needs {peak} GPU blocks (of {gpu_cap}); raise gpu_kv_budget/kv_cache_tokens, or "
-                    "lower max_new_tokens or slot_cache_blocks")
+            smallest = self.plan.slot_blocks == self.plan.middle_blocks
+            return (f"offloaded it needs {peak} GPU blocks (of {gpu_cap}"
+                    + (f", with the smallest slot cache: one step's selection, {self.plan.slot_blocks} blocks"
+                       if smallest else "")
+                    + "); raise gpu_kv_budget/kv_cache_tokens, or lower max_new_tokens"
+                    + ("" if smallest else " or slot_cache_blocks"))
         if mode == "offload" and not host_ok:
             return f"offloaded it needs {host}; raise host_kv_tokens or lower max_new_tokens"
         if mode == "auto" and not (dense_ok or (gpu_ok and host_ok)):

@@ -16,7 +16,7 @@ from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.host_offload.placement import SparsePlan
 from pulseinfer_jax.kv.blocks import blocks_for
 from pulseinfer_jax.kv.quant import layer_block_bytes
-from pulseinfer_jax.request import Request
+from pulseinfer_jax.request import Request, SamplingParams
 
 UNLIMITED = 1 << 62  # blocks wanted when the requests are not known yet (a server): only the budget caps the pool
 
@@ -84,6 +84,42 @@ class PoolSizes:
 
 def pool_sizes(config: EngineConfig, model_cfg, kv_dtype, meta_itemsize: int,
                requests: Sequence[Request] | None, cap_bytes: int) -> PoolSizes:
+    """`sized_pools`, with budget_tokens cut to the longest context the requests can reach (`EngineConfig.for_context`)
+    and the slot cache, when `slot_cache_blocks` is not set, the largest from its default (2x one step's
+    selection) down to one step's selection under which every request that can run only offloaded fits the GPU
+    pool (a server's: a request of the model's every position). When even the smallest does not, the requests'
+    refusal names its footprint (a server keeps the default). The plan says what was chosen
+    (`PoolSizes.plan.slot_blocks`)."""
+    # a budget past the longest context the requests can reach attends every block (as dense): cut to that context
+    context = (max((r.need_tokens for r in requests), default=0) if requests is not None
+               else model_cfg.max_position_embeddings)  # (a server: the longest request the model takes)
+    config = config.for_context(context)
+    sizes = sized_pools(config, model_cfg, kv_dtype, meta_itemsize, requests, cap_bytes)
+    if sizes.plan is None or config.offload.slot_cache_blocks is not None:
+        return sizes
+    targets = requests
+    if targets is None:  # a server: the longest request the model takes
+        positions = model_cfg.max_position_embeddings
+        targets = [Request(-1, [0] * (positions - 1), SamplingParams(max_new_tokens=1), 1)]
+    if config.mode == "auto":  # (a request that runs dense is not held to its offloaded footprint)
+        targets = [r for r in targets if blocks_for(r.start_tokens, config.block_size) > sizes.num_blocks - 1]
+
+    def fits(s: PoolSizes) -> bool:
+        return all(offload_blocks(s.plan, r) <= s.num_blocks - 1 for r in targets)
+
+    if fits(sizes):
+        return sizes
+    smaller = sizes
+    for slots in range(sizes.plan.slot_blocks - 1, sizes.plan.middle_blocks - 1, -1):
+        smaller = sized_pools(config.with_settings(slot_cache_blocks=slots), model_cfg, kv_dtype, meta_itemsize,
+                              requests, cap_bytes)
+        if fits(smaller):
+            return smaller
+    return sizes if requests is None else smaller  # (a refusal then names the smallest footprint)
+
+
+def sized_pools(config: EngineConfig, model_cfg, kv_dtype, meta_itemsize: int,
+                requests: Sequence[Request] | None, cap_bytes: int) -> PoolSizes:
     """The GPU KV pool (blocks) and host pool (rows) an engine allocates for `requests` under a cap of `cap_bytes` GPU
     bytes (pool + offload metadata): kv_cache_tokens if set, else what the requests need in the configured mode, capped.
     Nothing is set aside for prefills: an offloaded prompt prefills layer by layer in blocks its request holds

@@ -33,6 +33,11 @@ from pulseinfer_jax.serving.protocol import ApiError, Job
 log = logging.getLogger("pulseinfer_jax")
 
 
+def _as_request(message: str, index: int) -> str:
+    """An engine refusal in the request's own terms: its fields as the API names them."""
+    return message.replace(f"request {index}", "the request").replace("max_new_tokens", "max_tokens")
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """What a handle receives: new text (and the token that made it), or the end (finish_reason / error set)."""
@@ -162,7 +167,7 @@ class EngineLoop:
                 eng.scheduler.check(req)  # (reads only the pools' sizes: safe beside the loop thread)
             except ValueError as e:  # it could never fit the GPU / host pools
                 self.metrics.rejected("never_fits")
-                raise ApiError(400, str(e).replace(f"request {index}", "the request"), code="too_large") from None
+                raise ApiError(400, _as_request(str(e), index), code="too_large") from None
             handle = Handle(job, ids, req, aloop)
             handle.tracker = TextTracker(eng.model.tokenizer, job.sampling.stop)
         except BaseException:
@@ -259,7 +264,7 @@ class EngineLoop:
             self._uncount(h)
             h.done = True
             self.metrics.rejected("never_fits")
-            h.put(Piece("", error=ApiError(400, str(e).replace(f"request {h.req.index}", "the request"),
+            h.put(Piece("", error=ApiError(400, _as_request(str(e), h.req.index),
                                            code="too_large")))
             return
         self._active[h.req.index] = h
