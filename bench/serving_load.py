@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         rows_in_use = engine.host_pool.allocator.capacity - engine.host_pool.allocator.num_free
         engine.check_drained()
         steps = srv.loop.steps
+        preempted = {"swap": engine.scheduler.preempted_swap, "recompute": engine.scheduler.preempted_recompute}
     valid = [(it, r) for it, r in zip(items, results, strict=True) if it["kind"] == "valid"]
     t1 = time.perf_counter()
     # one pool size for every group (a pool resized per run would recompile every step function)
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
            "valid_offloaded": sum(1 for it, _ in valid if it["body"]["mode"] == "offload"),
            "mismatched_offloaded": sum(1 for i in mismatched if valid[i][0]["body"]["mode"] == "offload"),
            "malformed_with_4xx_error_body": bad_ok, "gpu_blocks_in_use_at_end": blocks_in_use,
-           "host_rows_in_use_at_end": rows_in_use, "budget_tokens": args.budget_tokens,
+           "host_rows_in_use_at_end": rows_in_use, "preemptions": preempted, "budget_tokens": args.budget_tokens,
            "reference_s": ref_s, "gpu_kv_budget": args.gpu_kv_budget, "max_batch": args.max_batch}
     print(json.dumps(row, indent=1))
     path = write_result(f"serving_load_{args.name}", row, args.out)
