@@ -225,6 +225,7 @@ def run_point(model, system: str, prompt_len: int, batch: int, steps: int, warm:
         "moe_strategy": eng.moe_strategy,
         "h2d_gb_per_s_implied": io["h2d_bytes_per_step"] / p50 / 1e9,
         "compiles_in_timed_steps": compiled,
+        "preemptions": eng.scheduler.preemptions,  # (dense KV grows: the youngest waits in host memory when out)
     }
     for r in reqs:
         if r.status is not Status.FINISHED:
@@ -266,7 +267,7 @@ def run_mix_once(model, system: str, lengths: list[tuple[int, int]], base: dict,
            "tokens_per_s": n_tokens / wall, "tpot_s_p50": float(np.percentile(tpot, 50)),
            "tpot_s_p99": float(np.percentile(tpot, 99)),
            "placements": {p: sum(r.placement == p for r in reqs) for p in ("dense", "offload")},
-           "engine_steps": eng.steps}
+           "engine_steps": eng.steps, "preemptions": eng.scheduler.preemptions}
     _release(eng, cache)
     return row
 
