@@ -41,11 +41,10 @@ def _padded(blocks: list[int]) -> np.ndarray:
 class SwapSpace:
     """Host memory for preempted requests' KV, `capacity_blocks` GPU blocks' worth (0: none, preemption recomputes)."""
 
-    def __init__(self, capacity_blocks: int, block_bytes: int):
+    def __init__(self, capacity_blocks: int):
         if capacity_blocks < 0:
             raise ValueError(f"capacity_blocks={capacity_blocks} must be >= 0")
         self.capacity_blocks = capacity_blocks
-        self.block_bytes = block_bytes  # one GPU block, every layer (for reports)
         self._held: dict[int, np.ndarray] = {}  # owner -> [L, n, 2, r, Hkv, hd] (n = its blocks, unpadded)
         self.swapped_out = 0  # requests copied out so far
         self.swapped_in = 0
@@ -56,9 +55,6 @@ class SwapSpace:
 
     def can_hold(self, n: int) -> bool:
         return self.used_blocks + n <= self.capacity_blocks
-
-    def holds(self, owner: int) -> bool:
-        return owner in self._held
 
     def swap_out(self, kv: jax.Array, blocks: list[int], owner: int) -> None:
         """Copy `owner`'s `blocks` (in table order) to host memory; the caller frees them afterwards."""

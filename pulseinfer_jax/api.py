@@ -15,8 +15,8 @@ from typing import Any
 
 from pulseinfer_jax.backends import plan_backends
 from pulseinfer_jax.config import EngineConfig
-from pulseinfer_jax.engine.core import Engine
-from pulseinfer_jax.engine.text import Prompt, TextTracker, check_prompts, check_token_ids, encode_for
+from pulseinfer_jax.engine.core import Engine, check_token_ids
+from pulseinfer_jax.engine.text import Prompt, TextTracker, check_prompts, encode_for
 from pulseinfer_jax.models.loading import LoadedModel, load_model
 from pulseinfer_jax.options import flat_names, flatten, unknown_name
 from pulseinfer_jax.parallel.layout import DeviceLayout

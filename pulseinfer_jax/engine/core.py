@@ -29,6 +29,7 @@ from pulseinfer_jax.host_offload.swap import SwapSpace
 from pulseinfer_jax.kv.blocks import BlockAllocator, blocks_for, bucket
 from pulseinfer_jax.kv.cache import CacheSpec, bucket_blocks
 from pulseinfer_jax.kv.quant import layer_block_bytes, storage_dtype
+from pulseinfer_jax.models.config import ModelConfig
 from pulseinfer_jax.models.loading import LoadedModel
 from pulseinfer_jax.parallel.layout import DeviceLayout
 from pulseinfer_jax.request import Request, SamplingParams, Status, TokenEvent
@@ -228,7 +229,7 @@ class Engine:
             self.kv = self.spec.allocate(self.layout.kv_heads(len(self.spec.shape)))
         self.allocator = BlockAllocator(num_blocks)
         self._segments = {}
-        self.swap = SwapSpace(self._swap_blocks(num_blocks), self.spec.bytes_per_block)
+        self.swap = SwapSpace(self._swap_blocks(num_blocks))
         if plan is None:
             self.scheduler = Scheduler(self.allocator, bs, cfg.max_batch, mover=self)
             return
@@ -302,14 +303,7 @@ class Engine:
         c = self.model.cfg
         if not prompt:
             raise ValueError(f"prompt {index} is empty; give at least one token")
-        bad = [t for t in prompt if not (0 <= t < c.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt {index} has token ids outside [0, {c.vocab_size}): {bad[:5]}")
-        if len(prompt) >= c.max_position_embeddings:
-            raise ValueError(
-                f"prompt {index} has {len(prompt)} tokens but the model handles at most "
-                f"{c.max_position_embeddings} positions; shorten the prompt"
-            )
+        check_token_ids(index, prompt, c)
         max_new = min(sampling.max_new_tokens, c.max_position_embeddings - len(prompt))
         return Request(index, list(prompt), sampling, max_new, t_submit=time.perf_counter())
 
@@ -545,6 +539,18 @@ class Engine:
         t = np.zeros(width, np.int32)
         t[: len(blocks)] = blocks
         return t
+
+
+def check_token_ids(i: int, ids: Sequence[int], cfg: ModelConfig) -> None:
+    """Prompt `i`'s token ids against the model (`cfg`): inside its vocabulary, and short enough for its positions.
+    Checked as soon as the model is known, before an engine is built or anything compiles."""
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}) (the model's vocabulary): "
+                         f"{bad[:5]}")
+    if len(ids) >= cfg.max_position_embeddings:
+        raise ValueError(f"prompt {i} has {len(ids)} tokens but the model handles at most "
+                         f"{cfg.max_position_embeddings} positions; shorten the prompt")
 
 
 def progress_enabled(config: EngineConfig) -> bool:

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pulseinfer_jax.engine.core import Engine
-    from pulseinfer_jax.models.config import ModelConfig
     from pulseinfer_jax.models.loading import LoadedModel
 
 Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
@@ -58,18 +57,6 @@ def _check_messages(i: int, messages: Sequence[Mapping]) -> None:
                              f"got role={m['role']!r}, content of type {type(m['content']).__name__}")
     if messages[-1]["role"] == "assistant":
         raise ValueError(f"prompt {i} ends with an assistant message; end it with a user message to get a reply")
-
-
-def check_token_ids(i: int, ids: Sequence[int], cfg: ModelConfig) -> None:
-    """Prompt `i`'s token ids against the model (`cfg`): inside its vocabulary, and short enough for its positions.
-    Checked as soon as the model is known, before an engine is built or anything compiles."""
-    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
-    if bad:
-        raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}) (the model's vocabulary): "
-                         f"{bad[:5]}")
-    if len(ids) >= cfg.max_position_embeddings:
-        raise ValueError(f"prompt {i} has {len(ids)} tokens but the model handles at most "
-                         f"{cfg.max_position_embeddings} positions; shorten the prompt")
 
 
 def encode_prompt(engine: Engine, i: int, prompt: Prompt, chat: bool | None) -> tuple[list[int], bool]:
