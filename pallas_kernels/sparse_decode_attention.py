@@ -45,8 +45,11 @@ into the [Gp, T] scores and probabilities instead of the [T, hd] tiles: s = dot(
 and the second dot takes p * vscale[t] (l sums the unscaled p): hd times fewer multiplies than dequantising
 the tiles, each in float32. The compute dtype is q's (float32 queries) or bfloat16 (other queries: float16
 lacks the scales' exponent range), and q is cast to it, not to float8. The stored values are in the cache's
-rotated basis (`kv_quant.rotate`, a Hadamard matrix per head): the wrapper rotates q before the kernel (fused with
-its padding) and the merged output back after it (fused with the merge); the scores are unchanged by the rotation.
+rotated basis (`kv_quant.rotate`, a Hadamard matrix per head). Under bfloat16 compute each program rotates its q
+rows (`_rotate`: [Gp, hd] x [hd, hd] bfloat16 dots with the +-1 matrix) and its accumulator back at the end (the split
+merge is linear, so it merges rotated-back accumulators unchanged): no rotation kernel runs outside. Under float32
+compute the wrapper rotates q (fused with its padding) and the merged output (fused with the merge). The scores are
+unchanged by the rotation.
 
 Defaults: P gives about 64 tokens per step (P >= 16 / bs, P <= next_pow2(K)); split_k aims for
 about 256 programs (B * Hkv * split_k) with at least 2 steps per split, at most 16 splits;
@@ -77,6 +80,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
@@ -116,25 +120,41 @@ def _dot_f32(a: Array, b: Array, *, trans_b: bool, precision: jax.lax.Precision 
                                preferred_element_type=jnp.float32)
 
 
+def _rotate(x: Array, signs: Array, parts: int) -> Array:
+    """x [M, hd] (float32) times the cache's orthonormal rotation H = signs / sqrt(hd) (`kv_quant.hadamard`; signs
+    [hd, hd] bfloat16 +-1) in float32: x split into `parts` bfloat16 terms (1 holds a bfloat16 x exactly, 3 a float32
+    x to float32's precision), each dotted with the signs on the tensor cores (exact products, float32 sums). A
+    float32 [hd, hd] operand spills registers (ptxas, sm_90a); these stay in bfloat16."""
+    hd = x.shape[-1]
+    out, rest = None, x
+    for _ in range(parts):
+        term = rest.astype(jnp.bfloat16)
+        dot = _dot_f32(term, signs, trans_b=False, precision=None)
+        out = dot if out is None else out + dot
+        rest = rest - term.astype(jnp.float32)
+    return out * (hd ** -0.5)
+
+
 def _sparse_decode_kernel(
-    q_ref,  # [G, hd]      query group of (b, h), compute dtype (loaded as Gp rows, those >= G zero)
+    q_ref,  # [G, hd]      query group of (b, h) (loaded as Gp rows, those >= G zero)
     k_ref,  # [NB, rows, hd] K of head h for every pool block (rows = bs, or bs + float8's scale rows)
     v_ref,  # [NB, rows, hd] V of head h for every pool block
     ids_ref,  # [Ks] int32 this split's block ids, < 0 = padding
     lens_ref,  # [Ks] int32 valid tokens of each entry
-    acc_ref,  # [Gp, hd] f32 out: unnormalised sum_j exp(s_j - m) v_j
-    m_ref,  # [Gp] f32 out: max scaled score (-inf if nothing attended)
-    l_ref,  # [Gp] f32 out: sum_j exp(s_j - m) (0 if nothing attended)
-    *,
+    *refs,  # (float8 pools: h_ref [hd, hd] bf16 +-1, the cache's rotation x sqrt(hd)) then acc_ref, m_ref, l_ref
+    # outputs: acc_ref [Gp, hd] f32 unnormalised sum_j exp(s_j - m) v_j (float8: rotated back), m_ref [Gp] f32 max
+    # scaled score (-inf if nothing attended), l_ref [Gp] f32 sum_j exp(s_j - m) (0 if nothing attended)
     scale: float,
     blocks_per_step: int,
     gp: int,
+    cdt: jnp.dtype,
     precision: jax.lax.Precision | None,
 ):
     g, hd = q_ref.shape
+    rotating = len(refs) == 4  # float8 pools under bfloat16 compute rotate here (`_rotates_inside`)
+    h_ref, acc_ref, m_ref, l_ref = refs if rotating else (None, *refs)
     quantized = kv_quant.is_quantized(k_ref.dtype)
     bs = kv_quant.block_tokens(k_ref.shape[1], hd, k_ref.dtype)  # (float8: rows past bs hold the scales)
-    cdt = q_ref.dtype  # the dots' operand dtype (the pool's, or the compute dtype for float8)
     num_steps = ids_ref.shape[0] // blocks_per_step
     tokens = blocks_per_step * bs
     if g == gp:
@@ -142,6 +162,9 @@ def _sparse_decode_kernel(
     else:  # (the dots need >= 16 rows: the padding rows are masked loads, not a padded copy of q)
         q = plt.load(q_ref.at[pl.ds(0, gp)], mask=jnp.broadcast_to((jnp.arange(gp) < g)[:, None], (gp, hd)),
                      other=0)
+    if rotating:  # into the cache's rotated basis (q H, float32), once per program
+        q = _rotate(q.astype(jnp.float32), h_ref[...], 1 if q_ref.dtype == jnp.bfloat16 else 2)
+    q = q.astype(cdt)
     tok = jnp.arange(tokens, dtype=jnp.int32)  # [T] token index within a step
     tok_entry = tok // bs  # [T] which of the step's P entries the token belongs to
     tok_slot = tok % bs  # [T] its slot in that block
@@ -184,6 +207,8 @@ def _sparse_decode_kernel(
         jnp.zeros((gp,), jnp.float32),
     )
     acc, m, l = jax.lax.fori_loop(0, num_steps, step, init)  # noqa: E741
+    if rotating:  # back from the rotated basis (H is its own inverse); linear, so the split merge is unchanged
+        acc = _rotate(acc, h_ref[...], 3)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -205,9 +230,10 @@ def _sparse_decode_call(
     num_stages: int,
     interpret: bool,
 ) -> tuple[Float[Array, "P B Hkv Gp hd"], Float[Array, "P B Hkv Gp"], Float[Array, "P B Hkv Gp"]]:
-    """Run the kernel on grid (B, Hkv, split_k); returns per-split (acc, m, l), acc unnormalised. q_grouped is in the
-    dots' dtype: the pool's, or for a float8 pool the compute dtype (`_compute_dtype`)."""
+    """Run the kernel on grid (B, Hkv, split_k); returns per-split (acc, m, l), acc unnormalised. The dots run in
+    `_compute_dtype`; a float8 pool's kernel rotates q into the cache's basis and acc back (`kv_quant.hadamard`)."""
     b, hkv, g, hd = q_grouped.shape
+    rotating = _rotates_inside(q_grouped.dtype, pool.dtype)
     gp = max(MIN_DOT_DIM, next_pow2(g))
     nb, _, rows, _, _ = pool.shape
     bs = kv_quant.tokens_per_block(pool)
@@ -224,7 +250,8 @@ def _sparse_decode_call(
         scale=scale,
         blocks_per_step=blocks_per_step,
         gp=gp,
-        precision=matmul_precision(q_grouped.dtype),
+        cdt=_compute_dtype(q_grouped.dtype, pool.dtype),
+        precision=matmul_precision(_compute_dtype(q_grouped.dtype, pool.dtype)),
     )
     in_specs = [
         pl.BlockSpec((None, None, g, hd), lambda i, h, s: (i, h, 0, 0)),  # q   -> [G, hd]
@@ -233,6 +260,10 @@ def _sparse_decode_call(
         pl.BlockSpec((None, None, ks), list_map),  # block_ids  -> [Ks]
         pl.BlockSpec((None, None, ks), list_map),  # block_lens -> [Ks]
     ]
+    args = [q_grouped, pool, pool, block_ids, block_lens]
+    if rotating:  # the rotation's signs, read once per program (L2-resident)
+        in_specs.append(pl.BlockSpec((hd, hd), lambda i, h, s: (0, 0)))
+        args.append(jnp.asarray(np.sign(kv_quant.hadamard(hd)), jnp.bfloat16))
     out_specs = [
         pl.BlockSpec((None, None, None, gp, hd), lambda i, h, s: (s, i, h, 0, 0)),  # acc -> [Gp, hd]
         pl.BlockSpec((None, None, None, gp), lambda i, h, s: (s, i, h, 0)),  # m -> [Gp]
@@ -252,7 +283,7 @@ def _sparse_decode_call(
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"sparse_decode_attention_bs{bs}_p{blocks_per_step}" + ("_f8" if rows > bs else ""),
-    )(q_grouped, pool, pool, block_ids, block_lens)
+    )(*args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,6 +299,12 @@ def _compute_dtype(q_dtype, pool_dtype) -> jnp.dtype:
     if not kv_quant.is_quantized(pool_dtype):
         return jnp.dtype(pool_dtype)
     return jnp.dtype(jnp.float32) if jnp.dtype(q_dtype) == jnp.float32 else jnp.dtype(jnp.bfloat16)
+
+
+def _rotates_inside(q_dtype, pool_dtype) -> bool:
+    """Whether the kernel rotates q into a float8 pool's basis and its output back: under bfloat16 compute. Under
+    float32 compute the wrapper does (with the rotation inside, ptxas spills ~330 bytes of registers, sm_90a)."""
+    return kv_quant.is_quantized(pool_dtype) and _compute_dtype(q_dtype, pool_dtype) == jnp.bfloat16
 
 
 def _check_inputs(q, pool, block_ids, block_lens) -> None:
@@ -402,8 +439,12 @@ def sparse_decode_attention(
     ids = jnp.pad(block_ids.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)), constant_values=-1)
     lens = jnp.pad(block_lens.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)))
 
-    # [B, Hkv, G, hd]: a free reshape (bfloat16 pools); float8 pools rotate it into their basis (one kernel)
-    q_grouped = kv_quant.cache_basis(q.reshape(b, hkv, g, hd), pool.dtype).astype(cdt)
+    # [B, Hkv, G, hd]: a free reshape (float8 pools: rotated into their basis by the kernel, or for float32 compute
+    # here, fused with its padding)
+    rotating = _rotates_inside(q.dtype, pool.dtype)
+    q_grouped = q.reshape(b, hkv, g, hd)
+    if not rotating:
+        q_grouped = kv_quant.cache_basis(q_grouped, pool.dtype).astype(cdt)
 
     acc, m, l = on_platform(lambda interp: _sparse_decode_call(  # noqa: E741
         q_grouped, pool, ids, lens,
@@ -411,10 +452,11 @@ def sparse_decode_attention(
         num_warps=num_warps, num_stages=num_stages, interpret=interp,
     ), interpret)
     acc, m, l = acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]  # noqa: E741  drop padded query rows
-    quantized = kv_quant.is_quantized(pool.dtype)  # (float8: the output rotated back from float32)
-    o, m, l = merge_stacked_partials(acc, m, l, out_dtype=jnp.float32 if quantized else q.dtype,  # noqa: E741
+    rotate_here = kv_quant.is_quantized(pool.dtype) and not rotating  # (float32 compute: the output rotated back here)
+    o, m, l = merge_stacked_partials(acc, m, l, out_dtype=jnp.float32 if rotate_here else q.dtype,  # noqa: E741
                                      normalized=False)
-    o = kv_quant.cache_basis(o, pool.dtype).astype(q.dtype)
+    if rotate_here:
+        o = kv_quant.cache_basis(o, pool.dtype).astype(q.dtype)
     return o.reshape(b, hq, hd), m.reshape(b, hq), l.reshape(b, hq)
 
 

@@ -57,12 +57,15 @@ def _sparse_decode_attention(ops: list[tuple[Array, ...]], outs: tuple[Array, ..
     """q [B, Hkv, Gp, hd], pool (as K) [N, 2, bs, Hkv, hd], pool (as V), ids [B, S, Kp], lens: each (b, h)
     program reads its head's [bs, hd] K and V tile of every listed entry that holds tokens (padding entries are
     masked, not fetched): `valid` of the listed entries, as the caller knows them (1 = every entry). A float8 pool's
-    blocks have bs + r rows: the program reads bs value rows and the 2 scale bytes of each token."""
-    q, pool, _, ids, lens = (o[0] for o in ops)
+    blocks have bs + r rows: the program reads bs value rows and the 2 scale bytes of each token, and its rotation
+    [hd, hd] (a sixth operand; L2-resident after the first program: read once)."""
+    q, pool, _, ids, lens = (o[0] for o in ops[:5])
+    rotation = sum(o[0].bytes for o in ops[5:])
     b, hkv = q.dims[:2]
     entries = b * hkv * ids.dims[2] * valid
     item = pool.bytes // max(1, _numel(pool))
-    return int(q.bytes + ids.bytes + lens.bytes + entries * 2 * _tile(pool) * item), sum(o.bytes for o in outs)
+    return (int(q.bytes + ids.bytes + lens.bytes + rotation + entries * 2 * _tile(pool) * item),
+            sum(o.bytes for o in outs))
 
 
 def _tile(pool: Array) -> int:
