@@ -4,8 +4,10 @@ When the GPU pool runs out while requests grow, the scheduler preempts the young
 (`pulseinfer_jax/sched/scheduler.py`). Its blocks (every layer, K and V, float8 scales included) are gathered from the
 cache in one program, copied to host memory and freed; when blocks free up it lands back in newly allocated blocks in
 one program and resumes where it stopped. The space holds at most `capacity_blocks` GPU blocks' worth: a request that
-does not fit is never half-copied (the scheduler recomputes it instead). Block-count widths are bucketed to powers
-of two (padding reads and writes the null block), so preemption compiles a handful of shapes.
+does not fit is never half-copied (the scheduler recomputes it instead). A request moves in chunks of at most
+`CHUNK_BLOCKS` blocks, one program each, so the GPU buffer a swap needs stays small when the pool is full (a 32K
+request of Llama-3.1-8B in one piece: 4 GiB, bucketed 8 GiB). Chunk widths are bucketed to powers of two (padding
+reads and writes the null block), so preemption compiles a handful of shapes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import numpy as np
 from jaxtyping import Array, Shaped
 
 from pulseinfer_jax.kv.blocks import NULL_BLOCK, bucket
+
+CHUNK_BLOCKS = 256  # blocks one swap program moves (Llama-3.1-8B bf16: 2 MiB a block over its 32 layers, 512 MiB)
 
 
 @jax.jit
@@ -36,6 +40,10 @@ def _padded(blocks: list[int]) -> np.ndarray:
     out = np.full(bucket(len(blocks)), NULL_BLOCK, np.int32)
     out[: len(blocks)] = blocks
     return out
+
+
+def _chunks(blocks: list[int]) -> list[list[int]]:
+    return [blocks[i: i + CHUNK_BLOCKS] for i in range(0, len(blocks), CHUNK_BLOCKS)]
 
 
 class SwapSpace:
@@ -63,8 +71,9 @@ class SwapSpace:
         if not self.can_hold(len(blocks)):
             raise RuntimeError(f"the swap space cannot hold {len(blocks)} more blocks ({self.used_blocks} of "
                                f"{self.capacity_blocks} used); check can_hold first")
-        data = np.asarray(_gather(kv, jnp.asarray(_padded(blocks))))  # waits for the copy: the blocks are freed next
-        self._held[owner] = data[:, : len(blocks)].copy()
+        parts = [np.asarray(_gather(kv, jnp.asarray(_padded(c))))[:, : len(c)]  # one chunk buffered at a time
+                 for c in _chunks(blocks)]
+        self._held[owner] = np.concatenate(parts, axis=1)  # (a copy: the padding's rows are not kept)
         self.swapped_out += 1
 
     def swap_in(self, kv: jax.Array, blocks: list[int], owner: int) -> jax.Array:
@@ -73,10 +82,15 @@ class SwapSpace:
         if data.shape[1] != len(blocks):
             self._held[owner] = data
             raise ValueError(f"request {owner} swapped out {data.shape[1]} blocks but {len(blocks)} were given back")
-        idx = _padded(blocks)
-        pad = np.zeros((data.shape[0], len(idx) - len(blocks), *data.shape[2:]), data.dtype)
         self.swapped_in += 1
-        return _scatter(kv, jnp.asarray(idx), jnp.asarray(np.concatenate([data, pad], axis=1)))
+        start = 0
+        for c in _chunks(blocks):
+            idx = _padded(c)
+            part = np.zeros((data.shape[0], len(idx), *data.shape[2:]), data.dtype)
+            part[:, : len(c)] = data[:, start: start + len(c)]
+            kv = _scatter(kv, jnp.asarray(idx), jnp.asarray(part))
+            start += len(c)
+        return kv
 
     def drop(self, owner: int) -> None:
         """Forget `owner`'s saved KV (it finished or was cancelled while swapped out)."""

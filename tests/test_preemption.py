@@ -1,6 +1,7 @@
 """KV allocated as requests grow, and preemption when the GPU pool runs out: through host memory (bit for bit), or by
 recomputation when the host has no room."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY
@@ -183,3 +184,29 @@ def test_the_documented_serve_command_admits_a_prompt_of_the_models_positions_mi
     r = Request(0, [5] * (n - 1), SamplingParams(max_new_tokens=1 << 30), 1)  # (make_request caps it at the positions)
     s.add(r)
     assert s.admit() == [r] and len(r.blocks) == n // config.block_size
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.uint8])
+def test_swap_space_moves_a_request_in_chunks_bit_for_bit(monkeypatch, dtype):
+    """A request longer than a chunk leaves and lands in several programs (`swap.CHUNK_BLOCKS` blocks each at most,
+    the last one padded to a power of two): its blocks come back bit for bit in new blocks, the others untouched."""
+    from pulseinfer_jax.host_offload import swap
+
+    monkeypatch.setattr(swap, "CHUNK_BLOCKS", 4)
+    widths = []
+    gather = swap._gather
+    monkeypatch.setattr(swap, "_gather", lambda kv, idx: (widths.append(idx.shape[0]), gather(kv, idx))[1])
+    rng = np.random.default_rng(3)
+    kv = jnp.asarray(rng.integers(0, 255, (2, 24, 2, 3, 2, 4)).astype(np.float32), dtype)  # [L, NB, 2, r, Hkv, hd]
+    before = np.asarray(kv)
+    space = swap.SwapSpace(16)
+    old = [5, 1, 9, 2, 17, 3, 11, 4, 8, 6]  # 10 blocks: chunks of 4, 4 and 2
+    space.swap_out(kv, old, owner=7)
+    assert widths == [4, 4, 2] and space.used_blocks == 10
+    new = [13, 14, 15, 16, 18, 19, 20, 21, 22, 23]
+    kv = space.swap_in(kv, new, owner=7)
+    after = np.asarray(kv)
+    np.testing.assert_array_equal(after[:, new], before[:, old])
+    untouched = [b for b in range(1, 24) if b not in new]
+    np.testing.assert_array_equal(after[:, untouched], before[:, untouched])
+    assert space.used_blocks == 0 and space.swapped_in == space.swapped_out == 1

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from pulseinfer_jax.host_offload import numpy_io, xla_io
+from pulseinfer_jax.host_offload import numpy_io, swap, xla_io
 from pulseinfer_jax.host_offload.placement import SparseKV
 from pulseinfer_jax.models.moe import MoEOptions
 from pulseinfer_jax.models.transformer import Transformer
@@ -188,6 +188,18 @@ def dense_decode(es: EngineShapes, lengths: list[int], max_new_tokens: int, *, n
                       model.cfg.num_layers),
                  Call(es.program("logits", group, sparse_layer.logits, (model, es.head_params, x)))]
     return calls + sample_calls(es, b, greedy)
+
+
+def swap_programs(es: EngineShapes, num_blocks: int, request_blocks: int, group: str = "dense") -> list[Call]:
+    """A preempted dense request's swap (host_offload/swap.py): its `request_blocks` gathered from a cache of
+    `num_blocks` (then copied to host memory) and scattered back on resumption, a chunk of at most
+    `swap.CHUNK_BLOCKS` blocks per program, at the width the swap space buckets it to. Counts are per preemption and
+    chunk, not per step."""
+    n = bucket(min(request_blocks, swap.CHUNK_BLOCKS))
+    kv = es.kv(num_blocks)
+    data = spec((kv.shape[0], n, *kv.shape[2:]), kv.dtype)
+    return [Call(es.program("_gather", group, swap._gather, (kv, _vec(n)))),
+            Call(es.program("_scatter", group, swap._scatter, (kv, _vec(n), data)))]
 
 
 def prefill(es: EngineShapes, prompt_tokens: int, table_blocks: int, *, num_blocks: int | None = None,
@@ -580,4 +592,4 @@ def reset_rows_program(layout: SparseLayout, fresh: int, group: str = "sparse") 
 
 
 __all__ = ["EngineShapes", "SparseLayout", "dense_decode", "out_shapes", "prefill", "sample_calls", "sparse_decode",
-           "offloaded_prefill", "write_back_programs", "refresh_meta_program"]
+           "offloaded_prefill", "write_back_programs", "refresh_meta_program", "swap_programs"]

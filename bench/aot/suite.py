@@ -200,6 +200,10 @@ def ablation_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -
             suite.add(f"ablation/{name}/prefill/{ctx}", cat.offloaded_prefill(es, layout, ctx, shardings=shardings))
     f8 = ablation("llama-3.1-8b", ctx, EngineConfig.of(kv_dtype="float8_e4m3fn"))  # the dense step over float8 KV
     suite.add(f"ablation/kv-float8/dense/{ctx}x{b}", cat.dense_decode(f8, [ctx] * b, NEW_TOKENS))
+    # a preempted dense request's swap out and back (bfloat16 and float8 KV), in a cache of the whole batch
+    for es in (engine("llama-3.1-8b", ctx, EngineConfig()), f8):
+        per = blocks_for(ctx + NEW_TOKENS, es.config.block_size)
+        suite.add(f"preemption/swap-{jnp.dtype(es.kv_dtype).name}/{ctx}", cat.swap_programs(es, b * per + 1, per))
     for loop, att in (("scan", "pallas"), ("scan", "jnp"), ("layerwise", "jnp")):
         es = ablation("llama-3.1-8b", ctx, EngineConfig(), attention=att, layer_loop=loop)
         suite.add(f"ablation/dense-{loop}-{att}/{ctx}x{b}", cat.dense_decode(es, [ctx] * b, NEW_TOKENS))
