@@ -202,8 +202,14 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
         misses = [float(m) * len(off_idx) / mbs for m in per_request]
         from pulseinfer_jax.kv.blocks import bucket
 
+        # with recall ahead the dense-placed requests decode in the offloaded requests' layer pass (their own step
+        # only in an offloaded request's first step: compiled, not counted)
+        joined = bool(dense_idx) and cfg.ablation.recall == "ahead"
+        placed = [prompts[i] for i in dense_idx] if joined else None
+        if joined:
+            dense_calls = [dataclasses.replace(c, count=0.0) for c in dense_calls]
         for r in sorted({bucket(max(1, round(m))) if m else 0 for m in misses}):
-            sparse_calls[r] = cat.sparse_decode(es, layout, r, shardings=shardings, micro_batches=mbs)
+            sparse_calls[r] = cat.sparse_decode(es, layout, r, shardings=shardings, micro_batches=mbs, placed=placed)
         c = model_cfg
         block = 2 * es.kv_rows * c.num_kv_heads * c.head_dim * es.kv_dtype.itemsize
         unit = block if cfg.ablation.selection == "solohead" else block // c.num_kv_heads  # one recalled entry

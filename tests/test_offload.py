@@ -289,11 +289,6 @@ def test_auto_mode_places_by_memory_and_pcie_and_stays_correct(tiny4):
                         engine_config=EngineConfig.of(**kw, mode="offload"))
     # dense: 28 blocks per request; offloaded: 4 resident + 5 slots + 7 dense-layer packs = 16, and while its prompt
     # prefills layer by layer 2 more (its 5 slot blocks x 4 layers hold 20 of a layer's 25 blocks)
-    c = tiny4.cfg
-    # one offloaded request's prior recall: prior_miss_fraction of (5 middle blocks x one layer-block x 3 sparse
-    # layers)
-    prior = IOAAConfig(h2d_bytes_per_s=1.0).prior_miss_fraction * 5 * (2 * 4 * c.num_kv_heads * c.head_dim * 4) * 3
-    hideable = 0.8 * 0.02  # slack x the assumed step time (IOAA defaults) = seconds of copy a step hides
 
     def run(n, h2d):
         cfg = EngineConfig.of(**kw, mode="auto", kv_cache_tokens=72 * 4, h2d_bytes_per_s=h2d)
@@ -314,8 +309,52 @@ def test_auto_mode_places_by_memory_and_pcie_and_stays_correct(tiny4):
     # PCIe for one offloaded request only (1.5 priors per step): offload (72 -> 54), then, PCIe full, dense (-> 26);
     # the third goes dense once the first prompt's prefill has given its 2 blocks back (-> 28), the fourth waits for
     # memory (its placement then depends on the measured step time, which IOAA also uses)
-    modes, admitted = run(4, 1.5 * prior / hideable)
+    modes, admitted = run(4, _h2d_for_one_offloaded(tiny4.cfg))
     assert modes[:3] == ["offload", "dense", "dense"] and admitted[:2] == [0, 0] and 0 < admitted[2] < admitted[3]
+
+
+def _h2d_for_one_offloaded(c) -> float:
+    """Host-to-device bytes/s that IOAA finds room for one offloaded request of the auto-mode tests in (1.5 priors
+    per step): one request's prior recall is prior_miss_fraction of (5 middle blocks x one layer-block x 3 sparse
+    layers); a step hides slack x the assumed step time (IOAA defaults) seconds of copy."""
+    prior = IOAAConfig(h2d_bytes_per_s=1.0).prior_miss_fraction * 5 * (2 * 4 * c.num_kv_heads * c.head_dim * 4) * 3
+    return 1.5 * prior / (0.8 * 0.02)
+
+
+def test_dense_requests_join_the_offloaded_layer_pass(tiny4, monkeypatch):
+    """With recall ahead, dense-placed requests decode inside the offloaded requests' layer calls (one pass over the
+    weights a step: `SparseDecoder.joins_dense`, step_log's `dense_rows`) instead of a step of their own, except in
+    an offloaded request's first step; each request's tokens are those of its placement run alone and its logits
+    within float32 rounding of them."""
+    prompts = _prompts(tiny4.cfg.vocab_size, lengths=(100, 100, 100, 100))
+    kw = dict(**BASE, budget_tokens=32, dense_layers=1, slot_cache_blocks=5)
+    seen = record_sampled_logits(monkeypatch)
+
+    def run(cfg, engine=None):  # -> results, {(prompt, tokens so far): logits row}
+        seen.clear()
+        res = generate_long(prompts, engine or tiny4, max_new_tokens=12, ignore_eos=True, engine_config=cfg)
+        first = min(i for i, _ in seen)  # (requests are numbered in prompt order)
+        return res, {(i - first, n): row for (i, n), row in seen.items()}
+
+    alone = {"dense": run(EngineConfig.of(**kw)), "offload": run(EngineConfig.of(**kw, mode="offload"))}
+    separate = []
+    orig = Engine._decode_dense
+    monkeypatch.setattr(Engine, "_decode_dense", lambda self, reqs: (separate.append(len(reqs)), orig(self, reqs))[1])
+    cfg = EngineConfig.of(**kw, mode="auto", kv_cache_tokens=72 * 4, h2d_bytes_per_s=_h2d_for_one_offloaded(tiny4.cfg))
+    eng = Engine(tiny4, cfg)
+    res, rows = run(cfg, eng)
+    modes = [r.stats["mode"] for r in res]
+    assert "dense" in modes and "offload" in modes
+    joined = [e["dense_rows"] for e in eng.sparse.step_log if e.get("dense_rows")]
+    assert joined and max(joined) >= 2, list(eng.sparse.step_log)  # both dense requests in one offloaded pass
+    for i, r in enumerate(res):
+        want, want_rows = alone[r.stats["mode"]]
+        assert r.token_ids == want[i].token_ids, (r.stats["mode"], i)
+        for (j, n), row in rows.items():
+            if j == i:
+                np.testing.assert_allclose(row, want_rows[i, n], atol=2e-4, rtol=2e-4)
+    # the dense requests ran a step of their own only while an offloaded request was in its first step, or alone
+    assert len(separate) < sum(len(r.token_ids) for r in res if r.stats["mode"] == "dense")
 
 
 def test_host_pool_exhaustion_queues_then_runs(tiny4):

@@ -39,6 +39,7 @@ from pulseinfer_jax.runner.offloaded_prefill import chunk_plan, chunk_size
 from pulseinfer_jax.runner.sparse_inputs import (
     KeyBounds,
     Landing,
+    PlacedRows,
     ScoringBounds,
     SelectSpec,
     SparseLayerRefs,
@@ -320,11 +321,17 @@ def _io(es: EngineShapes, first_layer: int, host_sharding, dev_sharding):
 
 
 def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardings=None, micro_batches: int = 2,
-                  group: str = "sparse", first_of_ahead: bool = False) -> list[Call]:
+                  group: str = "sparse", first_of_ahead: bool = False, placed: list[int] | None = None) -> list[Call]:
     """One decode step of `layout`'s requests with `recall` misses per sparse layer and micro-batch (0 = none),
     SparseDecoder.decode's calls. `shardings(memory_kind)` gives the host / device shardings the host I/O programs
     are jitted with (the compile target's; needed only for host_io "xla"). `first_of_ahead`: the same-layer step
-    recall ahead runs when a request decodes for the first time (spare blocks, late rows)."""
+    recall ahead runs when a request decodes for the first time (spare blocks, late rows). `placed`: the token
+    counts of dense-placed requests decoding in the same layer pass (recall ahead only; `PlacedRows`): their rows
+    follow the offloaded ones in every call, and the step samples both (the caller compiles their own step too, for
+    an offloaded request's first step, at count 0). Their attention's valid fraction is taken as the offloaded rows'
+    (the cost of a mixed step is approximate)."""
+    if placed and es.config.ablation.recall != "ahead":
+        raise ValueError("dense-placed requests share the layer pass only with recall='ahead'")
     cfg, model, plan = es.config, es.model, layout.plan
     c = model.cfg
     sc = cfg.scoring
@@ -344,7 +351,7 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         # land: compiled, not counted per step
         same = dataclasses.replace(es, config=cfg.with_settings(recall="interruptible", micro_batches=1))
         for call in sparse_decode(same, layout, recall, shardings=shardings, micro_batches=1, group=group,
-                                  first_of_ahead=True):
+                                  first_of_ahead=True):  # (no placed rows: they run their own step then)
             add(call.program, 0.0)
         if recall:  # (`land_pending`: before a request's first step, or before a finished request's blocks are freed)
             fan = c.num_kv_heads if (cfg.ablation.io == "fragmented" and plan.selection == "solohead") else 1
@@ -366,19 +373,24 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         bp = mb.tokens.shape[0]
         step = specs_of(slot_step_inputs(members, mb.tables, bp, slots[0].shape[1], slots[0].shape[3],
                                          spare=first_of_ahead))
-        x = es.x(bp)
+        bs = cfg.block_size
+        placed_rows = specs_of(PlacedRows.of([list(range(1, blocks_for(n + 1, bs) + 1)) for n in placed], placed, bs)
+                               ) if placed else None
+        bd = placed_rows.positions.shape[0] if placed else 0
+        x = es.x(bp + bd)
         rows_spec = specs_of(mb.rows)
         kc = mb.rows.candidates.rows.shape[1]
         n_blk = mb.rows.candidates.num_blocks.astype(np.int64)
         dense_valid = ((ATTENTION[0], float(n_blk.sum()) / (bp * kc)),)  # the listed blocks holding tokens
         middle = np.clip(n_blk - plan.sink_blocks - plan.window_blocks, 0, None)
         scored = ((SCORING[0], float(middle.sum()) / (bp * kc)),)  # candidates that are blocks, not padding
-        add(es.program("embed", group, sparse_layer.embed, (model, es.head_params, specs_of(mb.tokens))), 1)
+        add(es.program("embed", group, sparse_layer.embed, (model, es.head_params, _vec(bp + bd))), 1)
         dense = specs_of(mb.dense)
         for d in range(plan.dense_layers):
             add(es.program("dense_layer", group, sparse_layer.dense_layer,
                            (model, es.layer_params, kv, x, rows_spec.positions, dense.write[d], dense.ids[d],
-                            dense.lens), {"attention": es.attention}, pallas=ATTENTION, valid=dense_valid), 1)
+                            dense.lens, placed_rows, _scalar() if placed else None), {"attention": es.attention},
+                           pallas=ATTENTION, valid=dense_valid), 1)
         select = SelectSpec.of(plan, cfg.ablation.solohead, es.attention, sc, coarse=mb.coarse)
         fan = c.num_kv_heads if (cfg.ablation.io == "fragmented" and plan.selection == "solohead") else 1
         if cfg.ablation.recall == "ahead":  # one call per sparse layer; the recall lands in the next step's call
@@ -392,7 +404,7 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
             early_frac = len(members) * (plan.budget_blocks * plan.lanes - per_row) / (bp * plan.budget_blocks
                                                                                          * plan.lanes)
             add(es.program("ahead_layer", group, sparse_layer.ahead_layer, (
-                model, es.layer_params, kv, x, layout.bounds, slots, rows_spec, step, layer_refs, landing),
+                model, es.layer_params, kv, x, layout.bounds, slots, rows_spec, step, layer_refs, landing, placed_rows),
                 {"spec": select, "attention": es.attention, "fan": fan}, pallas=SCORING + ATTENTION,
                 valid=scored + ((ATTENTION[0], early_frac),)), sl_n)
             add(es.program("logits", group, sparse_layer.logits, (model, es.head_params, x)), 1)
@@ -435,8 +447,8 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
     add(refresh_meta_program(es, layout, sl_n * n_exit, group), per_step)
     if sc.coarse_group > 1:
         add(refresh_coarse_program(es, layout, n_exit, group), per_step)
-    # the sparse logits come back to the host unpadded: sampled at exactly len(reqs) rows
-    return list(calls.values()) + sample_calls(es, len(reqs))
+    # the sparse logits come back to the host unpadded: sampled at exactly len(reqs) rows (and the placed ones)
+    return list(calls.values()) + sample_calls(es, len(reqs) + len(placed or ()))
 
 
 def _landing(layout: SparseLayout, rows: int, staging: Spec) -> Landing:

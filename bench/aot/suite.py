@@ -198,6 +198,14 @@ def ablation_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -
                   cat.sparse_decode(es, layout, typical, shardings=shardings, micro_batches=mbs))
         if name in PREFILL_ABLATIONS:
             suite.add(f"ablation/{name}/prefill/{ctx}", cat.offloaded_prefill(es, layout, ctx, shardings=shardings))
+    # IOAA's mixed placements (mode auto, the default: engine): 4 dense-placed 4K requests in the offloaded
+    # requests' layer pass, and their own step (an offloaded request's first step)
+    mixed = engine("llama-3.1-8b", ctx, EngineConfig.of(mode="auto", max_batch=max(BATCHES), budget_tokens=budget))
+    placed = [4096] * 4
+    suite.add(f"mixed/offload+dense/{ctx}x{b}+{len(placed)}",
+              cat.sparse_decode(mixed, offload_layout(mixed, [ctx] * b, hbm), typical_recall(mixed, b, 1)[0],
+                                shardings=shardings, micro_batches=1, placed=placed)
+              + [Call(c.program, 0.0) for c in cat.dense_decode(mixed, placed, NEW_TOKENS)])
     f8 = ablation("llama-3.1-8b", ctx, EngineConfig.of(kv_dtype="float8_e4m3fn"))  # the dense step over float8 KV
     suite.add(f"ablation/kv-float8/dense/{ctx}x{b}", cat.dense_decode(f8, [ctx] * b, NEW_TOKENS))
     # a preempted dense request's swap out and back (bfloat16 and float8 KV), in a cache of the whole batch

@@ -36,6 +36,7 @@ from pulseinfer_jax.request import Request, SamplingParams, Status, TokenEvent
 from pulseinfer_jax.runner.dense import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
 from pulseinfer_jax.runner.offloaded_prefill import SegmentedPrefiller, chunk_size
 from pulseinfer_jax.runner.sampling import greedy_sample, sample
+from pulseinfer_jax.runner.sparse_inputs import PlacedRows
 from pulseinfer_jax.sched.admission import IOAAConfig
 from pulseinfer_jax.sched.placer import OffloadPlacer
 from pulseinfer_jax.sched.pools import pool_sizes
@@ -437,18 +438,26 @@ class Engine:
         return bar
 
     def _run_decode(self, reqs: list[Request]) -> list[Sampled]:
-        """One decode step of `reqs`: dense requests in one call over all layers, offloaded ones layer by layer
-        through the sparse decoder, in the same step."""
+        """One decode step of `reqs`. Offloaded requests decode layer by layer through the sparse decoder; dense ones
+        join that layer pass where it allows (recall ahead: one pass over the weights), else run their own call
+        over all layers in the same step."""
         t0, c0 = time.perf_counter(), compile_seconds()
         dense = [r for r in reqs if r.sparse is None]
         sparse = [r for r in reqs if r.sparse is not None]
         out: list[Sampled] = []
-        if dense:
+        joined = bool(dense and sparse) and self.sparse.joins_dense([r.sparse for r in sparse])
+        if dense and not joined:
             out.append(Sampled(dense, self._decode_dense(dense)))
         if sparse:
+            placed = None
+            if joined:
+                placed = PlacedRows.of([r.blocks for r in dense], [r.seq_len - 1 for r in dense],
+                                       self.config.block_size)
             self.kv, logits = self.sparse.decode(self.kv, [r.sparse for r in sparse], [r.output[-1] for r in sparse],
-                                                 [r.seq_len for r in sparse])
-            out.append(Sampled(sparse, self._sample(jnp.asarray(logits), sparse)))
+                                                 [r.seq_len for r in sparse], placed,
+                                                 [r.output[-1] for r in dense] if joined else [])
+            rows = sparse + dense if joined else sparse
+            out.append(Sampled(rows, self._sample(jnp.asarray(logits), rows)))
             est = self.scheduler.estimator
             est.observe_step_time(time.perf_counter() - t0)
             for r in sparse:

@@ -75,6 +75,7 @@ from pulseinfer_jax.runner import sparse_layer
 from pulseinfer_jax.runner.sparse_inputs import (
     KeyBounds,
     Landing,
+    PlacedRows,
     ScoringBounds,
     SelectSpec,
     SparseLayerRefs,
@@ -149,6 +150,9 @@ class SparseDecoder:
                                                               self._group_rows, heads[sl]), rep)
                             for sl in range(plan.sparse_layers)]
         self._layer_ids = [jax.device_put(np.int32(layer), rep) for layer in range(plan.num_layers)]
+        # each dense layer's first flat unit (layer * NB): where dense-placed rows' blocks sit in that layer
+        self._dense_offsets = [jax.device_put(np.int32(layer * num_gpu_blocks), rep)
+                               for layer in range(plan.dense_layers)]
         # the slot caches of every sparse request, on the device (slot_plan.py): (stamp, key) [SL, R, lanes, C], one
         # row per concurrent request (`max_requests`) plus the padding rows' own, sized once so that no step
         # recompiles for a larger table (it grows, by doubling, only if more requests ever decode at once)
@@ -259,10 +263,18 @@ class SparseDecoder:
         self.bounds = dataclasses.replace(self.bounds, coarse=coarse)
 
     # ---- decode --------------------------------------------------------------------------------
-    def decode(self, kv: jax.Array, sparse: list[SparseKV], tokens: list[int], lengths: list[int]
-               ) -> tuple[jax.Array, np.ndarray]:
-        """One decode step: the token tokens[i] sits at position lengths[i] - 1 of request sparse[i].
-        Returns (kv, logits [len(sparse), V] numpy)."""
+    def joins_dense(self, sparse: list[SparseKV]) -> bool:
+        """Whether this step of `sparse` can take dense-placed requests into its layer pass (`decode(placed=...)`):
+        a step with every recall ahead (no request's first step, which runs the same-layer schedule)."""
+        return self.ablation.recall == "ahead" and not any(s.slot_fresh for s in sparse)
+
+    def decode(self, kv: jax.Array, sparse: list[SparseKV], tokens: list[int], lengths: list[int],
+               placed: PlacedRows | None = None, placed_tokens: list[int] = ()) -> tuple[jax.Array, np.ndarray]:
+        """One decode step: the token tokens[i] sits at position lengths[i] - 1 of request sparse[i]. With `placed`
+        (only where `joins_dense`), dense-placed requests decode in the same layer pass, their tokens
+        `placed_tokens`. Returns (kv, logits [len(sparse) + len(placed_tokens), V] numpy, offloaded rows first)."""
+        if placed is not None and not self.joins_dense(sparse):
+            raise ValueError("dense-placed requests join only a step with every recall ahead (see joins_dense)")
         self.selector.begin_step(sparse, lengths)
         write_back, meta = [], []
         for s, length in zip(sparse, lengths, strict=True):
@@ -284,7 +296,7 @@ class SparseDecoder:
         if self.ablation.recall == "ahead":
             if not fresh.any():
                 self._prepare_slots(sparse)
-                return self._decode_ahead(kv, sparse, tokens, lengths)
+                return self._decode_ahead(kv, sparse, tokens, lengths, placed, list(placed_tokens))
             kv = self.land_pending(kv)
             first = fresh
         self._prepare_slots(sparse)
@@ -307,11 +319,13 @@ class SparseDecoder:
         self.selector.end_step(sparse)
         return kv, logits
 
-    def _decode_ahead(self, kv: jax.Array, sparse: list[SparseKV], tokens: list[int], lengths: list[int]
+    def _decode_ahead(self, kv: jax.Array, sparse: list[SparseKV], tokens: list[int], lengths: list[int],
+                      placed: PlacedRows | None = None, placed_tokens: list[int] = ()
                       ) -> tuple[jax.Array, np.ndarray]:
         """A step with every recall one step ahead (`recall="ahead"`): one call per sparse layer, dispatched without a
         stop (each lands the recall its layer issued last step); then, while the GPU runs the step, each layer's plan
-        is read as it is ready and its misses recalled for the next step."""
+        is read as it is ready and its misses recalled for the next step. `placed`: dense-placed rows after the
+        offloaded ones in every call (one pass over the weights)."""
         p, ab, model, params = self.plan, self.ablation, self.model, self.params
         mb = micro_batch_inputs(p, self.scoring, ab.solohead, self.nb, sparse, tokens, lengths)
         bp = mb.tokens.shape[0]
@@ -323,20 +337,28 @@ class SparseDecoder:
         copies0, bytes0 = self.pool.h2d_copies, self.pool.h2d_bytes
         late = 0  # recalls not landed yet when their layer was dispatched (the GPU waits for them, the host does not)
         head = head_params(params)
-        x = sparse_layer.embed(model, head, jnp.asarray(mb.tokens))
+        all_tokens = mb.tokens
+        if placed is not None:
+            extra = np.zeros(placed.positions.shape[0], np.int32)
+            extra[: len(placed_tokens)] = placed_tokens
+            all_tokens = np.concatenate([mb.tokens, extra])
+            placed = jax.device_put(placed, self.replicated)
+        x = sparse_layer.embed(model, head, jnp.asarray(all_tokens))
         plans = []
         for layer in range(model.cfg.num_layers):
             lp = self.layer_params[layer]
             if layer < p.dense_layers:
                 kv, x = sparse_layer.dense_layer(model, lp, kv, x, rows.positions, dense.write[layer],
-                                                 dense.ids[layer], dense.lens, attention=self.attention)
+                                                 dense.ids[layer], dense.lens, placed,
+                                                 None if placed is None else self._dense_offsets[layer],
+                                                 attention=self.attention)
                 continue
             sl = layer - p.dense_layers
             landing, self._pending[sl] = self._pending[sl], None
             late += landing is not None and not landing.staging.is_ready()
             kv, x, self.slot_state, plan, sel = sparse_layer.ahead_layer(
-                model, lp, kv, x, self.bounds, self.slot_state, rows, step, self._layer_refs[sl], landing, spec=spec,
-                attention=self.attention, fan=fan)
+                model, lp, kv, x, self.bounds, self.slot_state, rows, step, self._layer_refs[sl], landing, placed,
+                spec=spec, attention=self.attention, fan=fan)
             plans.append((sl, plan, sel))
         out = sparse_layer.logits(model, head, x)
         for sl, plan, sel in plans:  # the GPU is still on the later layers while these are read
@@ -346,9 +368,13 @@ class SparseDecoder:
             if staging is not None:
                 self._pending[sl] = Landing(staging, plan.misses, plan.info)
         self.step_log.append({"batch": len(sparse), "micro_batches": 1, "h2d_copies": self.pool.h2d_copies - copies0,
-                              "h2d_bytes": self.pool.h2d_bytes - bytes0, "recall_wait_s": 0.0, "late_recalls": late})
+                              "h2d_bytes": self.pool.h2d_bytes - bytes0, "recall_wait_s": 0.0, "late_recalls": late,
+                              "dense_rows": len(placed_tokens)})
         self.steps_logged += 1
-        logits = np.asarray(out)[: len(sparse)]
+        out = np.asarray(out)
+        logits = out[: len(sparse)]
+        if placed is not None:  # (the placed rows follow the offloaded rows' padded batch)
+            logits = np.concatenate([logits, out[bp: bp + len(placed_tokens)]])
         self.selector.end_step(sparse)
         return kv, logits
 

@@ -219,6 +219,35 @@ class DenseRows:
     write: tuple[Int[IntArray, " bp"], ...]  # per dense layer: the flat unit the new token goes to
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PlacedRows:
+    """Dense-placed requests decoding in the offloaded requests' layer pass (recall ahead: one weight pass a step).
+    Each row attends its whole block table in every layer. bd = bucket(requests) rows, mb = bucket_blocks(most
+    blocks) columns; padding rows and columns list the null block with no tokens (a padding row writes into it)."""
+
+    positions: Int[IntArray, " bd"]  # position of each row's new token (its length - 1)
+    tables: Int[IntArray, "bd mb"]  # GPU blocks in order, the same in every layer
+    lens: Int[IntArray, "bd 1 mb"]  # tokens of each block once the new token is in (0: not attended)
+
+    @staticmethod
+    def of(tables: list[list[int]], positions: list[int], block_size: int) -> PlacedRows:
+        n = len(positions)
+        if n == 0 or len(tables) != n:
+            raise ValueError(f"PlacedRows needs one block table per position; got {len(tables)} and {n}")
+        bd, mb = bucket(n), bucket_blocks(max(len(t) for t in tables))
+        tab = np.zeros((bd, mb), np.int32)
+        pos = np.zeros(bd, np.int32)
+        for i, (t, p) in enumerate(zip(tables, positions, strict=True)):
+            if blocks_for(p + 1, block_size) > len(t):
+                raise ValueError(f"row {i}: position {p} needs {blocks_for(p + 1, block_size)} blocks, its table "
+                                 f"has {len(t)}")
+            tab[i, : len(t)], pos[i] = t, p
+        lens = np.clip(pos[:, None] + 1 - np.arange(mb) * block_size, 0, block_size)
+        lens[n:] = 0
+        return PlacedRows(pos, tab, lens[:, None, :].astype(np.int32))
+
+
 @dataclasses.dataclass(frozen=True)
 class MicroBatchInputs:
     """One micro-batch's per-step inputs (see the module docstring); `coarse` is static (two-level scoring's kept

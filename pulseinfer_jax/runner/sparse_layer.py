@@ -38,6 +38,7 @@ from pulseinfer_jax.parallel import kernels as tp_kernels
 from pulseinfer_jax.runner.sparse_inputs import (
     KeyBounds,
     Landing,
+    PlacedRows,
     ScoringBounds,
     SelectSpec,
     SparseLayerRefs,
@@ -98,13 +99,35 @@ def dense_layer(
     write_unit: Int[Array, " B"],
     ids: Int[Array, "B 1 K"],
     lens: Int[Array, "B 1 K"],
+    placed: PlacedRows | None = None,
+    unit_offset: Int[Array, ""] | None = None,
     *,
     attention: str,
-) -> tuple[Array, Float[Array, "B 1 D"]]:
-    """A whole dense layer: write the new token, attend over every listed unit (all of the sequence), MLP."""
+) -> tuple[Array, Float[Array, "Bt 1 D"]]:
+    """A whole dense layer: write the new token, attend over every listed unit (all of the sequence), MLP. With
+    `placed`, x's rows past B are dense-placed requests (this layer's units from `unit_offset`), in the same call."""
+    if placed is not None:
+        ids_d, write_d = _placed_units(placed, unit_offset, tokens_per_block(kv))
+        positions, write_unit = _rows(positions, placed.positions), _rows(write_unit, write_d)
+        width = max(ids.shape[2], ids_d.shape[2])
+        ids = _rows(*(jnp.pad(a, ((0, 0), (0, 0), (0, width - a.shape[2])), constant_values=-1) for a in (ids, ids_d)))
+        lens = _rows(*(jnp.pad(a, ((0, 0), (0, 0), (0, width - a.shape[2]))) for a in (lens, placed.lens)))
     kv, q = _qkv_and_write(model, lp, kv, x, positions, write_unit)
     o, _, _ = _attend(attention, q, kv, ids, lens)
     return kv, model.layer_finish(lp, x, o[:, None])
+
+
+def _rows(*parts: Array) -> Array:
+    return jnp.concatenate(parts, axis=0)
+
+
+def _placed_units(placed: PlacedRows, unit_offset: Int[Array, ""], block_size: int
+                  ) -> tuple[Int[Array, "bd 1 mb"], Int[Array, " bd"]]:
+    """Dense-placed rows' flat units in the layer at `unit_offset`: every table entry with tokens (-1: none), and the
+    one the new token goes to."""
+    ids = jnp.where(placed.lens > 0, unit_offset + placed.tables[:, None, :], -1)
+    newest = jnp.take_along_axis(placed.tables, (placed.positions // block_size)[:, None], axis=1)[:, 0]
+    return ids, unit_offset + newest
 
 
 def two_level_scores(score_fn, q, meta_min, meta_max, cand, cmeta_min, cmeta_max, cand_groups, *, keep: int,
@@ -161,22 +184,35 @@ def ahead_layer(
     step: SlotStep,
     layer: SparseLayerRefs,
     landing: Landing | None,
+    placed: PlacedRows | None = None,
     *,
     spec: SelectSpec,
     attention: str,
     fan: int = 1,
-) -> tuple[Array, Float[Array, "B 1 D"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
+) -> tuple[Array, Float[Array, "Bt 1 D"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
     """A whole sparse layer with its recall one step ahead (`recall="ahead"`), in one call that never waits on the
     host: land the recall the previous step issued for this layer (`landing`, None = nothing), select and plan
     (`_select_and_plan`; `step.spare` set), copy the miss on the block that just left the window from its spare GPU
     block into its slot, attend over the resident blocks, the slot-cache hits and that fill, o-proj and MLP. The
     plan's other misses are not attended now: the caller recalls them after dispatching the step, for this layer's
-    next call. Returns (kv, x, slot state, plan, selection)."""
+    next call. With `placed`, x's rows past the offloaded ones are dense-placed requests: projected, written and
+    finished with them (one pass over the weights), each attending its whole block table. Returns (kv, x, slot
+    state, plan, selection)."""
     if landing is not None:
         kv = _land(kv, layer.unit_offset // kv.shape[1], landing.misses, landing.info, landing.staging, fan)
-    kv, q, slot_state, plan, sel = _select_and_plan(model, lp, kv, x, bounds, slot_state, rows, step, layer,
-                                                    spec=spec)
-    o, _, _ = _attend(attention, q, kv, plan.early[0], plan.early[1])
+    if placed is None:
+        kv, q, slot_state, plan, sel = _select_and_plan(model, lp, kv, x, bounds, slot_state, rows, step, layer,
+                                                        spec=spec)
+        o, _, _ = _attend(attention, q, kv, plan.early[0], plan.early[1])
+    else:
+        b = rows.positions.shape[0]
+        ids_d, write_d = _placed_units(placed, layer.unit_offset, tokens_per_block(kv))
+        kv, q_all = _qkv_and_write(model, lp, kv, x, _rows(rows.positions, placed.positions),
+                                   _rows(_window_unit(rows, layer), write_d))
+        q = q_all[:b]
+        kv, slot_state, plan, sel = _plan(model, kv, q, bounds, slot_state, rows, step, layer, spec=spec)
+        o = _rows(_attend(attention, q, kv, plan.early[0], plan.early[1])[0],
+                  _attend(attention, q_all[b:], kv, ids_d, placed.lens)[0])
     # (the fill is done: not an output, so its per-lane halves are never materialised)
     return kv, model.layer_finish(lp, x, o[:, None]), slot_state, dataclasses.replace(plan, fill=None), sel
 
@@ -214,9 +250,30 @@ def _select_and_plan(
 
     Returns (kv, q, slot state, the layer's plan (slot_plan.layer_plan), selected logical blocks [B, S, budget]
     sorted, -1 padded; see policy.select_blocks)."""
+    kv, q = _qkv_and_write(model, lp, kv, x, rows.positions, _window_unit(rows, layer))
+    kv, slot_state, plan, sel = _plan(model, kv, q, bounds, slot_state, rows, step, layer, spec=spec)
+    return kv, q, slot_state, plan, sel
+
+
+def _window_unit(rows: SparseRows, layer: SparseLayerRefs) -> Int[Array, " B"]:
+    """The flat unit each row's new token goes to: its window block in this layer (a padding row: the null block)."""
+    return jnp.where(rows.newest >= 0, layer.unit_offset + rows.newest, 0)
+
+
+def _plan(
+    model: Transformer,
+    kv: Float[Array, "L NB 2 rows Hkv hd"],
+    q: Float[Array, "B Hq hd"],
+    bounds: ScoringBounds,
+    slot_state: tuple[Int[Array, "SL R S C"], Int[Array, "SL R S C"]],
+    rows: SparseRows,
+    step: SlotStep,
+    layer: SparseLayerRefs,
+    *,
+    spec: SelectSpec,
+) -> tuple[Array, tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
+    """`_select_and_plan` after the projection: score, select and plan from the rows' queries `q`."""
     scoring, cands = spec.scoring, rows.candidates
-    write_unit = jnp.where(rows.newest >= 0, layer.unit_offset + rows.newest, 0)
-    kv, q = _qkv_and_write(model, lp, kv, x, rows.positions, write_unit)
     pallas = spec.attention == "pallas"
     score_fn = functools.partial(tp_kernels.block_scores, block_scores) if pallas else block_scores_reference
     per_head = spec.per_head
@@ -277,7 +334,7 @@ def _select_and_plan(
                                                 mode=spec.plan_mode)
     if plan.fill is not None:  # (`step.spare`) the block that just left the window: GPU copy
         kv = copy_fills(kv, layer.unit_offset // kv.shape[1], *plan.fill)
-    return kv, q, (stamp, key), plan, sel
+    return kv, (stamp, key), plan, sel
 
 
 def _with_middle(sel: Int[Array, "B S N"], middle: Int[Array, "B S M"], num_blocks: Int[Array, " B"], sink: int,
