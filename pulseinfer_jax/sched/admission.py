@@ -12,8 +12,9 @@ becomes the bottleneck of a decode step:
   *all* offloaded requests, this one included, can be moved in ``slack`` of one decode step at the host-to-device
   bandwidth, since an offloaded request takes a fraction of a dense one's GPU blocks and leaves room for more
   requests in the batch; only when PCIe has no room left does it go dense (if that fits). Beside offloaded
-  requests a dense one is not free even when it fits: the engine runs the dense requests in a step of their own,
-  which reads every weight once more (bench/RESULTS.md, "Decode throughput at the GPU suite's points");
+  requests a dense one is not free even when it fits: it reads its whole KV every step where an offloaded one reads
+  its selection (and under the same-layer schedules the engine runs dense requests in a step of their own, which
+  reads every weight once more; with recall ahead they join the offloaded requests' layer calls);
 * otherwise wait.
 Greedy "dense whenever it fits" would fill the GPU with the first few requests and leave no room to offload
 the rest: a batch no larger than dense serving's, which is what the bench (bench/decode_throughput.py) showed.
@@ -209,7 +210,7 @@ def decide(
     1. not `memory_bound` and no offloaded request in the batch (``offloaded_running == 0``): "dense" if
        ``dense_blocks <= free_blocks``;
        `memory_bound` (the queue's dense demand exceeds the free blocks) or offloaded requests running (a dense
-       request beside them costs the step a second weight pass): "offload" if ``offload_blocks <= free_blocks``
+       request beside them reads its whole KV every step): "offload" if ``offload_blocks <= free_blocks``
        and ``pcie_ok``, else "dense" if it fits;
     2. else "offload" if ``offload_blocks <= free_blocks`` and ``pcie_ok``;
     3. else "offload" anyway if ``offload_blocks <= free_blocks`` and nothing is running (``running == 0``):
