@@ -21,7 +21,8 @@ grid = (B, Hkv, split_k); program (b, h, s) handles sequence b, KV head h, split
   * v_ref    [NB, bs, hd]  axes (block index 0 / 1 and h), so no copy; the pool is passed twice.
   * ids_ref  [Ks]          split s of list row (b, h) (headwise) or (b, 0) (SoloHead);
   * lens_ref [Ks]          Ks = steps_per_split * blocks_per_step (the wrapper pads with -1 / 0).
-and writes this split's unnormalised accumulator [Gp, hd] f32 plus running max m and sum l [Gp].
+and writes this split's unnormalised accumulator [G, hd] f32 plus running max m and sum l [G] (the G real rows:
+masked stores), or with one split the normalised attention itself in the output dtype (no merge after the kernel).
 It walks its Ks entries `blocks_per_step` (P) blocks, i.e. T = P * bs tokens, at a time (static
 trip count). Per step, for every token t of the step it gathers the entry's id and length from
 ids_ref / lens_ref (T int32 loads, P distinct addresses), then K and V tiles [T, hd] with ONE
@@ -32,8 +33,9 @@ slot < len, other = 0. Masked slots are never fetched (padding entries, the unwr
 partial block, stale or NaN data). Then one online-softmax step: s = dot(q, K^T) * scale (f32
 accumulation; IEEE f32 for f32 pools, never TF32), masked to -inf, p = exp(s - m_new),
 acc = acc * alpha + dot(p, V). A fully masked step or split leaves m = -inf and l = 0 without NaN
-(the exponent offset is 0 while m is -inf). The wrapper normalises each split and merges the
-splits with `merge_stacked_partials` (tiny: [split_k, B, Hq, hd] f32).
+(the exponent offset is 0 while m is -inf). With several splits the wrapper merges them with
+`merge_stacked_partials` (tiny: [split_k, B, Hq, hd] f32, one fusion); with one split (the grid already holds
+B * Hkv >= TARGET_PROGRAMS programs) the kernel divides by l itself and the call is one kernel.
 
 float8 pools (`kv_quant`: e4m3 bytes stored as uint8, rows = bs + r) hold each token's K and V as float8
 values in rows 0..bs-1 (loaded as bytes, viewed as e4m3 by a free bitcast) and, in the r scale rows after
@@ -142,13 +144,15 @@ def _sparse_decode_kernel(
     ids_ref,  # [Ks] int32 this split's block ids, < 0 = padding
     lens_ref,  # [Ks] int32 valid tokens of each entry
     *refs,  # (float8 pools: h_ref [hd, hd] bf16 +-1, the cache's rotation x sqrt(hd)) then acc_ref, m_ref, l_ref
-    # outputs: acc_ref [Gp, hd] f32 unnormalised sum_j exp(s_j - m) v_j (float8: rotated back), m_ref [Gp] f32 max
-    # scaled score (-inf if nothing attended), l_ref [Gp] f32 sum_j exp(s_j - m) (0 if nothing attended)
+    # outputs: acc_ref [G, hd] f32 unnormalised sum_j exp(s_j - m) v_j (float8: rotated back; `normalize`: divided
+    # by l, in the output dtype), m_ref [G] f32 max scaled score (-inf if nothing attended), l_ref [G] f32
+    # sum_j exp(s_j - m) (0 if nothing attended)
     scale: float,
     blocks_per_step: int,
     gp: int,
     cdt: jnp.dtype,
     precision: jax.lax.Precision | None,
+    normalize: bool,
 ):
     g, hd = q_ref.shape
     rotating = len(refs) == 4  # float8 pools under bfloat16 compute rotate here (`_rotates_inside`)
@@ -209,9 +213,17 @@ def _sparse_decode_kernel(
     acc, m, l = jax.lax.fori_loop(0, num_steps, step, init)  # noqa: E741
     if rotating:  # back from the rotated basis (H is its own inverse); linear, so the split merge is unchanged
         acc = _rotate(acc, h_ref[...], 3)
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    if normalize:  # one split: the attention itself (no merge after the kernel), 0 where nothing was attended
+        acc = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    if g == gp:
+        acc_ref[...] = acc.astype(acc_ref.dtype)
+        m_ref[...] = m
+        l_ref[...] = l
+    else:  # only the G real rows are stored (masked stores of Gp rows, as q was loaded): nothing to slice after
+        real = jnp.arange(gp) < g
+        plt.store(acc_ref.at[pl.ds(0, gp)], acc.astype(acc_ref.dtype), mask=jnp.broadcast_to(real[:, None], (gp, hd)))
+        plt.store(m_ref.at[pl.ds(0, gp)], m, mask=real)
+        plt.store(l_ref.at[pl.ds(0, gp)], l, mask=real)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,8 +241,10 @@ def _sparse_decode_call(
     num_warps: int,
     num_stages: int,
     interpret: bool,
-) -> tuple[Float[Array, "P B Hkv Gp hd"], Float[Array, "P B Hkv Gp"], Float[Array, "P B Hkv Gp"]]:
-    """Run the kernel on grid (B, Hkv, split_k); returns per-split (acc, m, l), acc unnormalised. The dots run in
+    out_dtype: jnp.dtype | None = None,
+) -> tuple[Float[Array, "P B Hkv G hd"], Float[Array, "P B Hkv G"], Float[Array, "P B Hkv G"]]:
+    """Run the kernel on grid (B, Hkv, split_k); returns per-split (acc, m, l), acc unnormalised, or with `out_dtype`
+    (split_k 1 only) the normalised attention in that dtype. The dots run in
     `_compute_dtype`; a float8 pool's kernel rotates q into the cache's basis and acc back (`kv_quant.hadamard`)."""
     b, hkv, g, hd = q_grouped.shape
     rotating = _rotates_inside(q_grouped.dtype, pool.dtype)
@@ -252,7 +266,10 @@ def _sparse_decode_call(
         gp=gp,
         cdt=_compute_dtype(q_grouped.dtype, pool.dtype),
         precision=matmul_precision(_compute_dtype(q_grouped.dtype, pool.dtype)),
+        normalize=out_dtype is not None,
     )
+    if out_dtype is not None and split_k != 1:
+        raise ValueError(f"a normalised output needs split_k=1, got {split_k}")
     in_specs = [
         pl.BlockSpec((None, None, g, hd), lambda i, h, s: (i, h, 0, 0)),  # q   -> [G, hd]
         pl.BlockSpec((nb, None, rows, None, hd), lambda i, h, s: (0, 0, 0, h, 0)),  # K -> [NB, rows, hd]
@@ -265,14 +282,14 @@ def _sparse_decode_call(
         in_specs.append(pl.BlockSpec((hd, hd), lambda i, h, s: (0, 0)))
         args.append(jnp.asarray(np.sign(kv_quant.hadamard(hd)), jnp.bfloat16))
     out_specs = [
-        pl.BlockSpec((None, None, None, gp, hd), lambda i, h, s: (s, i, h, 0, 0)),  # acc -> [Gp, hd]
-        pl.BlockSpec((None, None, None, gp), lambda i, h, s: (s, i, h, 0)),  # m -> [Gp]
-        pl.BlockSpec((None, None, None, gp), lambda i, h, s: (s, i, h, 0)),  # l -> [Gp]
+        pl.BlockSpec((None, None, None, g, hd), lambda i, h, s: (s, i, h, 0, 0)),  # acc -> [G, hd]
+        pl.BlockSpec((None, None, None, g), lambda i, h, s: (s, i, h, 0)),  # m -> [G]
+        pl.BlockSpec((None, None, None, g), lambda i, h, s: (s, i, h, 0)),  # l -> [G]
     ]
     out_shape = [
-        jax.ShapeDtypeStruct((split_k, b, hkv, gp, hd), jnp.float32),
-        jax.ShapeDtypeStruct((split_k, b, hkv, gp), jnp.float32),
-        jax.ShapeDtypeStruct((split_k, b, hkv, gp), jnp.float32),
+        jax.ShapeDtypeStruct((split_k, b, hkv, g, hd), out_dtype or jnp.float32),
+        jax.ShapeDtypeStruct((split_k, b, hkv, g), jnp.float32),
+        jax.ShapeDtypeStruct((split_k, b, hkv, g), jnp.float32),
     ]
     return pl.pallas_call(
         kernel,
@@ -446,15 +463,18 @@ def sparse_decode_attention(
     if not rotating:
         q_grouped = kv_quant.cache_basis(q_grouped, pool.dtype).astype(cdt)
 
+    rotate_here = kv_quant.is_quantized(pool.dtype) and not rotating  # (float32 compute: the output rotated back here)
+    out_dtype = jnp.float32 if rotate_here else q.dtype
     acc, m, l = on_platform(lambda interp: _sparse_decode_call(  # noqa: E741
         q_grouped, pool, ids, lens,
         scale=scale, split_k=split_k, blocks_per_step=bps,
         num_warps=num_warps, num_stages=num_stages, interpret=interp,
+        out_dtype=out_dtype if split_k == 1 else None,  # (one split: normalised in the kernel, nothing to merge)
     ), interpret)
-    acc, m, l = acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]  # noqa: E741  drop padded query rows
-    rotate_here = kv_quant.is_quantized(pool.dtype) and not rotating  # (float32 compute: the output rotated back here)
-    o, m, l = merge_stacked_partials(acc, m, l, out_dtype=jnp.float32 if rotate_here else q.dtype,  # noqa: E741
-                                     normalized=False)
+    if split_k == 1:
+        o, m, l = acc[0], m[0], l[0]  # noqa: E741
+    else:
+        o, m, l = merge_stacked_partials(acc, m, l, out_dtype=out_dtype, normalized=False)  # noqa: E741
     if rotate_here:
         o = kv_quant.cache_basis(o, pool.dtype).astype(q.dtype)
     return o.reshape(b, hq, hd), m.reshape(b, hq), l.reshape(b, hq)

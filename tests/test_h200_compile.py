@@ -325,3 +325,16 @@ def test_a_sparse_layer_is_at_most_twenty_kernels(compiler, target, point):
         assert cost["host_syncs"] == cost["transfers"] == 0
         weights = [k for k in cost["top_kernels"] if k["name"].startswith("gemm")]
         assert len(weights) == len({k["name"] for k in weights}) and all(k["count"] == 1 for k in weights)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_one_split_is_one_kernel_with_nothing_after_it(compiler, dtype):
+    """With one split the kernel divides by l itself and stores only the G real query rows: the call is that one
+    kernel, float8's rotations included (with two splits the merge adds two)."""
+    b, hkv, g, hd, bs = 4, 8, 4, 128, 16
+    pool = spec((97, 2, kv_quant.block_rows(bs, hd, dtype), hkv, hd), kv_quant.storage_dtype(dtype))
+    args = (spec((b, hkv * g, hd), "bfloat16"), pool, spec((b, 1, 64), I32), spec((b, 1, 64), I32))
+    rows = {k: _ok(compiler(_kernel(sparse_decode_attention.sparse_decode_attention, args, "sparse_decode_attention",
+                                    split_k=k))) for k in (1, 2)}
+    names = {k: [x["name"] for x in r["kernels"]] for k, r in rows.items()}
+    assert rows[1]["cost"]["launches"] == 1 and rows[2]["cost"]["launches"] == 3, names
