@@ -9,7 +9,7 @@ from conftest import record_sampled_logits
 
 from pulseinfer_jax import Engine, EngineConfig, SamplingParams, generate_long
 from pulseinfer_jax.kv.blocks import blocks_for
-from pulseinfer_jax.kv.quant import unpack_blocks
+from pulseinfer_jax.kv.quant import layer_block_bytes, unpack_blocks
 from pulseinfer_jax.sched.admission import IOAAConfig
 from pulseinfer_jax.selection.policy import BlockScoring
 
@@ -313,21 +313,23 @@ def test_auto_mode_places_by_memory_and_pcie_and_stays_correct(tiny4):
     assert modes[:3] == ["offload", "dense", "dense"] and admitted[:2] == [0, 0] and 0 < admitted[2] < admitted[3]
 
 
-def _h2d_for_one_offloaded(c) -> float:
+def _h2d_for_one_offloaded(c, kv_dtype=np.float32) -> float:
     """Host-to-device bytes/s that IOAA finds room for one offloaded request of the auto-mode tests in (1.5 priors
     per step): one request's prior recall is prior_miss_fraction of (5 middle blocks x one layer-block x 3 sparse
     layers); a step hides slack x the assumed step time (IOAA defaults) seconds of copy."""
-    prior = IOAAConfig(h2d_bytes_per_s=1.0).prior_miss_fraction * 5 * (2 * 4 * c.num_kv_heads * c.head_dim * 4) * 3
+    block = layer_block_bytes(4, c.num_kv_heads, c.head_dim, kv_dtype)
+    prior = IOAAConfig(h2d_bytes_per_s=1.0).prior_miss_fraction * 5 * block * 3
     return 1.5 * prior / (0.8 * 0.02)
 
 
-def test_dense_requests_join_the_offloaded_layer_pass(tiny4, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", ["auto", "float8_e4m3fn"])
+def test_dense_requests_join_the_offloaded_layer_pass(tiny4, monkeypatch, kv_dtype):
     """With recall ahead, dense-placed requests decode inside the offloaded requests' layer calls (one pass over the
     weights a step: `SparseDecoder.joins_dense`, step_log's `dense_rows`) instead of a step of their own, except in
     an offloaded request's first step; each request's tokens are those of its placement run alone and its logits
-    within float32 rounding of them."""
+    within float32 rounding of them (float8 KV too: the dense rows' tokens quantised by the same write)."""
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(100, 100, 100, 100))
-    kw = dict(**BASE, budget_tokens=32, dense_layers=1, slot_cache_blocks=5)
+    kw = dict(**BASE, budget_tokens=32, dense_layers=1, slot_cache_blocks=5, kv_dtype=kv_dtype)
     seen = record_sampled_logits(monkeypatch)
 
     def run(cfg, engine=None):  # -> results, {(prompt, tokens so far): logits row}
@@ -340,7 +342,8 @@ def test_dense_requests_join_the_offloaded_layer_pass(tiny4, monkeypatch):
     separate = []
     orig = Engine._decode_dense
     monkeypatch.setattr(Engine, "_decode_dense", lambda self, reqs: (separate.append(len(reqs)), orig(self, reqs))[1])
-    cfg = EngineConfig.of(**kw, mode="auto", kv_cache_tokens=72 * 4, h2d_bytes_per_s=_h2d_for_one_offloaded(tiny4.cfg))
+    h2d = _h2d_for_one_offloaded(tiny4.cfg, np.float32 if kv_dtype == "auto" else kv_dtype)
+    cfg = EngineConfig.of(**kw, mode="auto", kv_cache_tokens=72 * 4, h2d_bytes_per_s=h2d)
     eng = Engine(tiny4, cfg)
     res, rows = run(cfg, eng)
     modes = [r.stats["mode"] for r in res]
