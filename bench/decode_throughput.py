@@ -63,9 +63,11 @@ SYSTEMS = {
     "pulseinfer-1mb": dict(mode="auto", recall="interruptible", micro_batches=1),
     # the early attention queued before the driver reads each layer's plan (hides the read and the recall's issue)
     "pulseinfer-eager": dict(mode="auto", recall="eager"),
-    # the host pool in pageable RAM, gathered by numpy on the driver thread (host_offload/numpy_io.py) instead of
-    # XLA host computations on pinned memory: whether the XLA path's host gather waits behind queued GPU work
+    # the host pool's backend pinned either way (on a GPU, "auto" with recall ahead is numpy: pageable RAM, gathered on
+    # the recall thread): the pinned pool's XLA host gather, which waits for the GPU's queued work and holds its later
+    # programs, against the numpy gather off the driver's thread
     "pulseinfer-numpy-io": dict(mode="auto", host_io="numpy"),
+    "pulseinfer-xla-io": dict(mode="auto", host_io="xla"),
     "sparse-on-device": dict(mode="offload", offload_placement="device"),  # same selection, no PCIe
 }
 DEFAULT_SYSTEMS = "dense,offload-headwise,pulseinfer,pulseinfer-same-layer,pulseinfer-no-solohead," \

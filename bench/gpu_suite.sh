@@ -4,8 +4,8 @@
 # (no interpret mode), bench/kernels.py, bench/io_sweep.py, one representative point of every system of
 # bench/decode_throughput.py (random Llama-3.1-8B, bf16, synthetic KV with a real model's selections replayed),
 # then a 128K-context point, points C (24 x 32K) and D (12 x 128K, float8 KV) where dense holds 3, the dense decode bench (scan vs layer-wise layer loop, jnp vs Pallas attention) and a
-# short serving point (bench/serving.py: the OpenAI-compatible server at 1 and 8 clients) if time is left. On a GPU the engine probes its pinned-host transfers and Pallas kernels first
-# and falls back (host_io numpy, jnp attention) with a warning in the logs. Two extra PulseInfer decode steps of
+# short serving point (bench/serving.py: the OpenAI-compatible server at 1 and 8 clients) if time is left. On a GPU the engine probes its Pallas kernels (and, where it uses them,
+# its pinned-host transfers) first and falls back (jnp attention, host_io numpy) with a warning in the logs. Two extra PulseInfer decode steps of
 # point A are profiled (jax.profiler: OUT/profile/.../perfetto_trace.json.gz, for ui.perfetto.dev). Every
 # step has its own timeout and every bench rewrites its JSON after each measurement, so a timeout keeps what
 # ran. Everything goes to OUT_DIR (ready to copy into bench/results/).
@@ -61,7 +61,7 @@ if [ "$MODE" = "--smoke" ]; then
     TRACE="$OUT/traces/smoke"
     # layer-wise engines as on the GPU (the model unstacked, layer-wise prefill; dense-scan re-stacks a copy)
     DT_A=(--smoke --layer-loop layerwise --replay "$TRACE" --name decode_throughput_a --profile-system pulseinfer
-          --profile-dir "$OUT/profile" --systems dense,pulseinfer,offload-headwise,dense-scan,pulseinfer-no-ioaa,pulseinfer-numpy-io)
+          --profile-dir "$OUT/profile" --systems dense,pulseinfer,offload-headwise,dense-scan,pulseinfer-no-ioaa,pulseinfer-xla-io)
     DT_B=(--smoke --contexts 3000 --batches 2 --systems dense,pulseinfer,offload-headwise --name decode_throughput_b)
     DT_C=(--smoke --batches 4 --systems dense,pulseinfer,offload-headwise --name decode_throughput_c)
     DT_D=(--smoke --contexts 3000 --batches 3 --kv-dtype float8_e4m3fn --systems dense,pulseinfer,offload-headwise
@@ -79,7 +79,7 @@ else
     DT_A=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 32768 --batches 8 --steps 12 --warm 6
           --budget-tokens 2048 --gpu-kv-budget 16GiB --replay "$TRACE" --name decode_throughput_a
           --profile-system pulseinfer --profile-dir "$OUT/profile"
-          --systems dense,pulseinfer,pulseinfer-same-layer,offload-headwise,pulseinfer-no-ioaa,pulseinfer-no-solohead,pulseinfer-no-coalescing,pulseinfer-no-interrupt,pulseinfer-min-reuse,pulseinfer-numpy-io)
+          --systems dense,pulseinfer,pulseinfer-same-layer,offload-headwise,pulseinfer-no-ioaa,pulseinfer-no-solohead,pulseinfer-no-coalescing,pulseinfer-no-interrupt,pulseinfer-min-reuse,pulseinfer-xla-io)
     # point B: 4 requests of 128K (130,816 prompt tokens: Llama-3.1 stops at 131,072 positions) under 33 GiB
     # (dense fits 2 of 16.0 GiB; the 128 GiB host holds ~6 offloaded)
     DT_B=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 130816 --batches 4 --steps 8 --warm 4

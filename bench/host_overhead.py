@@ -40,8 +40,10 @@ class Breakdown:
     the pool's calls run inside `_issue_recall` (and stage_blocks inside gather_blocks); every call includes
     whatever XLA:CPU ran on the calling thread."""
 
-    TARGETS = (("sparse_layer", ("sparse_pre", "attend", "land_attend_finish", "dense_layer", "embed", "logits")),
-               ("SparseDecoder", ("_issue_recall", "_read_plan", "_step_inputs", "_prepare_slots")),
+    TARGETS = (("sparse_layer", ("sparse_pre", "attend", "land_attend_finish", "ahead_layer", "dense_layer", "embed",
+                                 "logits")),
+               ("SparseDecoder", ("decode", "_issue_recall", "_read_plan", "_step_inputs", "_prepare_slots",
+                                  "_refresh_meta")),
                ("HostKVPool", ("gather_blocks", "stage_blocks", "write_back")))
 
     def __init__(self):

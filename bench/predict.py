@@ -13,18 +13,25 @@ layer the trace layer at its relative depth) through the system's slot caches (L
 Time model (stated, not measured; each term printed):
   GPU time of a program        bytes / bandwidth + launches x t_launch   (t_launch, t_sync calibrated below)
   host sync                    t_sync per read of a layer's plan (one per sparse layer and micro-batch)
-  recall of a layer            host gather (bytes / gather rate) + bytes / h2d + t_copy per copy; the per-head
-                               baseline (io="fragmented"): one copy per (block, head) at t_copy each, no gather (what
-                               a per-head engine issues; this engine's XLA loop costs more: 6 launches per unit)
+  recall of a layer            host gather (bytes / gather rate) [+ bytes / copy rate: host_io="numpy", PJRT copies
+                               pageable memory into its pinned bounce buffer] + bytes / h2d + t_copy per copy; the
+                               per-head baseline (io="fragmented"): one copy per (block, head) at t_copy each, no
+                               gather (what a per-head engine issues; this engine's XLA loop costs more: 6 launches
+                               per unit)
+  the XLA host gather (host_io="xla") holds the GPU: XLA's HostExecute thunks start it only after every GPU program
+                               queued before it and launch none of the device's later work until it ends, so its
+                               seconds add to the GPU's in every schedule; the numpy gather (host_io="numpy", on the
+                               recall thread with recall ahead) is host code the GPU never waits on
   a sparse layer, 1 micro-batch   pre + sync + recall + land              (recall="sync")
                                   pre + sync + max(recall, early) + land  (interruptible: early attention hides it)
                                   pre + max(sync + recall, early) + land  (eager: queued before the plan is read)
-  a sparse layer, k micro-batches max(GPU time of all k, one micro-batch's chain, pre + sync + k x recall + land):
-                                  their recalls share one host gather and one link, so they run one after the other
+  a sparse layer, k micro-batches max(GPU time of all k [+ k XLA gathers], one micro-batch's chain, pre + sync + k x
+                                  recall + land): their recalls share one host gather and one link, so they run one
+                                  after the other
   recall="ahead" (one micro-batch)  one call per sparse layer, no sync on the critical path; each layer's recall is
                                   issued once its plan is read (while the GPU runs the later layers) and lands in
-                                  that layer's next call: step = max(GPU time of the step, the step's recalls one
-                                  after the other)
+                                  that layer's next call: step = max(GPU time of the step [+ its XLA gathers], the
+                                  step's recalls one after the other)
 Every prediction is made twice: at the calibrated t_launch and at T_LAUNCH_LOW (1 us: launches from a command buffer
 or CUDA graph may cost that little), so that what depends on the launch cost shows.
 The host gather rate (`--gather-rate`) defaults to bench/host_gather.py's measurement on the CPU machine (2 cores):
@@ -250,8 +257,9 @@ class Model:
     h2d: float
     t_copy: float
     gather_rate: float  # host gather bytes/s (XLA host computation)
-    numpy_gather_rate: float  # the same by numpy fancy indexing (host_io="numpy"; its copy assumed at h2d too)
-    gather_source: str = ""  # where the two gather rates come from
+    numpy_gather_rate: float  # the same by numpy fancy indexing (host_io="numpy")
+    copy_rate: float  # contiguous host copy bytes/s (host_io="numpy": PJRT's copy into its pinned bounce buffer)
+    gather_source: str = ""  # where the host rates come from
 
     def gpu(self, cost: dict, count: float = 1.0) -> float:
         return count * (cost["bytes"] / self.bandwidth + cost["launches"] * self.t_launch)
@@ -316,7 +324,7 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
                     "stage_units_outer", "fragment"}
     sl = len(st.misses)
     ahead = cfg.ablation.recall == "ahead"
-    layers_s, recall_bytes, host_s, syncs, recall_s = 0.0, 0.0, 0.0, 0, 0.0
+    layers_s, recall_bytes, host_s, syncs, recall_s, held_s = 0.0, 0.0, 0.0, 0, 0.0, 0.0
     fixed_s = None
     for miss in st.misses:
         calls = st.sparse[bucket(max(1, round(miss))) if miss else 0]
@@ -333,25 +341,30 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
                                                                                               0.0) / k
         host = (by.get("stage_blocks_outer", 0.0) + by.get("stage_units_outer", 0.0)) / k  # host programs, if any
         nbytes = miss * st.unit_bytes
+        hold = 0.0  # seconds of the recall the GPU waits through (the XLA host gather: see the module docstring)
         if st.copies_per_miss:  # one copy per unit straight from the pool: no host gather
             recall = nbytes / m.h2d + miss * st.copies_per_miss * m.t_copy if miss else 0.0
-        else:  # a host gather into one staging buffer, then one copy
-            rate = m.numpy_gather_rate if st.backends["host_io"] == "numpy" else m.gather_rate
-            recall = nbytes / rate + nbytes / m.h2d + m.t_copy if miss else 0.0
+        elif st.backends["host_io"] == "numpy":  # numpy gather, PJRT's bounce copy, one copy
+            recall = nbytes / m.numpy_gather_rate + nbytes / m.copy_rate + nbytes / m.h2d + m.t_copy if miss else 0.0
+        else:  # an XLA host gather into one pinned staging buffer, then one copy
+            hold = nbytes / m.gather_rate
+            recall = hold + nbytes / m.h2d + m.t_copy if miss else 0.0
         recall_bytes += nbytes * k
         host_s += host * k
+        held_s += hold * k
         if ahead:  # one call; its recall runs while the GPU goes on, landing by the layer's next call
-            layers_s += by.get("ahead_layer", 0.0)
+            layers_s += by.get("ahead_layer", 0.0) + hold
             recall_s += recall
             continue
         syncs += k
         chain = {"sync": pre + m.t_sync + recall + early + land,
                  "interruptible": pre + m.t_sync + max(recall, early) + land,
                  "eager": pre + max(m.t_sync + recall, early) + land}[cfg.ablation.recall]
-        # k micro-batches: the GPU runs all their work; each recall waits for the one before it (one host gather,
-        # one link), the last one then lands
-        layers_s += max(k * (pre + early + land), chain, pre + m.t_sync + k * recall + land)
+        # k micro-batches: the GPU runs all their work (and waits through each XLA gather); each recall waits for
+        # the one before it (one host gather, one link), the last one then lands
+        layers_s += max(k * (pre + early + land + hold), chain, pre + m.t_sync + k * recall + land)
     sparse_s = layers_s + (fixed_s or 0.0)
+    out.update(gpu_held_by_gather_s=held_s)
     if ahead:  # the step's recalls share one gather and one link, each with a step to land: the slower side bounds
         out.update(recall_chain_s=recall_s, recall_bound=recall_s > sparse_s)
         sparse_s = max(sparse_s, recall_s)
@@ -409,19 +422,19 @@ def main() -> int:
         cal = calibrate({r["key"]: r for r in cal_rows}, H200_STREAM_BW)
         write_result(CALIBRATION.stem, cal, CALIBRATION.parent)
     cal = json.loads(CALIBRATION.read_text())
+    gather, numpy_gather, copy = _gather_rates()
+    source = (f"measured on the CPU machine (2 cores; {GATHER_RATE_FILE.relative_to(RESULTS.parent)}), not on the GPU "
+              "host")
     if a.gather_rate:
-        gather, numpy_gather, source = a.gather_rate, a.gather_rate, "--gather-rate"
-    else:
-        gather, numpy_gather = _gather_rates()
-        source = (f"measured on the CPU machine (2 cores; {GATHER_RATE_FILE.relative_to(RESULTS.parent)}), not on "
-                  "the GPU host")
-    print(f"host gather: {gather / 1e9:.1f} GB/s (numpy {numpy_gather / 1e9:.1f} GB/s), {source}")
+        gather, numpy_gather, source = a.gather_rate, a.gather_rate, f"--gather-rate; the copy rate {source}"
+    print(f"host gather: {gather / 1e9:.1f} GB/s (numpy {numpy_gather / 1e9:.1f} GB/s, contiguous copy "
+          f"{copy / 1e9:.1f} GB/s), {source}")
     free = cal["free_fit"]
     print(f"calibration ({CALIBRATION.name}, git {cal.get('git')}): t_launch {free['t_launch'] * 1e6:.2f} us at "
           f"{free['bandwidth'] / 1e12:.2f} TB/s, max error {free['max_error']:.3f}; at {cal['bandwidth'] / 1e12:.1f} "
           f"TB/s fixed: t_launch {cal['t_launch'] * 1e6:.2f} us, max error {cal['max_error']:.3f}")
     t_launch = free["t_launch"] if a.t_launch is None else a.t_launch
-    model = Model(free["bandwidth"], t_launch, a.t_sync, a.h2d, T_COPY, gather, numpy_gather, source)
+    model = Model(free["bandwidth"], t_launch, a.t_sync, a.h2d, T_COPY, gather, numpy_gather, copy, source)
     low = dataclasses.replace(model, t_launch=T_LAUNCH_LOW)
     preds = []
     for st in steps_for(target, a.points.split(","), a.h2d, systems):
@@ -471,13 +484,14 @@ def host_seconds(recall: str, batch: int, files: dict = HOST_TIME_FILES) -> floa
     return float(np.interp(batch, xs, ys))
 
 
-def _gather_rates() -> tuple[float, float]:
-    """(XLA host gather, numpy gather) bytes/s: the medians over sizes of bench/host_gather.py's measurement."""
+def _gather_rates() -> tuple[float, float, float]:
+    """(XLA host gather, numpy gather, contiguous copy) bytes/s: the medians over sizes of bench/host_gather.py's
+    measurement."""
     if not GATHER_RATE_FILE.is_file():
         raise SystemExit(f"no {GATHER_RATE_FILE}: run bench/host_gather.py first, or pass --gather-rate")
     grid = json.loads(GATHER_RATE_FILE.read_text())["grid"]
     med = lambda name: float(np.median([r["gb_per_s"][name] for r in grid])) * 1e9  # noqa: E731
-    return med("xla host gather (engine)"), med("numpy fancy index (numpy io)")
+    return med("xla host gather (engine)"), med("numpy fancy index (numpy io)"), med("contiguous copy (ceiling)")
 
 
 if __name__ == "__main__":

@@ -23,13 +23,16 @@ Transfers (all asynchronous: they return arrays whose copies may still be in fli
     (headwise selection with the coalesced I/O path): one staging buffer, one copy.
   - `fragment_units(layer, rows, heads)`: host -> device, the per-head offloading baseline: one copy per
     (block, head) unit; `[n, 2, bs, hd]`.
+  - `recall_blocks` / `recall_units`: `gather_blocks` / `gather_units` started, as a `Recall`: where the backend
+    gathers in host code ("numpy") on the pool's recall thread (`recall_thread.py`), so the caller goes on at once;
+    otherwise made on the spot.
 Index vectors are padded to powers of two so the number of compiled variants stays logarithmic.
 
 Two backends move the bytes (the accounting above is the pool's, the same for both):
   - "xla" (`xla_io.py`): the pool on `pinned_host`, host gathers as XLA host computations: the intended path;
-  - "numpy" (`numpy_io.py`): the pool in pageable RAM, numpy gathers, plain `device_put`s: the fallback for
-    a device whose XLA rejects the first (`probe_host_io` finds out at start-up; the engine's
-    `host_io="auto"` uses it).
+  - "numpy" (`numpy_io.py`): the pool in pageable RAM, numpy gathers, plain `device_put`s: no GPU program
+    in the recall, so a recall on the recall thread overlaps the GPU's step (the engine's `host_io="auto"` with
+    recall ahead on a GPU), and the fallback where the first fails its start-up check (`probe_host_io`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 from pulseinfer_jax.host_offload.numpy_io import NumpyHostIO
+from pulseinfer_jax.host_offload.recall_thread import Recall, RecallThread
 from pulseinfer_jax.host_offload.xla_io import XlaHostIO
 
 from pulseinfer_jax.kv.blocks import BlockAllocator, ExtentAllocator, OutOfBlocksError, bucket
@@ -88,6 +92,7 @@ class HostKVPool:
         self.d2h_copies = 0
         self.d2h_bytes = 0
         self.pool = self.io.zeros(self.shape, self.dtype)  # the backend's storage (jax array or numpy)
+        self._thread: RecallThread | None = None  # made at the first recall of a host-code backend
 
     # ---- sizes ---------------------------------------------------------------------------------
     @property
@@ -161,6 +166,7 @@ class HostKVPool:
         """The host half of `gather_blocks`: the blocks gathered into one host staging buffer, padded
         [n, 2, bs, Hkv, hd] (a jax array on pinned_host, or numpy); nothing is counted."""
         (r,) = _pad_pow2(rows)
+        self.sync()
         return self.io.stage_blocks(self.pool, layer, r)
 
     def to_device(self, staging) -> Array:
@@ -178,11 +184,49 @@ class HostKVPool:
         r, h = _pad_pow2(rows, heads)
         self.h2d_copies += 1
         self.h2d_bytes += len(rows) * self.unit_bytes
+        self.sync()
         return self.io.to_device(self.io.stage_units(self.pool, layer, r, h))
+
+    @property
+    def recalls_off_thread(self) -> bool:
+        """Whether `recall_blocks` / `recall_units` gather on the recall thread (a backend gathering in host code)."""
+        return self.io.host_gather
+
+    def recall_blocks(self, layer: int, rows: list[int]) -> Recall:
+        """`gather_blocks`, started (counted now): on the recall thread where `recalls_off_thread`."""
+        self.h2d_copies += 1
+        self.h2d_bytes += len(rows) * self.layer_block_bytes
+        (r,) = _pad_pow2(rows)
+        return self._start(layer, r)
+
+    def recall_units(self, layer: int, rows: list[int], heads: list[int]) -> Recall:
+        """`gather_units`, started (counted now): on the recall thread where `recalls_off_thread`."""
+        self.h2d_copies += 1
+        self.h2d_bytes += len(rows) * self.unit_bytes
+        r, h = _pad_pow2(rows, heads)
+        return self._start(layer, r, h)
+
+    def _start(self, layer: int, rows: np.ndarray, heads: np.ndarray | None = None) -> Recall:
+        io = self.io
+        if not io.host_gather:
+            stage = io.stage_blocks(self.pool, layer, rows) if heads is None else io.stage_units(self.pool, layer,
+                                                                                                 rows, heads)
+            return Recall(made=io.to_device(stage))
+        if self._thread is None:
+            self._thread = RecallThread()
+        stage = io.staging_job(self.pool, layer, rows, heads)  # (sees the write-backs queued until now)
+        return self._thread.submit(lambda: io.to_device(stage()))
+
+    def sync(self) -> None:
+        """Wait for every recall started on the recall thread: the pool's data is then this thread's alone (before a
+        gather here, or the pool's storage read whole or replaced)."""
+        if self._thread is not None:
+            self._thread.drain()
 
     def fragment_units(self, layer: int, rows: list[int], heads: list[int]) -> Float[Array, "n 2 bs hd"]:
         """(block, head) units of pool layer `layer`, padded: one host-to-device copy per real unit."""
         r, h = _pad_pow2(rows, heads)
+        self.sync()
         self.h2d_copies += len(rows)
         self.h2d_bytes += len(rows) * self.unit_bytes
         return self.io.fragment_units(self.pool, layer, r, h, len(rows))
@@ -190,6 +234,7 @@ class HostKVPool:
     # ---- whole-pool access (tests, benchmarks; synchronous) ------------------------------------
     def contents(self) -> Float[np.ndarray, "Ls R 2 bs Hkv hd"]:
         """The whole pool as numpy, every write-back landed."""
+        self.sync()
         return self.io.to_numpy(self.pool)
 
     def read(self, layer: int, row: int) -> np.ndarray:
@@ -200,6 +245,7 @@ class HostKVPool:
         """Replace the whole pool's contents (benchmarks filling it with known values)."""
         if data.shape != self.shape or data.dtype != self.dtype:
             raise ValueError(f"load: need {self.shape} {self.dtype}, got {data.shape} {data.dtype}")
+        self.sync()
         self.pool = self.io.load(data)
 
     def measure_h2d(self, nbytes: int = 64 << 20, repeats: int = 3) -> float:

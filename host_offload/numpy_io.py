@@ -13,12 +13,15 @@ on a device: the same transfers, counted the same way, through the most portable
   - fragment_units: one `jax.device_put` per (block, head) unit, stacked on the device.
 
 Every staging array is freshly allocated and never written again: on the CPU backend `device_put` of a numpy
-array may alias its memory, so nothing handed to it may change afterwards.
+array may alias its memory, so nothing handed to it may change afterwards. The gathers may run on the pool's recall
+thread (`recall_thread.py`) while the driver queues write-backs: one lock orders every access to the queue and the
+pool's data.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +35,7 @@ MAX_QUEUED_WRITES = 64  # queued write-backs are landed at the latest after this
 
 class NumpyHostIO:
     name = "numpy"
+    host_gather = True  # (numpy gathers: host code, run on the recall thread when started ahead)
 
     def __init__(self, device: jax.Device | DeviceLayout, first_layer: int):
         layout = DeviceLayout.on(device)
@@ -40,27 +44,32 @@ class NumpyHostIO:
         self._stage_on_device = _device_gather(first_layer)
         # (staged [Ls, n, ...] or [n, ...], rows, pool, pool layer: None = every sparse layer)
         self._queued: list[tuple[jax.Array, np.ndarray, np.ndarray, int | None]] = []
+        self._lock = threading.RLock()  # the queue and the pool's data: the driver's thread and the recall thread
 
     # ---- storage -------------------------------------------------------------------------------
     def zeros(self, shape: tuple[int, ...], dtype) -> np.ndarray:
         return np.zeros(shape, jnp.dtype(dtype))  # calloc: pages are touched only when written
 
     def load(self, data: np.ndarray) -> np.ndarray:
-        self._queued.clear()
+        with self._lock:
+            self._queued.clear()
         return np.array(data, copy=True)
 
     def to_numpy(self, pool: np.ndarray) -> np.ndarray:
         self.land()
         return pool
 
-    def land(self) -> None:
-        """Write every queued write-back into its pool (waits for their device-to-host copies)."""
-        queued, self._queued = self._queued, []
-        for staged, rows, pool, layer in queued:
-            if layer is None:
-                pool[:, rows] = np.asarray(staged)[:, : len(rows)]
-            else:
-                pool[layer, rows] = np.asarray(staged)[: len(rows)]
+    def land(self, queued: list | None = None) -> None:
+        """Write every queued write-back (or those of `queued`, taken off the queue before) into its pool (waits
+        for their device-to-host copies)."""
+        with self._lock:
+            if queued is None:
+                queued, self._queued = self._queued, []
+            for staged, rows, pool, layer in queued:
+                if layer is None:
+                    pool[:, rows] = np.asarray(staged)[:, : len(rows)]
+                else:
+                    pool[layer, rows] = np.asarray(staged)[: len(rows)]
 
     # ---- transfers -----------------------------------------------------------------------------
     def write_back(self, pool: Float[np.ndarray, "Ls R 2 bs Hkv hd"], kv: Float[Array, "L NB 2 bs Hkv hd"],
@@ -80,26 +89,44 @@ class NumpyHostIO:
         return pool
 
     def _queue(self, staged: jax.Array, rows: np.ndarray, pool: np.ndarray, layer: int | None) -> None:
-        self._queued.append((staged, np.array(rows), pool, layer))
-        if len(self._queued) >= MAX_QUEUED_WRITES:
-            self.land()
+        with self._lock:
+            self._queued.append((staged, np.array(rows), pool, layer))
+            if len(self._queued) >= MAX_QUEUED_WRITES:
+                self.land()
 
     def stage_blocks(self, pool: np.ndarray, layer: int, rows: np.ndarray) -> np.ndarray:
-        self.land()
-        return pool[layer][rows]  # [n, 2, bs, Hkv, hd], a fresh contiguous array
+        return self.staging_job(pool, layer, rows)()
 
     def stage_units(self, pool: np.ndarray, layer: int, rows: np.ndarray, heads: np.ndarray) -> np.ndarray:
-        self.land()
-        return pool[layer][rows, :, :, heads]  # [n, 2, bs, hd], a fresh contiguous array
+        return self.staging_job(pool, layer, rows, heads)()
+
+    def staging_job(self, pool: np.ndarray, layer: int, rows: np.ndarray, heads: np.ndarray | None = None):
+        """`stage_blocks` (or, with `heads`, `stage_units`) to run later, on another thread: it sees the write-backs
+        queued until now and none queued after (it takes them off the queue now and lands them first)."""
+        writes = self.take_writes()
+
+        def job() -> np.ndarray:
+            with self._lock:
+                self.land(writes)
+                if heads is None:
+                    return np.take(pool[layer], rows, axis=0)  # [n, 2, bs, Hkv, hd], a fresh contiguous array
+                return pool[layer][rows, :, :, heads]  # [n, 2, bs, hd], a fresh contiguous array
+        return job
+
+    def take_writes(self) -> list:
+        with self._lock:
+            queued, self._queued = self._queued, []
+            return queued
 
     def to_device(self, staging: np.ndarray) -> Array:
         return jax.device_put(staging, self.dev if staging.ndim == 5 else self.unit_dev)
 
     def fragment_units(self, pool: np.ndarray, layer: int, rows: np.ndarray, heads: np.ndarray,
                        count: int) -> Float[Array, "n 2 bs hd"]:
-        self.land()
-        units = [jax.device_put(np.array(pool[layer, r, :, :, h], copy=True), self.unit_dev)
-                 for r, h in zip(rows[:count], heads[:count], strict=True)]  # one copy per unit
+        with self._lock:
+            self.land()
+            units = [jax.device_put(np.array(pool[layer, r, :, :, h], copy=True), self.unit_dev)
+                     for r, h in zip(rows[:count], heads[:count], strict=True)]  # one copy per unit
         if len(rows) > count:
             units += [jnp.zeros(pool.shape[2:4] + pool.shape[5:], pool.dtype, device=self.unit_dev)] * (
                 len(rows) - count)

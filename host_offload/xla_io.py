@@ -41,6 +41,7 @@ from pulseinfer_jax.parallel.layout import DeviceLayout, split_spec
 
 class XlaHostIO:
     name = "xla"
+    host_gather = False  # (its gather is a host computation inside a GPU program, not host code)
 
     def __init__(self, device: jax.Device | DeviceLayout, first_layer: int):
         layout = DeviceLayout.on(device)

@@ -101,8 +101,14 @@ def plan_backends(config: EngineConfig, platform: str, *, is_moe: bool = False, 
     sparse = scoring = host_io = mbs = None
     if config.mode != "dense":
         sparse, scoring = attention, config.offload.scoring
-        host_io = auto("host_io", b.host_io, "xla", "xla",
-                       "pinned-host pool" if gpu else "pinned-host pool (memory kinds emulated)")
+        # on a GPU with recall ahead the numpy pool: its gather is host code, run on the recall thread while the GPU
+        # computes; the XLA host gather starts only after every GPU program queued before it and holds the later
+        # ones until it ends (XLA's HostExecute thunks), so it cannot overlap a step
+        ahead = config.offload.ablation.recall == "ahead"
+        host_io = auto("host_io", b.host_io, "numpy" if ahead else "xla", "xla",
+                       ("pageable pool gathered on the recall thread, overlapping the step (an XLA host gather "
+                        "would wait for the GPU's queued work)" if ahead else "pinned-host pool") if gpu
+                       else "pinned-host pool (memory kinds emulated)")
         mbs = config.offload.micro_batches
         if mbs is None:
             ahead = config.offload.ablation.recall == "ahead"
@@ -135,7 +141,7 @@ def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBack
         if err is not None:
             why.append(f"decode_attention jnp: the Pallas kernels failed their check ({err})")
             attention, sparse = "jnp", ("jnp" if sparse is not None else None)
-    if host_io is not None and b.host_io == "auto":
+    if host_io == "xla" and b.host_io == "auto":
         from pulseinfer_jax.host_offload.host_pool import resolve_host_io
 
         c = model.cfg

@@ -130,8 +130,9 @@ class Backends:
                                                "GPU once it passes a start-up check, jnp elsewhere)")
     layer_loop: LayerLoop = option("auto", "scan (one call scanning stacked weights), layerwise (one call per "
                                    "layer) or auto (layerwise on a GPU, scan elsewhere)")
-    host_io: HostIO = option("auto", "xla (pool in pinned host memory, XLA host gathers), numpy (pageable RAM) or "
-                             "auto (xla once it passes a start-up check)")
+    host_io: HostIO = option("auto", "xla (pool in pinned host memory, XLA host gathers), numpy (pageable RAM, numpy "
+                             "gathers; recall ahead gathers on a recall thread) or auto (on a GPU numpy with recall "
+                             "ahead, else xla once it passes a start-up check; xla off a GPU)")
     moe_strategy: MoEStrategy = option("auto", "mixture-of-experts layers: dense | gather | grouped | grouped-pallas "
                                        "| auto (grouped on CPU, dense / gather by token count on a GPU)")
 

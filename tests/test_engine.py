@@ -277,9 +277,13 @@ def test_backend_rule_per_platform():
     assert (cpu.decode_attention, cpu.layer_loop, cpu.weights_layout) == ("jnp", "scan", "stacked")
     assert gpu.sparse_attention is None and gpu.host_io is None  # dense mode: no offload backends
     off = plan_backends(EngineConfig.of(mode="offload"), "cuda")
-    # recall ahead (the default) never waits: one micro-batch, one weight pass; a same-layer recall: two on a GPU
-    assert (off.platform, off.sparse_attention, off.host_io, off.micro_batches) == ("gpu", "pallas", "xla", 1)
-    assert plan_backends(EngineConfig.of(mode="offload", recall="interruptible"), "gpu").micro_batches == 2
+    # recall ahead (the default) never waits: one micro-batch, one weight pass, the numpy pool gathered on the recall
+    # thread (an XLA host gather would wait for the GPU's queued work); a same-layer recall: two, the pinned pool
+    assert (off.platform, off.sparse_attention, off.host_io, off.micro_batches) == ("gpu", "pallas", "numpy", 1)
+    assert any(r.startswith("host_io auto: pageable pool gathered on the recall thread") for r in off.reasons)
+    same = plan_backends(EngineConfig.of(mode="offload", recall="interruptible"), "gpu")
+    assert (same.micro_batches, same.host_io) == (2, "xla")
+    assert plan_backends(EngineConfig.of(mode="offload"), "cpu").host_io == "xla"  # (memory kinds emulated)
     assert plan_backends(EngineConfig.of(mode="offload", recall="interruptible"), "cpu").micro_batches == 1
     with pytest.raises(ValueError, match="recall='ahead' never waits"):
         EngineConfig.of(mode="offload", micro_batches=2)
@@ -308,7 +312,7 @@ def test_gpu_backends_fall_back_when_their_check_fails(tiny, monkeypatch, caplog
     monkeypatch.setattr(backends, "probe_pallas", lambda *a, **k: calls.append("pallas") or "TritonError: rejected")
     monkeypatch.setattr(host_pool, "probe_host_io", lambda *a, **k: calls.append("io") or "no pinned memory")
     with caplog.at_level(logging.INFO, logger="pulseinfer_jax"), pytest.warns(RuntimeWarning) as warned:
-        r = backends.resolve_backends(EngineConfig.of(mode="offload"), gpu, tiny)
+        r = backends.resolve_backends(EngineConfig.of(mode="offload", recall="interruptible"), gpu, tiny)
     assert (r.decode_attention, r.sparse_attention, r.host_io) == ("jnp", "jnp", "numpy")
     assert r.scoring.bounds_dtype == "kv" or r.sparse_attention == "jnp"
     assert any("the Pallas kernels failed their check" in m for m in r.reasons)

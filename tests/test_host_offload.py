@@ -2,6 +2,7 @@
 LRU, per-request block roles."""
 
 import collections
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 from pulseinfer_jax.host_offload import host_pool as host_pool_mod
 from pulseinfer_jax.host_offload.host_pool import NULL_ROW, HostKVPool, probe_host_io
 from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
+from pulseinfer_jax.host_offload.recall_thread import RecallThread
 
 from pulseinfer_jax.kv.quant import block_rows
 from pulseinfer_jax.selection.slot_table import SlotCache, SlotTable
@@ -73,6 +75,42 @@ def test_host_pool_round_trip_bit_exact(dtype, io):
                                   np.asarray(kv2)[3, 3].view(np.uint8))
     assert not pool.contents()[:, NULL_ROW].any()  # padding never lands in the null row's data
     assert pool.measure_h2d(nbytes=1 << 16, repeats=1) > 0  # IOAA's bandwidth, from this backend's memory
+
+
+@pytest.mark.parametrize("io", ["xla", "numpy"])
+def test_recalls_started_ahead_move_what_the_gathers_move(io):
+    """`recall_blocks` / `recall_units` (a recall started one step ahead): the numpy pool gathers them on its recall
+    thread in submission order, while the driver queues write-backs: each recall sees every write-back queued before
+    it, none queued after it, bit for bit; counted when started; the thread's errors reach the caller."""
+    pool = _pool(io=io)
+    assert pool.recalls_off_thread == (io == "numpy")
+    kv1, kv2 = _kv(0), _kv(1)
+    rows = pool.allocate(3, owner=1)
+    pool.write_back(jnp.asarray(kv1), [4, 2, 7], rows)
+    gate = threading.Event()  # (the thread held until every call below was made: the later write is queued first)
+    if io == "numpy":
+        pool._thread = RecallThread()
+        pool._thread.submit(lambda: gate.wait(30))
+    first = pool.recall_blocks(1, [rows[2], rows[0]])
+    units = pool.recall_units(0, [rows[1], rows[2]], [1, 0])
+    pool.write_back(jnp.asarray(kv2), [5], [rows[0]])  # queued after `first`: not in it, in the next recall
+    second = pool.recall_blocks(1, [rows[0]])
+    assert (pool.h2d_copies, pool.h2d_bytes) == (3, 3 * pool.layer_block_bytes + 2 * pool.unit_bytes)
+    assert not first.gathered() or io == "xla"
+    gate.set()
+    got, _ = first.result()
+    np.testing.assert_array_equal(np.asarray(got)[:2], kv1[2, [7, 4]])
+    got, _ = units.result()
+    np.testing.assert_array_equal(np.asarray(got)[:2], np.stack([kv1[1, 2, :, :, 1], kv1[1, 7, :, :, 0]]))
+    got, _ = second.result()
+    np.testing.assert_array_equal(np.asarray(got)[0], kv2[2, 5])
+    assert first.gathered() and second.ready()
+    pool.sync()
+    if io == "numpy":  # a gather that fails on the thread raises where its staging is asked for, not as a hang
+        bad = pool.recall_blocks(1, [pool.num_rows + 5])
+        with pytest.raises(IndexError):
+            bad.result()
+        np.testing.assert_array_equal(pool.read(1, rows[0]), kv2[2, 5])  # the thread goes on after an error
 
 
 @pytest.mark.parametrize("io", ["xla", "numpy"])

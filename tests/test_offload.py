@@ -213,20 +213,23 @@ def test_repeated_selection_recalls_nothing(tiny4, recall):
     assert ("late_recalls" in log[1]) == (recall == "ahead")  # the first step of a request recalls in the layer
 
 
-@pytest.mark.parametrize("selection,io", [("solohead", "coalesced"), ("headwise", "coalesced"),
-                                          ("solohead", "fragmented")])
-def test_recall_ahead_slots_hold_their_blocks(tiny4, selection, io):
-    """Recall ahead under a budget that drops blocks: the driver never waits (no recall wait; the recalls land in
-    the layer's next call), and once the recalls in flight have landed every slot of every sparse layer holds,
-    bit for bit, the host row of the block its slot cache says it holds: recalled, or copied from the spare GPU
-    block. No lost or stale KV."""
+@pytest.mark.parametrize("selection,io,host_io", [("solohead", "coalesced", "xla"), ("headwise", "coalesced", "xla"),
+                                                  ("solohead", "fragmented", "xla"), ("solohead", "coalesced", "numpy"),
+                                                  ("headwise", "coalesced", "numpy")])
+def test_recall_ahead_slots_hold_their_blocks(tiny4, selection, io, host_io):
+    """Recall ahead under a budget that drops blocks: the recalls land in the layer's next call (with the numpy pool
+    they are gathered on the recall thread meanwhile; with the XLA pool the driver never waits), and once the
+    recalls in flight have landed every slot of every sparse layer holds, bit for bit, the host row of the block its
+    slot cache says it holds: recalled, or copied from the spare GPU block. No lost or stale KV."""
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(45, 30))
-    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, selection=selection, io=io)
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, selection=selection, io=io, host_io=host_io)
     eng = Engine(tiny4, EngineConfig.of(**kw))
     reqs = _run_until_last_token(eng, prompts, 30)
+    assert eng.host_pool.recalls_off_thread == (host_io == "numpy")
     log = list(eng.sparse.step_log)
     ahead = [e for e in log if "late_recalls" in e]  # all but each request's first step (it recalls in the layer)
-    assert len(ahead) == len(log) - len(prompts) >= 20 and all(e["recall_wait_s"] == 0.0 for e in ahead)
+    assert len(ahead) == len(log) - len(prompts) >= 20
+    assert all(e["recall_wait_s"] == 0.0 for e in ahead) or host_io == "numpy"
     assert sum(e["h2d_bytes"] for e in ahead) > 0  # recalls issued ahead, landed by the next step's calls
     kv = np.asarray(eng.sparse.land_pending(eng.kv))
     eng.kv = jnp.asarray(kv)
@@ -643,12 +646,13 @@ def test_retrieval_head_calibration_and_decode(tiny4):
 
 
 def test_auto_host_io_falls_back_to_numpy_when_the_probe_fails(tiny4, monkeypatch, emulated_gpu):
-    """On a GPU, host_io="auto" checks the pinned-host (xla) transfers once, when the engine is built; if they fail
-    there, the engine warns, keeps the host pool in numpy and decodes the same tokens (emulated GPU, check failing)."""
+    """On a GPU with a same-layer recall, host_io="auto" checks the pinned-host (xla) transfers once, when the engine
+    is built; if they fail there, the engine warns, keeps the host pool in numpy and decodes the same tokens
+    (emulated GPU, check failing). With recall ahead "auto" is numpy from the start: nothing to check."""
     from pulseinfer_jax.host_offload import host_pool
 
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(45, 30))
-    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, h2d_bytes_per_s=16e9)
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, h2d_bytes_per_s=16e9, recall="interruptible")
     kw["decode_attention"] = "jnp"  # (not under test: no kernel check)
     want = generate_long(prompts, tiny4, max_new_tokens=12, ignore_eos=True,
                          engine_config=EngineConfig.of(**kw, host_io="numpy"))
@@ -673,6 +677,9 @@ def test_auto_host_io_falls_back_to_numpy_when_the_probe_fails(tiny4, monkeypatc
     eng2 = Engine(tiny4, EngineConfig.of(**kw, host_io="xla"))
     generate_long(prompts[:1], eng2, max_new_tokens=4, ignore_eos=True, engine_config=eng2.config)
     assert len(calls) == 1 and eng2.host_pool.io_name == "xla"
+    ahead = Engine(tiny4, EngineConfig.of(**{**kw, "recall": "ahead"}))  # numpy by the rule: no probe, no warning
+    generate_long(prompts[:1], ahead, max_new_tokens=4, ignore_eos=True, engine_config=ahead.config)
+    assert len(calls) == 1 and ahead.host_pool.io_name == "numpy" and ahead.host_pool.recalls_off_thread
 
 
 def test_auto_kernels_fall_back_on_a_gpu_that_rejects_them(tiny4, monkeypatch, emulated_gpu):

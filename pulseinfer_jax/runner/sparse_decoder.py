@@ -58,6 +58,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Generator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,7 @@ from pulseinfer_jax.config import OffloadConfig
 from pulseinfer_jax.host_offload.host_pool import HostKVPool
 from pulseinfer_jax.host_offload.memory import zeros_on
 from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
+from pulseinfer_jax.host_offload.recall_thread import Recall
 from pulseinfer_jax.kv.blocks import bucket
 from pulseinfer_jax.models.transformer import Transformer, head_params, split_layers
 from pulseinfer_jax.parallel.layout import DeviceLayout
@@ -162,7 +164,7 @@ class SparseDecoder:
         self.step_log: collections.deque[dict] = collections.deque(maxlen=65536)
         self.steps_logged = 0
         # recall="ahead": per sparse layer, the recall issued for its next call (None: nothing in flight)
-        self._pending: list[Landing | None] = [None] * plan.sparse_layers
+        self._pending: list[Pending | None] = [None] * plan.sparse_layers
 
     @property
     def layer_params(self) -> list[dict]:
@@ -335,7 +337,8 @@ class SparseDecoder:
                              override=step.override is not None)
         fan = self._fan()
         copies0, bytes0 = self.pool.h2d_copies, self.pool.h2d_bytes
-        late = 0  # recalls not landed yet when their layer was dispatched (the GPU waits for them, the host does not)
+        late = 0  # recalls not landed yet when their layer was dispatched (the GPU waits for them)
+        waited = 0.0  # seconds the driver waited for the recall thread to finish a gather it needed
         head = head_params(params)
         all_tokens = mb.tokens
         if placed is not None:
@@ -354,8 +357,9 @@ class SparseDecoder:
                                                  attention=self.attention)
                 continue
             sl = layer - p.dense_layers
-            landing, self._pending[sl] = self._pending[sl], None
-            late += landing is not None and not landing.staging.is_ready()
+            landing, ready, w = self._take_landing(sl)
+            late += not ready
+            waited += w
             kv, x, self.slot_state, plan, sel = sparse_layer.ahead_layer(
                 model, lp, kv, x, self.bounds, self.slot_state, rows, step, self._layer_refs[sl], landing, placed,
                 spec=spec, attention=self.attention, fan=fan)
@@ -364,11 +368,11 @@ class SparseDecoder:
         for sl, plan, sel in plans:  # the GPU is still on the later layers while these are read
             info = self._read_plan(np.asarray(plan.info), sparse)
             self.selector.observe(sl, sparse, lengths, sel, info.hits, info.misses)
-            staging = self._issue_recall(sl, info, sparse)
-            if staging is not None:
-                self._pending[sl] = Landing(staging, plan.misses, plan.info)
+            recall = self._issue_recall(sl, info, sparse, start=True)
+            if recall is not None:
+                self._pending[sl] = Pending(recall, plan.misses, plan.info)
         self.step_log.append({"batch": len(sparse), "micro_batches": 1, "h2d_copies": self.pool.h2d_copies - copies0,
-                              "h2d_bytes": self.pool.h2d_bytes - bytes0, "recall_wait_s": 0.0, "late_recalls": late,
+                              "h2d_bytes": self.pool.h2d_bytes - bytes0, "recall_wait_s": waited, "late_recalls": late,
                               "dense_rows": len(placed_tokens)})
         self.steps_logged += 1
         out = np.asarray(out)
@@ -378,12 +382,22 @@ class SparseDecoder:
         self.selector.end_step(sparse)
         return kv, logits
 
+    def _take_landing(self, sl: int) -> tuple[Landing | None, bool, float]:
+        """Sparse layer `sl`'s recall issued last step, taken off the pending list: (its Landing or None, whether
+        its staging already sat on the device, seconds waited here for the recall thread's gather)."""
+        pending, self._pending[sl] = self._pending[sl], None
+        if pending is None:
+            return None, True, 0.0
+        ready = pending.recall.ready()
+        staging, waited = pending.recall.result()
+        return Landing(staging, pending.misses, pending.info), ready, waited
+
     def land_pending(self, kv: jax.Array) -> jax.Array:
         """Land every recall issued ahead now (before GPU blocks change owner, or a same-layer step): returns kv."""
-        for sl, landing in enumerate(self._pending):
+        for sl in range(len(self._pending)):
+            landing, _, _ = self._take_landing(sl)
             if landing is not None:
                 kv = sparse_layer.land(kv, self._layer_ids[self.plan.dense_layers + sl], landing, fan=self._fan())
-                self._pending[sl] = None
         return kv
 
     @property
@@ -521,9 +535,10 @@ class SparseDecoder:
             s.counters.reused_blocks += int(hits[b])
         return PlanInfo(len(rows), hits[: len(sparse)], misses[: len(sparse)], rows, lanes)
 
-    def _issue_recall(self, sl: int, info: PlanInfo, sparse: list[SparseKV]):
-        """Start the host-to-device copy (copies) of the layer's misses; returns the device staging, or None when
-        nothing is missing. Counts bytes / transfers / blocks per request."""
+    def _issue_recall(self, sl: int, info: PlanInfo, sparse: list[SparseKV], start: bool = False):
+        """Start the host-to-device copy (copies) of the layer's misses; returns the device staging (with `start`: a
+        `Recall`, gathered on the pool's recall thread where it has one), or None when nothing is missing. Counts
+        bytes / transfers / blocks per request."""
         if not info.count:
             return None
         pool, p = self.pool, self.plan
@@ -531,9 +546,11 @@ class SparseDecoder:
         per_row = info.misses.astype(np.int64)
         if self.ablation.io == "coalesced":
             if solo:
-                staging, unit = pool.gather_blocks(sl, info.rows), pool.layer_block_bytes
+                staging = (pool.recall_blocks if start else pool.gather_blocks)(sl, info.rows)
+                unit = pool.layer_block_bytes
             else:
-                staging, unit = pool.gather_units(sl, info.rows, info.lanes), pool.unit_bytes
+                staging = (pool.recall_units if start else pool.gather_units)(sl, info.rows, info.lanes)
+                unit = pool.unit_bytes
             copies = (per_row > 0).astype(np.int64)  # the one copy carried each request's blocks
             units_per_row = per_row
         else:  # fragmented: one copy per (block, head)
@@ -542,6 +559,7 @@ class SparseDecoder:
             rows = np.repeat(info.rows, fan)
             heads = np.tile(np.arange(hkv, dtype=np.int32), info.count) if solo else info.lanes
             staging, unit = pool.fragment_units(sl, rows, heads), pool.unit_bytes
+            staging = Recall(made=staging) if start else staging
             copies = units_per_row = per_row * fan
         for b, s in enumerate(sparse):
             c = s.counters
@@ -550,6 +568,14 @@ class SparseDecoder:
             c.recall_bytes += int(units_per_row[b]) * unit
             c.last_step_recall_bytes += int(units_per_row[b]) * unit
         return staging
+
+
+class Pending(NamedTuple):
+    """A sparse layer's recall issued one step ahead, until its layer's next call lands it (as a `Landing`)."""
+
+    recall: Recall  # the staging, being gathered and copied
+    misses: jax.Array  # the plan that listed it (LayerPlan.misses, LayerPlan.info)
+    info: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
