@@ -93,9 +93,10 @@ def _engine_config(system: str, point: dict):
     cfg = EngineConfig.of(**{**base, **SYSTEMS[system]})
     if system == "pulseinfer-min-reuse":
         cfg = cfg.with_settings(slot_cache_blocks=cfg.budget_blocks - cfg.offload.sink_blocks - cfg.window_blocks)
-    b = cfg.backends
-    backends = {"attention": "pallas", "layer_loop": b.layer_loop if b.layer_loop != "auto" else "layerwise",
-                "host_io": b.host_io if b.host_io != "auto" else "xla"}
+    from pulseinfer_jax.backends import plan_backends
+
+    r = plan_backends(cfg, "gpu")  # each "auto" as a GPU engine resolves it (its start-up checks assumed to pass)
+    backends = {"attention": "pallas", "layer_loop": r.layer_loop, "host_io": r.host_io or "xla"}
     return cfg, backends, new
 
 
