@@ -40,6 +40,8 @@ SYSTEMS = {
     "pulseinfer-1mb": dict(mode="offload", micro_batches=1),
     "pulseinfer-2mb": dict(mode="offload", recall="interruptible", micro_batches=2),
     "pulseinfer-cache1x": dict(mode="offload"),  # slot cache = one step's selection (set in _run_once)
+    # the pool in numpy, recalls gathered on the recall thread (a GPU engine's default with recall ahead)
+    "pulseinfer-numpy-io": dict(mode="offload", host_io="numpy"),
 }
 DEFAULT_SYSTEMS = ("dense,pulseinfer,pulseinfer-same-layer,offload-headwise,sparse-on-device,pulseinfer-sync,"
                    "pulseinfer-fragmented,pulseinfer-cache1x")
