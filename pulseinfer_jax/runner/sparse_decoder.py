@@ -10,10 +10,12 @@ One decode step of the sparse requests (`SparseDecoder.decode`):
      the token, scores, selects and plans against the slot caches, copies a miss on the block that just left the
      window from its spare GPU block, attends over the resident blocks, the hits and that copy, and finishes the
      layer. The other misses are not attended in this step: once every layer is dispatched the driver reads each
-     layer's plan as the GPU gets past it and issues that layer's recall (one host gather, one copy), which lands
-     in the layer's next call, a whole step later. A request's first decode step has nothing prefetched: that step
-     runs the same-layer schedule below (after landing the recalls in flight), as do the ablations. Recalls in
-     flight also land before a finished request's blocks are freed (`land_pending`).
+     layer's plan as the GPU gets past it and issues that layer's recall (one host gather, one copy; with the numpy
+     pool both on the pool's recall thread, so the driver only hands over the rows), which lands in the layer's
+     next call, a whole step later (the driver waits there only if that gather is still running: `recall_wait_s`).
+     A request's first decode step has nothing prefetched: that step runs the same-layer schedule below (after
+     landing the recalls in flight), as do the ablations. Recalls in flight also land before a finished request's
+     blocks are freed (`land_pending`).
   same-layer schedules (`recall="interruptible" | "eager" | "sync"`):
   1. the batch is split into `micro_batches` micro-batches; each runs the layer loop below as a coroutine
      that stops where it needs something not yet there;
