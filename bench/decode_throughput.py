@@ -63,7 +63,7 @@ SYSTEMS = {
     "pulseinfer-1mb": dict(mode="auto", recall="interruptible", micro_batches=1),
     # the early attention queued before the driver reads each layer's plan (hides the read and the recall's issue)
     "pulseinfer-eager": dict(mode="auto", recall="eager"),
-    # the host pool's backend pinned either way (on a GPU, "auto" with recall ahead is numpy: pageable RAM, gathered on
+    # the host pool's backend fixed either way (on a GPU, "auto" with recall ahead is numpy: pageable RAM, gathered on
     # the recall thread): the pinned pool's XLA host gather, which waits for the GPU's queued work and holds its later
     # programs, against the numpy gather off the driver's thread
     "pulseinfer-numpy-io": dict(mode="auto", host_io="numpy"),

@@ -193,29 +193,29 @@ class HostKVPool:
         return self.io.host_gather
 
     def recall_blocks(self, layer: int, rows: list[int]) -> Recall:
-        """`gather_blocks`, started (counted now): on the recall thread where `recalls_off_thread`."""
+        """`gather_blocks`, started (counted now): on the recall thread where `recalls_off_thread`, else made here."""
+        if not self.io.host_gather:
+            return Recall(made=self.gather_blocks(layer, rows))
         self.h2d_copies += 1
         self.h2d_bytes += len(rows) * self.layer_block_bytes
         (r,) = _pad_pow2(rows)
-        return self._start(layer, r)
+        return self._submit(self.io.staging_job(self.pool, layer, r))
 
     def recall_units(self, layer: int, rows: list[int], heads: list[int]) -> Recall:
-        """`gather_units`, started (counted now): on the recall thread where `recalls_off_thread`."""
+        """`gather_units`, started (counted now): on the recall thread where `recalls_off_thread`, else made here."""
+        if not self.io.host_gather:
+            return Recall(made=self.gather_units(layer, rows, heads))
         self.h2d_copies += 1
         self.h2d_bytes += len(rows) * self.unit_bytes
         r, h = _pad_pow2(rows, heads)
-        return self._start(layer, r, h)
+        return self._submit(self.io.staging_job(self.pool, layer, r, h))
 
-    def _start(self, layer: int, rows: np.ndarray, heads: np.ndarray | None = None) -> Recall:
-        io = self.io
-        if not io.host_gather:
-            stage = io.stage_blocks(self.pool, layer, rows) if heads is None else io.stage_units(self.pool, layer,
-                                                                                                 rows, heads)
-            return Recall(made=io.to_device(stage))
+    def _submit(self, stage) -> Recall:
+        """`stage` (a backend's staging job: it sees the write-backs queued until it was made) and its copy to the
+        device, on the recall thread."""
         if self._thread is None:
             self._thread = RecallThread()
-        stage = io.staging_job(self.pool, layer, rows, heads)  # (sees the write-backs queued until now)
-        return self._thread.submit(lambda: io.to_device(stage()))
+        return self._thread.submit(lambda: self.io.to_device(stage()))
 
     def sync(self) -> None:
         """Wait for every recall started on the recall thread: the pool's data is then this thread's alone (before a

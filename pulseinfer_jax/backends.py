@@ -111,7 +111,6 @@ def plan_backends(config: EngineConfig, platform: str, *, is_moe: bool = False, 
                        else "pinned-host pool (memory kinds emulated)")
         mbs = config.offload.micro_batches
         if mbs is None:
-            ahead = config.offload.ablation.recall == "ahead"
             mbs = 2 if gpu and not ahead else 1
             why.append(f"micro_batches {mbs}: " + ("recall ahead, one weight pass" if ahead else
                                                    "a copy engine to hide" if gpu else "nothing to overlap off a GPU"))
