@@ -8,7 +8,8 @@ the two, so this gather is measured against the ~50 GB/s of PCIe Gen5. The host 
 machine (the CPU backend runs the same XLA:CPU gather on the same pool layout), so it is measured here, at the sizes
 a GPU step produces: Llama-3.1-8B blocks (16 tokens x 8 KV heads x 128 x bf16, K and V: 64 KiB), 64 to 1,024 of
 them (4 to 64 MiB per layer and micro-batch), random rows of a pool larger than the caches. Also: numpy's fancy-
-index gather (host_io="numpy"), the same into a preallocated buffer, and a copy of the same bytes (the machine's
+index gather (host_io="numpy"), the same into a preallocated buffer as host_io="numpy-pinned" gathers (checked rows,
+mode "clip"; numpy's default mode "raise" gathers into a temporary first), and a copy of the same bytes (the machine's
 memory bandwidth for a streaming copy, the ceiling), each with 1 and, where it helps, several threads.
 """
 
@@ -27,6 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from pulseinfer_jax.host_offload.pinned_staging import PinnedStaging  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
 
@@ -72,6 +74,12 @@ def measure(n: int, io, pool, pool_np: np.ndarray, rng, threads: list[int], repe
         layer = next_layer()
         np.take(as_bytes[layer], picks[layer], axis=0, out=staging)
 
+    pinned_staging = np.empty((n, *pool_np.shape[2:]), pool_np.dtype)
+
+    def numpy_into_staging():  # as host_offload/pinned_staging.py gathers (checked rows, mode "clip")
+        layer = next_layer()
+        PinnedStaging.take_rows(pool_np[layer], picks[layer], pinned_staging)
+
     src = np.ascontiguousarray(as_bytes[0, :n])
 
     def stream_copy():
@@ -79,6 +87,7 @@ def measure(n: int, io, pool, pool_np: np.ndarray, rng, threads: list[int], repe
 
     nbytes = n * block_bytes
     ways = {"xla host gather (engine)": xla, "numpy fancy index (numpy io)": numpy_fancy,
+            "numpy into staging (numpy-pinned io)": numpy_into_staging,
             "numpy rows of bytes": bytes_fancy, "numpy rows of bytes into staging": bytes_take,
             "contiguous copy (ceiling)": stream_copy}
     out = {name: nbytes / timed(fn, repeats) / 1e9 for name, fn in ways.items()}

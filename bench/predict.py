@@ -14,7 +14,8 @@ Time model (stated, not measured; each term printed):
   GPU time of a program        bytes / bandwidth + launches x t_launch   (t_launch, t_sync calibrated below)
   host sync                    t_sync per read of a layer's plan (one per sparse layer and micro-batch)
   recall of a layer            host gather (bytes / gather rate) [+ bytes / copy rate: host_io="numpy", PJRT copies
-                               pageable memory into its pinned bounce buffer] + bytes / h2d + t_copy per copy; the
+                               pageable memory into its pinned bounce buffer; host_io="numpy-pinned" gathers into
+                               pinned staging, no bounce] + bytes / h2d + t_copy per copy; the
                                per-head baseline (io="fragmented"): one copy per (block, head) at t_copy each, no
                                gather (what a per-head engine issues; this engine's XLA loop costs more: 6 launches
                                per unit)
@@ -260,6 +261,7 @@ class Model:
     gather_rate: float  # host gather bytes/s (XLA host computation)
     numpy_gather_rate: float  # the same by numpy fancy indexing (host_io="numpy")
     copy_rate: float  # contiguous host copy bytes/s (host_io="numpy": PJRT's copy into its pinned bounce buffer)
+    staging_gather_rate: float = 0.0  # numpy's gather into a preallocated (pinned) staging buffer ("numpy-pinned")
     gather_source: str = ""  # where the host rates come from
 
     def gpu(self, cost: dict, count: float = 1.0) -> float:
@@ -347,6 +349,8 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
             recall = nbytes / m.h2d + miss * st.copies_per_miss * m.t_copy if miss else 0.0
         elif st.backends["host_io"] == "numpy":  # numpy gather, PJRT's bounce copy, one copy
             recall = nbytes / m.numpy_gather_rate + nbytes / m.copy_rate + nbytes / m.h2d + m.t_copy if miss else 0.0
+        elif st.backends["host_io"] == "numpy-pinned":  # numpy gather into pinned staging, one copy from it
+            recall = nbytes / m.staging_gather_rate + nbytes / m.h2d + m.t_copy if miss else 0.0
         else:  # an XLA host gather into one pinned staging buffer, then one copy
             hold = nbytes / m.gather_rate
             recall = hold + nbytes / m.h2d + m.t_copy if miss else 0.0
@@ -423,19 +427,20 @@ def main() -> int:
         cal = calibrate({r["key"]: r for r in cal_rows}, H200_STREAM_BW)
         write_result(CALIBRATION.stem, cal, CALIBRATION.parent)
     cal = json.loads(CALIBRATION.read_text())
-    gather, numpy_gather, copy = _gather_rates()
+    gather, numpy_gather, copy, staging = _gather_rates()
     source = (f"measured on the CPU machine (2 cores; {GATHER_RATE_FILE.relative_to(RESULTS.parent)}), not on the GPU "
               "host")
     if a.gather_rate:
-        gather, numpy_gather, source = a.gather_rate, a.gather_rate, f"--gather-rate; the copy rate {source}"
-    print(f"host gather: {gather / 1e9:.1f} GB/s (numpy {numpy_gather / 1e9:.1f} GB/s, contiguous copy "
-          f"{copy / 1e9:.1f} GB/s), {source}")
+        gather = numpy_gather = staging = a.gather_rate
+        source = f"--gather-rate; the copy rate {source}"
+    print(f"host gather: {gather / 1e9:.1f} GB/s (numpy {numpy_gather / 1e9:.1f} GB/s, into staging "
+          f"{staging / 1e9:.1f} GB/s, contiguous copy {copy / 1e9:.1f} GB/s), {source}")
     free = cal["free_fit"]
     print(f"calibration ({CALIBRATION.name}, git {cal.get('git')}): t_launch {free['t_launch'] * 1e6:.2f} us at "
           f"{free['bandwidth'] / 1e12:.2f} TB/s, max error {free['max_error']:.3f}; at {cal['bandwidth'] / 1e12:.1f} "
           f"TB/s fixed: t_launch {cal['t_launch'] * 1e6:.2f} us, max error {cal['max_error']:.3f}")
     t_launch = free["t_launch"] if a.t_launch is None else a.t_launch
-    model = Model(free["bandwidth"], t_launch, a.t_sync, a.h2d, T_COPY, gather, numpy_gather, copy, source)
+    model = Model(free["bandwidth"], t_launch, a.t_sync, a.h2d, T_COPY, gather, numpy_gather, copy, staging, source)
     low = dataclasses.replace(model, t_launch=T_LAUNCH_LOW)
     preds = []
     for st in steps_for(target, a.points.split(","), a.h2d, systems):
@@ -485,14 +490,15 @@ def host_seconds(recall: str, batch: int, files: dict = HOST_TIME_FILES) -> floa
     return float(np.interp(batch, xs, ys))
 
 
-def _gather_rates() -> tuple[float, float, float]:
-    """(XLA host gather, numpy gather, contiguous copy) bytes/s: the medians over sizes of bench/host_gather.py's
-    measurement."""
+def _gather_rates() -> tuple[float, float, float, float]:
+    """(XLA host gather, numpy gather, contiguous copy, numpy gather into staging) bytes/s: the medians over sizes of
+    bench/host_gather.py's measurement."""
     if not GATHER_RATE_FILE.is_file():
         raise SystemExit(f"no {GATHER_RATE_FILE}: run bench/host_gather.py first, or pass --gather-rate")
     grid = json.loads(GATHER_RATE_FILE.read_text())["grid"]
     med = lambda name: float(np.median([r["gb_per_s"][name] for r in grid])) * 1e9  # noqa: E731
-    return med("xla host gather (engine)"), med("numpy fancy index (numpy io)"), med("contiguous copy (ceiling)")
+    return (med("xla host gather (engine)"), med("numpy fancy index (numpy io)"), med("contiguous copy (ceiling)"),
+            med("numpy into staging (numpy-pinned io)"))
 
 
 if __name__ == "__main__":

@@ -31,8 +31,11 @@ Index vectors are padded to powers of two so the number of compiled variants sta
 Two backends move the bytes (the accounting above is the pool's, the same for both):
   - "xla" (`xla_io.py`): the pool on `pinned_host`, host gathers as XLA host computations: the intended path;
   - "numpy" (`numpy_io.py`): the pool in pageable RAM, numpy gathers, plain `device_put`s: no GPU program
-    in the recall, so a recall on the recall thread overlaps the GPU's step (the engine's `host_io="auto"` with
-    recall ahead on a GPU), and the fallback where the first fails its start-up check (`probe_host_io`).
+    in the recall, so a recall on the recall thread overlaps the GPU's step, and the fallback where the others fail
+    their start-up check (`probe_host_io`);
+  - "numpy-pinned" (`pinned_staging.py`): "numpy" with whole blocks gathered straight into pinned staging buffers,
+    so the copy to the device reads them directly (no bounce copy): the engine's `host_io="auto"` with recall ahead
+    on a GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 from pulseinfer_jax.host_offload.numpy_io import NumpyHostIO
+from pulseinfer_jax.host_offload.pinned_staging import PinnedNumpyHostIO
 from pulseinfer_jax.host_offload.recall_thread import Recall, RecallThread
 from pulseinfer_jax.host_offload.xla_io import XlaHostIO
 
@@ -50,7 +54,7 @@ from pulseinfer_jax.kv.quant import block_rows
 from pulseinfer_jax.parallel.layout import DeviceLayout
 
 NULL_ROW = 0
-HOST_IO = {"xla": XlaHostIO, "numpy": NumpyHostIO}
+HOST_IO = {"xla": XlaHostIO, "numpy": NumpyHostIO, "numpy-pinned": PinnedNumpyHostIO}
 
 
 def _pad_pow2(*vectors: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -252,7 +256,7 @@ class HostKVPool:
         """Host-to-device bytes/s of one large copy from this backend's host memory (best of `repeats`)."""
         import time
 
-        src = self.io.zeros((nbytes,), np.uint8)
+        src = self.io.h2d_source(nbytes)
         jax.block_until_ready(self.io.to_device(src))  # warm-up
         best = float("inf")
         for _ in range(repeats):
@@ -293,12 +297,16 @@ def probe_host_io(device: jax.Device, *, block_size: int, num_kv_heads: int, hea
                np.asarray(pool.fragment_units(0, [3], [h]))[:1], pool.contents()[0, [1, 2, 3]]]
         pool.write_back_units(kv, [2, 4 + 1], [2, 1], 0)  # flat units: layer 0 block 2, layer 1 block 1
         got.append(pool.contents()[0, [1, 2, 3]])
+        # recalls of one shape, one after another: each keeps its bits (a reused staging buffer must not show)
+        again = [pool.gather_blocks(0, [r]) for r in (1, 2, 3, 1, 3)]
+        got.append(np.concatenate([np.asarray(a)[:1] for a in again]))
     except Exception as e:  # noqa: BLE001 - any lowering / runtime failure of the backend on this device
         return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     want = [kv_np[1, [3, 1]], np.stack([kv_np[1, 1, :, :, h], kv_np[1, 3, :, :, 0]]), kv_np[1, 3, :, :, h][None],
             np.stack([kv_np[1, 1], np.zeros_like(kv_np[1, 1]), kv_np[1, 3]]),
             np.stack([kv_np[1, 1], kv_np[0, 2], kv_np[1, 3]])]
-    names = ("gather_blocks", "gather_units", "fragment_units", "write_back", "write_back_units")
+    want.append(np.stack([want[-1][i] for i in (0, 1, 2, 0, 2)]))
+    names = ("gather_blocks", "gather_units", "fragment_units", "write_back", "write_back_units", "repeated gathers")
     for name, g, w in zip(names, got, want, strict=True):
         if g.shape != w.shape or g.tobytes() != w.tobytes():
             return f"{name} returned wrong values on {device.platform}"

@@ -109,9 +109,12 @@ class NumpyHostIO:
             with self._lock:
                 self.land(writes)
                 if heads is None:
-                    return np.take(pool[layer], rows, axis=0)  # [n, 2, bs, Hkv, hd], a fresh contiguous array
+                    return self._gather_blocks(pool[layer], rows)
                 return pool[layer][rows, :, :, heads]  # [n, 2, bs, hd], a fresh contiguous array
         return job
+
+    def _gather_blocks(self, layer: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return np.take(layer, rows, axis=0)  # [n, 2, bs, Hkv, hd], a fresh contiguous array
 
     def take_writes(self) -> list:
         with self._lock:
@@ -120,6 +123,10 @@ class NumpyHostIO:
 
     def to_device(self, staging: np.ndarray) -> Array:
         return jax.device_put(staging, self.dev if staging.ndim == 5 else self.unit_dev)
+
+    def h2d_source(self, nbytes: int) -> np.ndarray:
+        """Bytes in the host memory a recall copies from (`HostKVPool.measure_h2d`)."""
+        return self.zeros((nbytes,), np.uint8)
 
     def fragment_units(self, pool: np.ndarray, layer: int, rows: np.ndarray, heads: np.ndarray,
                        count: int) -> Float[Array, "n 2 bs hd"]:

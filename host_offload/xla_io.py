@@ -63,6 +63,10 @@ class XlaHostIO:
         return self._layers[layer]
 
     # ---- storage -------------------------------------------------------------------------------
+    def h2d_source(self, nbytes: int) -> Array:
+        """Bytes in the host memory a recall copies from (`HostKVPool.measure_h2d`): the pool's pinned memory."""
+        return self.zeros((nbytes,), np.uint8)
+
     def zeros(self, shape: tuple[int, ...], dtype) -> Array:
         """A pool [Ls, R, 2, bs, Hkv, hd] (split by KV head under tensor parallelism) or a plain buffer (replicated)."""
         return zeros_on(shape, dtype, self.host if len(shape) == 6 else self.host_scalar)

@@ -105,10 +105,10 @@ def plan_backends(config: EngineConfig, platform: str, *, is_moe: bool = False, 
         # computes; the XLA host gather starts only after every GPU program queued before it and holds the later
         # ones until it ends (XLA's HostExecute thunks), so it cannot overlap a step
         ahead = config.offload.ablation.recall == "ahead"
-        host_io = auto("host_io", b.host_io, "numpy" if ahead else "xla", "xla",
-                       ("pageable pool gathered on the recall thread, overlapping the step (an XLA host gather "
-                        "would wait for the GPU's queued work)" if ahead else "pinned-host pool") if gpu
-                       else "pinned-host pool (memory kinds emulated)")
+        host_io = auto("host_io", b.host_io, "numpy-pinned" if ahead else "xla", "xla",
+                       ("pageable pool gathered on the recall thread into pinned staging, overlapping the step (an "
+                        "XLA host gather would wait for the GPU's queued work)" if ahead else "pinned-host pool")
+                       if gpu else "pinned-host pool (memory kinds emulated)")
         mbs = config.offload.micro_batches
         if mbs is None:
             mbs = 2 if gpu and not ahead else 1
@@ -140,15 +140,16 @@ def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBack
         if err is not None:
             why.append(f"decode_attention jnp: the Pallas kernels failed their check ({err})")
             attention, sparse = "jnp", ("jnp" if sparse is not None else None)
-    if host_io == "xla" and b.host_io == "auto":
-        from pulseinfer_jax.host_offload.host_pool import resolve_host_io
+    if host_io in ("xla", "numpy-pinned") and b.host_io == "auto":
+        from pulseinfer_jax.host_offload.host_pool import probe_host_io
 
         c = model.cfg
-        host_io, err = resolve_host_io(b.host_io, device, on_gpu=True, block_size=config.block_size,
-                                       num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                       dtype=storage_dtype(r.kv_dtype))
+        err = probe_host_io(device, block_size=config.block_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                            dtype=storage_dtype(r.kv_dtype), io=host_io)
         if err is not None:
-            why.append(f"host_io numpy: pinned-host transfers failed their check ({err}); pageable RAM, slower")
+            why.append(f"host_io numpy: {host_io}'s pinned-host transfers failed their check ({err}); pageable RAM "
+                       "through PJRT's bounce buffer, slower")
+            host_io = "numpy"
     if moe is not None and moe.grouped_kernel == "pallas":
         from pulseinfer_jax.models.moe import probe_grouped_kernel
 

@@ -26,7 +26,7 @@ RecallMode = Literal["ahead", "interruptible", "eager", "sync"]
 Placement = Literal["host", "device"]
 DecodeAttention = Literal["auto", "jnp", "pallas"]
 LayerLoop = Literal["auto", "scan", "layerwise"]
-HostIO = Literal["auto", "xla", "numpy"]
+HostIO = Literal["auto", "xla", "numpy", "numpy-pinned"]
 MoEStrategy = Literal["auto", "dense", "gather", "grouped", "grouped-pallas"]
 KVDtype = Literal["auto", "float8_e4m3fn"]  # (kv_quant.KV_DTYPES)
 
@@ -131,8 +131,10 @@ class Backends:
     layer_loop: LayerLoop = option("auto", "scan (one call scanning stacked weights), layerwise (one call per "
                                    "layer) or auto (layerwise on a GPU, scan elsewhere)")
     host_io: HostIO = option("auto", "xla (pool in pinned host memory, XLA host gathers), numpy (pageable RAM, numpy "
-                             "gathers; recall ahead gathers on a recall thread) or auto (on a GPU numpy with recall "
-                             "ahead, else xla once it passes a start-up check; xla off a GPU)")
+                             "gathers; recall ahead gathers on a recall thread), numpy-pinned (numpy, the blocks "
+                             "gathered straight into pinned staging: no bounce copy) or auto (on a GPU with recall "
+                             "ahead numpy-pinned once it passes a start-up check, else numpy; same-layer recall xla "
+                             "once checked; xla off a GPU)")
     moe_strategy: MoEStrategy = option("auto", "mixture-of-experts layers: dense | gather | grouped | grouped-pallas "
                                        "| auto (grouped on CPU, dense / gather by token count on a GPU)")
 

@@ -278,9 +278,11 @@ def test_backend_rule_per_platform():
     assert gpu.sparse_attention is None and gpu.host_io is None  # dense mode: no offload backends
     off = plan_backends(EngineConfig.of(mode="offload"), "cuda")
     # recall ahead (the default) never waits: one micro-batch, one weight pass, the numpy pool gathered on the recall
-    # thread (an XLA host gather would wait for the GPU's queued work); a same-layer recall: two, the pinned pool
-    assert (off.platform, off.sparse_attention, off.host_io, off.micro_batches) == ("gpu", "pallas", "numpy", 1)
-    assert any(r.startswith("host_io auto: pageable pool gathered on the recall thread") for r in off.reasons)
+    # thread into pinned staging (an XLA host gather would wait for the GPU's queued work); a same-layer recall: two,
+    # the pinned pool
+    assert (off.platform, off.sparse_attention, off.host_io, off.micro_batches) == ("gpu", "pallas", "numpy-pinned", 1)
+    assert any(r.startswith("host_io auto: pageable pool gathered on the recall thread into pinned staging")
+               for r in off.reasons)
     same = plan_backends(EngineConfig.of(mode="offload", recall="interruptible"), "gpu")
     assert (same.micro_batches, same.host_io) == (2, "xla")
     assert plan_backends(EngineConfig.of(mode="offload"), "cpu").host_io == "xla"  # (memory kinds emulated)

@@ -1,4 +1,4 @@
-"""host_offload: host pool transfers of both I/O backends (bit-exact, counted), the backend probe, slot cache
+"""host_offload: host pool transfers of every I/O backend (bit-exact, counted), the backend probe, slot cache
 LRU, per-request block roles."""
 
 import collections
@@ -32,7 +32,7 @@ def _kv(seed, dtype=np.float32, rows=BS):
     return kv
 
 
-@pytest.mark.parametrize("io", ["xla", "numpy"])
+@pytest.mark.parametrize("io", ["xla", "numpy", "numpy-pinned"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.uint8])  # (uint8: float8 KV's bytes)
 def test_host_pool_round_trip_bit_exact(dtype, io):
     """(float8: blocks of BS + 1 rows, the last one the scale codes: moved with the block, never re-quantised.)"""
@@ -77,18 +77,18 @@ def test_host_pool_round_trip_bit_exact(dtype, io):
     assert pool.measure_h2d(nbytes=1 << 16, repeats=1) > 0  # IOAA's bandwidth, from this backend's memory
 
 
-@pytest.mark.parametrize("io", ["xla", "numpy"])
+@pytest.mark.parametrize("io", ["xla", "numpy", "numpy-pinned"])
 def test_recalls_started_ahead_move_what_the_gathers_move(io):
     """`recall_blocks` / `recall_units` (a recall started one step ahead): the numpy pool gathers them on its recall
     thread in submission order, while the driver queues write-backs: each recall sees every write-back queued before
     it, none queued after it, bit for bit; counted when started; the thread's errors reach the caller."""
     pool = _pool(io=io)
-    assert pool.recalls_off_thread == (io == "numpy")
+    assert pool.recalls_off_thread == (io != "xla")
     kv1, kv2 = _kv(0), _kv(1)
     rows = pool.allocate(3, owner=1)
     pool.write_back(jnp.asarray(kv1), [4, 2, 7], rows)
     gate = threading.Event()  # (the thread held until every call below was made: the later write is queued first)
-    if io == "numpy":
+    if io != "xla":
         pool._thread = RecallThread()
         pool._thread.submit(lambda: gate.wait(30))
     first = pool.recall_blocks(1, [rows[2], rows[0]])
@@ -106,14 +106,60 @@ def test_recalls_started_ahead_move_what_the_gathers_move(io):
     np.testing.assert_array_equal(np.asarray(got)[0], kv2[2, 5])
     assert first.gathered() and second.ready()
     pool.sync()
-    if io == "numpy":  # a gather that fails on the thread raises where its staging is asked for, not as a hang
+    if io != "xla":  # a gather that fails on the thread raises where its staging is asked for, not as a hang
         bad = pool.recall_blocks(1, [pool.num_rows + 5])
         with pytest.raises(IndexError):
             bad.result()
         np.testing.assert_array_equal(pool.read(1, rows[0]), kv2[2, 5])  # the thread goes on after an error
 
 
-@pytest.mark.parametrize("io", ["xla", "numpy"])
+def test_pinned_staging_ring_reuses_buffers_only_after_their_copies():
+    """"numpy-pinned": whole blocks are gathered into pinned staging buffers from a ring per shape, each copied to the
+    device without a second host copy; a buffer comes round again only after its copy finished, so every recall keeps
+    its own bits while the ring turns many times; (block, head) units take the numpy path."""
+    from pulseinfer_jax.host_offload.pinned_staging import RING_DEPTH
+
+    pool = _pool(io="numpy-pinned", dtype=jnp.bfloat16)
+    data = _kv(3, jnp.bfloat16)[1:, :]  # [Ls, NB, ...]: rows 1..8 of the pool hold blocks 1..8 of layers 1..3
+    full = np.zeros(pool.shape, jnp.bfloat16)
+    full[:, 1:NB] = data[:, 1:NB]
+    pool.load(full)
+    picks = [[1 + (i * 3 + j) % (NB - 1) for j in range(3)] for i in range(4 * RING_DEPTH)]
+    recalls = [pool.recall_blocks(i % 3, rows) for i, rows in enumerate(picks)]  # all on the thread, one shape
+    stagings = []
+    for i, (rows, rec) in enumerate(zip(picks, recalls, strict=True)):
+        got, _ = rec.result()
+        assert got.sharding.memory_kind == "device" and got.shape == (4, 2, BS, HKV, HD)
+        np.testing.assert_array_equal(np.asarray(got)[:3].view(np.uint16), full[i % 3, rows].view(np.uint16))
+    for i, rows in enumerate(picks):  # synchronous: the staging itself is pinned host memory, from the ring
+        staging = pool.stage_blocks(i % 3, rows)
+        assert staging.sharding.memory_kind == "pinned_host"
+        stagings.append(staging)
+        np.testing.assert_array_equal(np.asarray(pool.to_device(staging))[:3].view(np.uint16),
+                                      full[i % 3, rows].view(np.uint16))
+    assert len({id(s) for s in stagings}) == RING_DEPTH  # (the buffers are reused, not made per recall)
+    for i, rec in enumerate(recalls):  # every earlier copy still holds its own blocks after the ring turned
+        np.testing.assert_array_equal(np.asarray(rec.result()[0])[:3].view(np.uint16),
+                                      full[i % 3, picks[i]].view(np.uint16))
+    with pytest.raises(IndexError, match="out of range"):  # checked rows (the gather itself clips)
+        pool.gather_blocks(0, [pool.num_rows])
+    units = pool.gather_units(1, [2, 5], [1, 0])
+    np.testing.assert_array_equal(np.asarray(units)[:2].view(np.uint16),
+                                  np.stack([full[1, 2, :, :, 1], full[1, 5, :, :, 0]]).view(np.uint16))
+
+
+def test_probe_catches_a_staging_copy_that_aliases(monkeypatch):
+    """Where the copy to the device would alias the pinned staging (or not wait for it), a later recall overwrites an
+    earlier one's blocks: the probe's repeated gathers see it and the engine falls back to "numpy"."""
+    from pulseinfer_jax.host_offload.pinned_staging import PinnedStaging
+
+    monkeypatch.setattr(PinnedStaging, "put", lambda self, staging: staging)
+    err = probe_host_io(jax.devices()[0], block_size=BS, num_kv_heads=HKV, head_dim=HD, dtype=jnp.bfloat16,
+                        io="numpy-pinned")
+    assert err == f"repeated gathers returned wrong values on {jax.devices()[0].platform}"
+
+
+@pytest.mark.parametrize("io", ["xla", "numpy", "numpy-pinned"])
 def test_gathers_from_a_pool_no_write_back_has_touched(io):
     """A fresh pool reads as zeros through every gather (the xla host gathers once failed here on mixed memory
     spaces: the pool's traced value came in without the host memory space until a write-back had produced it)."""
@@ -124,7 +170,7 @@ def test_gathers_from_a_pool_no_write_back_has_touched(io):
     np.testing.assert_array_equal(np.asarray(pool.fragment_units(2, [4], [0]))[:1], z[None, :, :, 0])
 
 
-@pytest.mark.parametrize("io", ["xla", "numpy"])
+@pytest.mark.parametrize("io", ["xla", "numpy", "numpy-pinned"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.uint8])  # (uint8: a float8 cache's bytes, scale rows included)
 def test_probe_host_io_passes_where_the_backend_works(io, dtype):
     assert probe_host_io(jax.devices()[0], block_size=BS, num_kv_heads=HKV, head_dim=HD, dtype=dtype, io=io) is None

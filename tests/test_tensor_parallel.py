@@ -109,6 +109,7 @@ def test_dense_backends_match_one_device(tp, settings):
 @pytest.mark.parametrize("tp,settings", [
     (2, dict(host_io="xla")),
     (4, dict(host_io="numpy", decode_attention="pallas", layer_loop="layerwise")),
+    (2, dict(host_io="numpy-pinned")),  # (each device's heads gathered into its own shard of the pinned staging)
 ])
 def test_full_budget_offload_under_tp_equals_dense(tp, settings):
     """Lossless offloading under tensor parallelism: budget >= context gives the single-device dense tokens while the

@@ -1,0 +1,109 @@
+"""Host I/O backend "numpy-pinned": the numpy pool, its whole-block recalls gathered straight into pinned memory.
+
+The "numpy" backend's recall is a numpy gather into a fresh pageable array, then `jax.device_put`, which makes PJRT
+copy those bytes once more, into its own pinned bounce buffer, before the DMA. Here the gather writes into a
+staging buffer that already lives in pinned host memory (a jax array on `pinned_host`, written in place through a
+numpy view of each device's shard), and the copy to the device is a `device_put` between two memory spaces of the
+same device: the DMA reads the staging directly, with no second host copy.
+
+Staging buffers come from a ring per (shape, dtype), RING_DEPTH deep: a buffer is written again only after the
+device copy made from it has finished (the recall thread waits for it, the driver never does), so the gather of
+the next recall overlaps the copy of the one before. A staging buffer returned by `stage_blocks` stays valid until
+RING_DEPTH later stagings of its shape.
+
+The engine picks this backend for a GPU with recall ahead only if `host_pool.probe_host_io` passes for it (every
+transfer bit for bit, and a staging rewritten after its copy leaves the copy unchanged); (block, head) units and
+the per-head baseline stay on the "numpy" path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import jax
+import numpy as np
+from jaxtyping import Array, Float
+from pulseinfer_jax.host_offload.memory import HOST_KIND
+from pulseinfer_jax.host_offload.numpy_io import NumpyHostIO
+
+from pulseinfer_jax.parallel.layout import DeviceLayout
+
+RING_DEPTH = 2  # staging buffers per shape: one being copied while the next is gathered
+
+
+def writable_view(shard: jax.Array) -> np.ndarray:
+    """A numpy array over a single-device host array's own memory (writes land in the array, bypassing JAX)."""
+    raw = (ctypes.c_char * shard.nbytes).from_address(shard.unsafe_buffer_pointer())
+    return np.frombuffer(raw, shard.dtype).reshape(shard.shape)
+
+
+class _Slot:
+    """One staging buffer: the pinned array, a writable view of each device's shard (with the shard's index into
+    the whole), and the device copy last made from it."""
+
+    def __init__(self, shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
+        self.array = jax.device_put(np.zeros(shape, dtype), sharding)
+        self.views = [(writable_view(s.data), s.index) for s in self.array.addressable_shards]
+        self.copy: Array | None = None
+
+
+class PinnedStaging:
+    """Rings of pinned staging buffers [n, 2, bs, Hkv, hd] (split by KV head like the device's cache)."""
+
+    def __init__(self, host: jax.sharding.Sharding, device: jax.sharding.Sharding):
+        self.host, self.device = host, device
+        self._rings: dict[tuple, tuple[list[_Slot], list[int]]] = {}
+        self._by_array: dict[int, _Slot] = {}  # id(staging array) -> its slot (for `put`)
+
+    def gather(self, layer: Float[np.ndarray, "R 2 bs Hkv hd"], rows: np.ndarray) -> jax.Array:
+        """`layer[rows]` written into the next staging buffer of its shape (after that buffer's last copy finished)."""
+        shape = (len(rows), *layer.shape[1:])
+        slots, turn = self._rings.setdefault((shape, layer.dtype.str), ([], [0]))
+        if len(slots) < RING_DEPTH:
+            slots.append(_Slot(shape, layer.dtype, self.host))
+            self._by_array[id(slots[-1].array)] = slots[-1]
+        slot = slots[turn[0] % len(slots)]
+        turn[0] += 1
+        if slot.copy is not None:
+            slot.copy.block_until_ready()  # the DMA reading this buffer is done before it is overwritten
+            slot.copy = None
+        for view, index in slot.views:  # each device's KV heads into its own shard
+            self.take_rows(layer[(slice(None), *index[1:])], rows, view)
+        return slot.array
+
+    @staticmethod
+    def take_rows(layer: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+        """out[:] = layer[rows], rows checked first (then mode "clip": numpy's "raise" gathers into a temporary and
+        copies it, about half the speed, bench/host_gather.py)."""
+        if len(rows) and (rows.min() < 0 or rows.max() >= len(layer)):
+            raise IndexError(f"pool rows {rows.min()}..{rows.max()} out of range for a pool of {len(layer)} rows")
+        np.take(layer, rows, axis=0, out=out, mode="clip")
+
+    def put(self, staging: jax.Array) -> Array:
+        """One copy of a staging buffer to the device (pinned host -> device memory, no bounce)."""
+        out = jax.device_put(staging, self.device)
+        self._by_array[id(staging)].copy = out
+        return out
+
+    def owns(self, staging) -> bool:
+        return isinstance(staging, jax.Array) and id(staging) in self._by_array
+
+
+class PinnedNumpyHostIO(NumpyHostIO):
+    name = "numpy-pinned"
+
+    def __init__(self, device: jax.Device | DeviceLayout, first_layer: int):
+        super().__init__(device, first_layer)
+        self.layout = DeviceLayout.on(device)
+        self.staging = PinnedStaging(self.layout.kv_heads(5, HOST_KIND), self.dev)
+
+    def _gather_blocks(self, layer: np.ndarray, rows: np.ndarray) -> jax.Array:
+        return self.staging.gather(layer, rows)
+
+    def to_device(self, staging) -> Array:
+        if self.staging.owns(staging):
+            return self.staging.put(staging)
+        return super().to_device(staging)  # (block, head) units: numpy, through PJRT's bounce buffer
+
+    def h2d_source(self, nbytes: int) -> jax.Array:
+        return jax.device_put(np.zeros(nbytes, np.uint8), self.layout.replicated(HOST_KIND))
