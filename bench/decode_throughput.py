@@ -63,9 +63,9 @@ SYSTEMS = {
     "pulseinfer-1mb": dict(mode="auto", recall="interruptible", micro_batches=1),
     # the early attention queued before the driver reads each layer's plan (hides the read and the recall's issue)
     "pulseinfer-eager": dict(mode="auto", recall="eager"),
-    # the host pool's backend fixed either way (on a GPU, "auto" with recall ahead is numpy: pageable RAM, gathered on
-    # the recall thread): the pinned pool's XLA host gather, which waits for the GPU's queued work and holds its later
-    # programs, against the numpy gather off the driver's thread
+    # the host pool's backend fixed (on a GPU, "auto" with recall ahead is numpy-pinned: pageable RAM, gathered on the
+    # recall thread into pinned staging): the same gather through PJRT's bounce buffer, and the pinned pool's XLA host
+    # gather, which waits for the GPU's queued work and holds its later programs
     "pulseinfer-numpy-io": dict(mode="auto", host_io="numpy"),
     "pulseinfer-xla-io": dict(mode="auto", host_io="xla"),
     "sparse-on-device": dict(mode="offload", offload_placement="device"),  # same selection, no PCIe
@@ -321,7 +321,7 @@ def main() -> int:
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--gpu-kv-budget", type=parse_bytes, default=None, help="e.g. 24GiB (emulates a smaller GPU)")
     ap.add_argument("--kv-dtype", default="auto", help="KV cache dtype: auto (the model's) or float8_e4m3fn")
-    ap.add_argument("--host-io", default="auto", choices=("auto", "xla", "numpy"),
+    ap.add_argument("--host-io", default="auto", choices=("auto", "xla", "numpy", "numpy-pinned"),
                     help="host KV pool backend of every system (EngineConfig.host_io; default auto)")
     ap.add_argument("--replay", default=None, help="trace name (e.g. smollm2) or path prefix; see bench/traces.py")
     ap.add_argument("--mix", default=None, choices=["mooncake"], help="also run a trace-shaped request mix")

@@ -5,7 +5,8 @@
 # bench/decode_throughput.py (random Llama-3.1-8B, bf16, synthetic KV with a real model's selections replayed),
 # then a 128K-context point, points C (24 x 32K) and D (12 x 128K, float8 KV) where dense holds 3, the dense decode bench (scan vs layer-wise layer loop, jnp vs Pallas attention) and a
 # short serving point (bench/serving.py: the OpenAI-compatible server at 1 and 8 clients) if time is left. On a GPU the engine probes its Pallas kernels (and, where it uses them,
-# its pinned-host transfers) first and falls back (jnp attention, host_io numpy) with a warning in the logs. Two extra PulseInfer decode steps of
+# its pinned-host transfers) first and falls back (jnp attention, host_io numpy) with a warning in the logs. Point C
+# also runs pulseinfer-numpy-io (the recall through PJRT's bounce buffer), last: where pinned staging should matter most. Two extra PulseInfer decode steps of
 # point A are profiled (jax.profiler: OUT/profile/.../perfetto_trace.json.gz, for ui.perfetto.dev). Every
 # step has its own timeout and every bench rewrites its JSON after each measurement, so a timeout keeps what
 # ran. Everything goes to OUT_DIR (ready to copy into bench/results/).
@@ -63,7 +64,7 @@ if [ "$MODE" = "--smoke" ]; then
     DT_A=(--smoke --layer-loop layerwise --replay "$TRACE" --name decode_throughput_a --profile-system pulseinfer
           --profile-dir "$OUT/profile" --systems dense,pulseinfer,offload-headwise,dense-scan,pulseinfer-no-ioaa,pulseinfer-xla-io)
     DT_B=(--smoke --contexts 3000 --batches 2 --systems dense,pulseinfer,offload-headwise --name decode_throughput_b)
-    DT_C=(--smoke --batches 4 --systems dense,pulseinfer,offload-headwise --name decode_throughput_c)
+    DT_C=(--smoke --batches 4 --systems dense,pulseinfer,offload-headwise,pulseinfer-numpy-io --name decode_throughput_c)
     DT_D=(--smoke --contexts 3000 --batches 3 --kv-dtype float8_e4m3fn --systems dense,pulseinfer,offload-headwise
           --name decode_throughput_d)
     DENSE=(--smoke --layer-loop layerwise,scan)
@@ -88,7 +89,7 @@ else
     # point C: 24 requests of 32K under 16 GiB (dense fits 3; the host pool ~90 GiB of the 128 GiB host)
     DT_C=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 32768 --batches 24 --steps 8 --warm 4
           --budget-tokens 2048 --gpu-kv-budget 16GiB --replay "$TRACE" --name decode_throughput_c
-          --systems dense,pulseinfer,pulseinfer-same-layer,offload-headwise)
+          --systems dense,pulseinfer,pulseinfer-same-layer,offload-headwise,pulseinfer-numpy-io)
     # point D: 12 requests of 128K with float8 KV under 33 GiB (dense fits 3 of 8.3 GiB; host pool ~94 GiB)
     DT_D=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 130816 --batches 12 --steps 6 --warm 3
           --budget-tokens 2048 --gpu-kv-budget 33GiB --kv-dtype float8_e4m3fn --replay "$TRACE"

@@ -134,7 +134,7 @@ def main() -> int:
     ap.add_argument("--budget-tokens", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warm", type=int, default=16, help="untimed decode steps first (they compile)")
-    ap.add_argument("--host-io", default="auto", choices=("auto", "xla", "numpy"),
+    ap.add_argument("--host-io", default="auto", choices=("auto", "xla", "numpy", "numpy-pinned"),
                     help="host KV pool backend (EngineConfig.host_io)")
     ap.add_argument("--replay", default="smollm2", help="trace name (bench/results/traces) or path prefix")
     ap.add_argument("--recall", default=None, choices=("ahead", "interruptible", "eager", "sync"),

@@ -346,9 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown modes {unknown}; choose from {', '.join(RUNNABLE)}")
 
     name = "io_sweep_smoke" if args.smoke else f"io_sweep_{device.platform}"
-    name += "_numpy" if host_io == "numpy" else ""
+    name += "" if host_io == "xla" else "_" + host_io.replace("-", "_")
     pcie = device.platform == "gpu"
-    src = "pinned_host" if host_io == "xla" else "pageable numpy"
+    src = {"xla": "pinned_host", "numpy": "pageable numpy",
+           "numpy-pinned": "pageable numpy (whole blocks gathered into pinned staging)"}[host_io]
     meta = {"kind": "io_sweep", "device": str(device), "pcie_meaningful": pcie, "host_io": host_io,
             "xla_probe_error": probe,
             "note": f"{src} -> device copies over PCIe" if pcie else

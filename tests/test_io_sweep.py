@@ -16,7 +16,7 @@ TINY = SweepConfig(min_bytes=256, max_bytes=2048, volume=4096, max_copies=8, rep
 DEV = jax.devices()[0]
 
 
-@pytest.mark.parametrize("host_io", ["xla", "numpy"])
+@pytest.mark.parametrize("host_io", ["xla", "numpy", "numpy-pinned"])
 def test_sweep_rows_account_bytes_and_cover_every_mode(host_io):
     snapshots = []
     cfg = dataclasses.replace(TINY, host_io=host_io)
@@ -82,15 +82,15 @@ def test_check_paths_agree_catches_a_wrong_bit():
         io_sweep.check_paths_agree(pool, bad, [2, 5], [0, 1])
 
 
-@pytest.mark.parametrize("host_io", ["auto", "numpy"])
+@pytest.mark.parametrize("host_io", ["auto", "numpy", "numpy-pinned"])
 def test_main_writes_partial_then_complete_json(tmp_path, host_io):
     args = ["--max-bytes", "8192", "--volume", "16384", "--max-copies", "4", "--repeats", "1",
             "--modes", "per_block,coalesced", "--out", str(tmp_path), "--host-io", host_io]
     assert io_sweep.main(args) == 0
-    suffix = "_numpy" if host_io == "numpy" else ""
+    suffix = {"auto": "", "numpy": "_numpy", "numpy-pinned": "_numpy_pinned"}[host_io]
     data = json.loads((tmp_path / f"io_sweep_{DEV.platform}{suffix}.json").read_text())
     assert data["kind"] == "io_sweep" and data["complete"] is True
-    assert data["host_io"] == ("xla" if host_io == "auto" else "numpy")
+    assert data["host_io"] == ("xla" if host_io == "auto" else host_io)
     assert data["pcie_meaningful"] is (DEV.platform == "gpu")
     assert {r["mode"] for r in data["rows"]} == {"per_block", "coalesced", "coalesced_host_gather", "coalesced_copy"}
     assert "machine" in data and "date" in data
