@@ -34,6 +34,44 @@ import numpy as np  # noqa: E402
 from bench.common import write_result  # noqa: E402
 
 
+class Isolated:
+    """During a `with` block every layer call of the step (sparse_layer) waits for its outputs, and every recall for its
+    gather and copy, before the driver goes on. Waiting costs the main thread no CPU, so its CPU time is then the
+    driver's own (Python, numpy, JAX dispatch, and XLA:CPU's start of each program) without this 2-core machine's
+    cores shared with the device work and the recall thread: what a GPU host's driver thread spends, whose device work
+    runs on the GPU and whose recall thread has a core of its own (a GPU launch costs the host less than XLA:CPU's start
+    of a program)."""
+
+    CALLS = ("ahead_layer", "dense_layer", "embed", "logits", "sparse_pre", "attend", "land_attend_finish", "land")
+
+    def __enter__(self):
+        import jax
+        from pulseinfer_jax.host_offload.host_pool import HostKVPool
+
+        from pulseinfer_jax.runner import sparse_layer
+
+        def waiting(fn):
+            def call(*args, **kwargs):
+                return jax.block_until_ready(fn(*args, **kwargs))
+            return call
+
+        def submit(pool, stage, _submit=HostKVPool._submit):
+            recall = _submit(pool, stage)
+            recall.result()[0].block_until_ready()  # (on the recall thread: its CPU is not the driver's)
+            return recall
+
+        self._saved = [(sparse_layer, n, getattr(sparse_layer, n)) for n in self.CALLS]
+        self._saved.append((HostKVPool, "_submit", HostKVPool._submit))
+        for owner, name, fn in self._saved[:-1]:
+            setattr(owner, name, waiting(fn))
+        HostKVPool._submit = submit
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
+
+
 class Breakdown:
     """Main-thread CPU time per call of the driver's per-layer work during a `with` block: the layer calls
     (sparse_layer), the decoder's host steps and the host pool's transfers, wrapped (and restored on exit). Nested:
@@ -84,7 +122,8 @@ class Breakdown:
 
 
 def step_point(system: str, *, batch: int, context: int, budget: int, steps: int, warm: int, trace_name: str,
-               host_io: str = "auto", breakdown: bool = False, recall: str | None = None) -> dict:
+               host_io: str = "auto", breakdown: bool = False, recall: str | None = None,
+               isolated: bool = False) -> dict:
     """Main-thread CPU time of whole decode steps of a compute-free Llama-3.1-8B skeleton (see the docstring)."""
     from pulseinfer_jax.models.loading import load_model
     from pulseinfer_jax.models.presets import PRESETS
@@ -111,14 +150,15 @@ def step_point(system: str, *, batch: int, context: int, budget: int, steps: int
     compiles = dt.CompileCounter()
     cpu, wall = [], []
     split = Breakdown() if breakdown else None
-    with split or contextlib.nullcontext():
+    with split or contextlib.nullcontext(), Isolated() if isolated else contextlib.nullcontext():
         for _ in range(steps):
             t, c = time.perf_counter(), time.thread_time()
             list(eng.step())
             cpu.append(time.thread_time() - c)
             wall.append(time.perf_counter() - t)
     extra = {"breakdown": split.rows(steps)} if split else {}
-    return {"system": system, "recall": eng.config.ablation.recall, "host_io": eng.host_io, "batch": batch,
+    return {"system": system, "recall": eng.config.ablation.recall, "host_io": eng.host_io, "isolated": isolated,
+            "batch": batch,
             "context": context, "budget_tokens": budget,
             "main_thread_cpu_ms_per_step_p50": statistics.median(cpu) * 1e3,
             "main_thread_cpu_ms_per_step_min": min(cpu) * 1e3,
@@ -141,6 +181,9 @@ def main() -> int:
                     help="EngineConfig.recall for every system (default: each system's own)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each per-layer call (Breakdown: wrapped calls, a little slower)")
+    ap.add_argument("--isolated", action="store_true",
+                    help="each layer call and recall waited for before the driver goes on (Isolated): the driver's own "
+                    "CPU, without the device work and the recall thread competing for this machine's cores")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
     ap.add_argument("--name", default="host_overhead_cpu")
     ap.add_argument("--out", default=None)
@@ -153,7 +196,7 @@ def main() -> int:
         for b in (int(x) for x in args.batches.split(",")):
             row = step_point(system, batch=b, context=args.context, budget=args.budget_tokens, steps=args.steps,
                              warm=args.warm, trace_name=args.replay, host_io=args.host_io,
-                             breakdown=args.breakdown, recall=args.recall)
+                             breakdown=args.breakdown, recall=args.recall, isolated=args.isolated)
             meta["rows"].append(row)
             cpu, low = row["main_thread_cpu_ms_per_step_p50"], row["main_thread_cpu_ms_per_step_min"]
             print(f"{system:20s} {row['host_io']:5s} batch {b:3d}: main-thread CPU {cpu:7.1f} ms/step (min {low:6.1f}),"

@@ -6,10 +6,11 @@ staging buffer that already lives in pinned host memory (a jax array on `pinned_
 numpy view of each device's shard), and the copy to the device is a `device_put` between two memory spaces of the
 same device: the DMA reads the staging directly, with no second host copy.
 
-Staging buffers come from a ring per (shape, dtype), RING_DEPTH deep: a buffer is written again only after the
-device copy made from it has finished (the recall thread waits for it, the driver never does), so the gather of
-the next recall overlaps the copy of the one before. A staging buffer returned by `stage_blocks` stays valid until
-RING_DEPTH later stagings of its shape.
+Staging buffers come from a ring per (shape, dtype): a buffer is written again only once the device copy made from it
+has finished. The ring takes the oldest buffer if its copy is done and otherwise adds one (up to MAX_STAGING per
+shape, then it waits for the oldest: the recall thread waits, the driver never does), so the gathers never wait for
+copies in flight, which on a GPU may start only after the work queued before them. A staging returned by
+`stage_blocks` and not copied is reused by the next gather of its shape.
 
 The engine picks this backend for a GPU with recall ahead only if `host_pool.probe_host_io` passes for it (every
 transfer bit for bit, and a staging rewritten after its copy leaves the copy unchanged); (block, head) units and
@@ -18,6 +19,7 @@ the per-head baseline stay on the "numpy" path.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 
 import jax
@@ -28,7 +30,7 @@ from pulseinfer_jax.host_offload.numpy_io import NumpyHostIO
 
 from pulseinfer_jax.parallel.layout import DeviceLayout
 
-RING_DEPTH = 2  # staging buffers per shape: one being copied while the next is gathered
+MAX_STAGING = 32  # staging buffers per shape at most (a step's sparse layers of copies in flight)
 
 
 def writable_view(shard: jax.Array) -> np.ndarray:
@@ -52,24 +54,34 @@ class PinnedStaging:
 
     def __init__(self, host: jax.sharding.Sharding, device: jax.sharding.Sharding):
         self.host, self.device = host, device
-        self._rings: dict[tuple, tuple[list[_Slot], list[int]]] = {}
+        self._rings: dict[tuple, collections.deque[_Slot]] = {}  # oldest first
         self._by_array: dict[int, _Slot] = {}  # id(staging array) -> its slot (for `put`)
 
     def gather(self, layer: Float[np.ndarray, "R 2 bs Hkv hd"], rows: np.ndarray) -> jax.Array:
-        """`layer[rows]` written into the next staging buffer of its shape (after that buffer's last copy finished)."""
-        shape = (len(rows), *layer.shape[1:])
-        slots, turn = self._rings.setdefault((shape, layer.dtype.str), ([], [0]))
-        if len(slots) < RING_DEPTH:
-            slots.append(_Slot(shape, layer.dtype, self.host))
-            self._by_array[id(slots[-1].array)] = slots[-1]
-        slot = slots[turn[0] % len(slots)]
-        turn[0] += 1
-        if slot.copy is not None:
-            slot.copy.block_until_ready()  # the DMA reading this buffer is done before it is overwritten
-            slot.copy = None
+        """`layer[rows]` written into a staging buffer of its shape whose last copy has finished."""
+        ring = self._rings.setdefault(((len(rows), *layer.shape[1:]), layer.dtype.str), collections.deque())
+        slot = self._free_slot(ring, (len(rows), *layer.shape[1:]), layer.dtype)
         for view, index in slot.views:  # each device's KV heads into its own shard
             self.take_rows(layer[(slice(None), *index[1:])], rows, view)
         return slot.array
+
+    def _free_slot(self, ring: collections.deque, shape: tuple[int, ...], dtype) -> _Slot:
+        """The oldest buffer if its copy is done, else a new one (at most MAX_STAGING: then the oldest, waited for);
+        moved to the ring's end."""
+        if ring and (ring[0].copy is None or ring[0].copy.is_ready() or len(ring) >= MAX_STAGING):
+            slot = ring.popleft()
+            if slot.copy is not None:
+                slot.copy.block_until_ready()  # the DMA reading this buffer is done before it is overwritten
+                slot.copy = None
+        else:
+            slot = _Slot(shape, dtype, self.host)
+            self._by_array[id(slot.array)] = slot
+        ring.append(slot)
+        return slot
+
+    def buffers(self) -> int:
+        """Staging buffers made so far (every shape)."""
+        return len(self._by_array)
 
     @staticmethod
     def take_rows(layer: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:

@@ -115,16 +115,17 @@ def test_recalls_started_ahead_move_what_the_gathers_move(io):
 
 def test_pinned_staging_ring_reuses_buffers_only_after_their_copies():
     """"numpy-pinned": whole blocks are gathered into pinned staging buffers from a ring per shape, each copied to the
-    device without a second host copy; a buffer comes round again only after its copy finished, so every recall keeps
-    its own bits while the ring turns many times; (block, head) units take the numpy path."""
-    from pulseinfer_jax.host_offload.pinned_staging import RING_DEPTH
+    device without a second host copy; a buffer comes round again only after its copy finished (a copy in flight makes
+    the ring grow instead), so every recall keeps its own bits while buffers are reused; (block, head) units take the
+    numpy path."""
+    from pulseinfer_jax.host_offload.pinned_staging import MAX_STAGING
 
     pool = _pool(io="numpy-pinned", dtype=jnp.bfloat16)
     data = _kv(3, jnp.bfloat16)[1:, :]  # [Ls, NB, ...]: rows 1..8 of the pool hold blocks 1..8 of layers 1..3
     full = np.zeros(pool.shape, jnp.bfloat16)
     full[:, 1:NB] = data[:, 1:NB]
     pool.load(full)
-    picks = [[1 + (i * 3 + j) % (NB - 1) for j in range(3)] for i in range(4 * RING_DEPTH)]
+    picks = [[1 + (i * 3 + j) % (NB - 1) for j in range(3)] for i in range(8)]
     recalls = [pool.recall_blocks(i % 3, rows) for i, rows in enumerate(picks)]  # all on the thread, one shape
     stagings = []
     for i, (rows, rec) in enumerate(zip(picks, recalls, strict=True)):
@@ -137,7 +138,37 @@ def test_pinned_staging_ring_reuses_buffers_only_after_their_copies():
         stagings.append(staging)
         np.testing.assert_array_equal(np.asarray(pool.to_device(staging))[:3].view(np.uint16),
                                       full[i % 3, rows].view(np.uint16))
-    assert len({id(s) for s in stagings}) == RING_DEPTH  # (the buffers are reused, not made per recall)
+    staging = pool.io.staging
+    ring = staging._rings[((4, 2, BS, HKV, HD), np.dtype(jnp.bfloat16).str)]
+    assert len({id(s) for s in stagings}) <= len(ring) < len(picks)  # (buffers reused once their copies were done)
+    assert staging.buffers() <= 2 * MAX_STAGING
+    slow = staging.put  # copies that stay in flight: the ring grows instead of overwriting their buffers
+    pending = []
+
+    class InFlight:
+        def __init__(self, arr):
+            self.arr = arr
+
+        def is_ready(self):
+            return False
+
+        def block_until_ready(self):
+            pending.append(self.arr)
+            return self.arr
+
+    def put_in_flight(st):
+        out = slow(st)
+        staging._by_array[id(st)].copy = InFlight(out)
+        return out
+
+    staging.put = put_in_flight
+    made, free = staging.buffers(), len(ring)
+    more = [picks[i % len(picks)] for i in range(free + 3)]
+    outs = [pool.gather_blocks(1, rows) for rows in more]
+    assert staging.buffers() == made + 3 and not pending  # (the free buffers reused, then three added, none waited)
+    for rows, out in zip(more, outs, strict=True):
+        np.testing.assert_array_equal(np.asarray(out)[:3].view(np.uint16), full[1, rows].view(np.uint16))
+    staging.put = slow
     for i, rec in enumerate(recalls):  # every earlier copy still holds its own blocks after the ring turned
         np.testing.assert_array_equal(np.asarray(rec.result()[0])[:3].view(np.uint16),
                                       full[i % 3, picks[i]].view(np.uint16))
