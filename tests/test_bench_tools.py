@@ -358,6 +358,35 @@ def test_host_overhead_breakdown_times_the_wrapped_calls_and_restores_them():
     assert rows["HostKVPool.gather_blocks"]["cpu_ms_per_step"] >= rows["HostKVPool.stage_blocks"]["cpu_ms_per_step"]
 
 
+def test_host_overhead_isolated_waits_for_each_call_and_recall_and_restores_them():
+    """bench/host_overhead.py --isolated: inside the block the layer calls are wrapped and every recall returns its
+    staging already gathered and copied (the driver's CPU alone is measured), the result passed through; all restored
+    after."""
+    import threading
+
+    from pulseinfer_jax.host_offload.host_pool import HostKVPool
+    from pulseinfer_jax.host_offload.recall_thread import RecallThread
+
+    from bench.host_overhead import Isolated
+    from pulseinfer_jax.runner import sparse_layer
+
+    pool = HostKVPool(num_rows=4, first_layer=1, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
+                      dtype=jnp.float32, device=jax.devices()[0], io="numpy-pinned")
+    saved = (sparse_layer.ahead_layer, sparse_layer.logits, HostKVPool._submit)
+    seen = []
+    with Isolated():
+        assert sparse_layer.ahead_layer is not saved[0] and HostKVPool._submit is not saved[2]
+        gate = threading.Event()
+        pool._thread = RecallThread()
+        pool._thread.submit(lambda: gate.wait(5))  # (a job the thread is held on: the recall waits behind it)
+        threading.Timer(0.2, gate.set).start()
+        recall = pool.recall_blocks(0, [2, 1])
+        seen.append(recall.gathered())  # already gathered and copied when recall_blocks returned
+        staging, waited = recall.result()
+    assert seen == [True] and waited == 0.0 and staging.shape == (2, 2, 4, 2, 8) and staging.is_ready()
+    assert (sparse_layer.ahead_layer, sparse_layer.logits, HostKVPool._submit) == saved  # restored
+
+
 def test_moe_ffn_bench_times_every_strategy(tmp_path, monkeypatch):
     import json
     import sys
