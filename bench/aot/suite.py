@@ -336,7 +336,7 @@ def planted(suite: Suite) -> None:
 
 def probes(suite: Suite, *, shardings) -> None:
     """The engine's start-up probes on a GPU (offload.probe_pallas, models.moe.probe_grouped_kernel,
-    host_pool.probe_host_io) at their own tiny shapes."""
+    host_pool.probe_host_io for the xla and the numpy backends) at their own tiny shapes."""
     from pulseinfer_jax.selection.policy import BlockScoring
 
     sc = BlockScoring()
@@ -359,7 +359,7 @@ def probes(suite: Suite, *, shardings) -> None:
 
 
 def _host_io_probe(hkv: int, hd: int, shardings) -> list[Call]:
-    from pulseinfer_jax.host_offload import xla_io
+    from pulseinfer_jax.host_offload import numpy_io, xla_io
 
     host, dev = shardings("pinned_host"), shardings("device")
     write, stage_blocks, stage_units, fragment, write_units = xla_io.transfers(host, dev, 1)
@@ -372,7 +372,10 @@ def _host_io_probe(hkv: int, hd: int, shardings) -> list[Call]:
             Call(program("stage_units_outer", "probe", stage_units,
                          (pool, spec((), I32, h), spec((2, 2), I32, PLACED)))),
             Call(program("fragment", "probe", fragment, (pool, spec((), I32), spec((1,), I32), spec((1,), I32)))),
-            Call(program("write_back_units", "probe", write_units, (pool, kv, v2, spec((), I32), v2, spec((), I32))))]
+            Call(program("write_back_units", "probe", write_units, (pool, kv, v2, spec((), I32), v2, spec((), I32)))),
+            # the numpy backends' device halves ("numpy", and "numpy-pinned": probed on a GPU with recall ahead)
+            Call(program("<lambda>", "probe", numpy_io._device_gather(1), (kv, v2), tag="device_gather")),
+            Call(program("_unit_gather", "probe", numpy_io._unit_gather, (kv, v2)))]
 
 
 def build(*, shardings, hbm: int, quick: bool = False) -> Suite:
