@@ -44,7 +44,7 @@ class _Slot:
     the whole), and the device copy last made from it."""
 
     def __init__(self, shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
-        self.array = jax.device_put(np.zeros(shape, dtype), sharding)
+        self.array = jax.device_put(np.zeros(shape, dtype), sharding).block_until_ready()  # (no write in flight)
         self.views = [(writable_view(s.data), s.index) for s in self.array.addressable_shards]
         self.copy: Array | None = None
 
