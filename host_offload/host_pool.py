@@ -168,7 +168,8 @@ class HostKVPool:
 
     def stage_blocks(self, layer: int, rows: list[int]):
         """The host half of `gather_blocks`: the blocks gathered into one host staging buffer, padded
-        [n, 2, bs, Hkv, hd] (a jax array on pinned_host, or numpy); nothing is counted."""
+        [n, 2, bs, Hkv, hd] (a jax array on pinned_host, or numpy; "numpy-pinned": a buffer of its ring, reused by a
+        later gather of its shape once it is copied or if it never is); nothing is counted."""
         (r,) = _pad_pow2(rows)
         self.sync()
         return self.io.stage_blocks(self.pool, layer, r)
