@@ -57,7 +57,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from pulseinfer_jax.host_offload.host_pool import HOST_IO, HostKVPool, resolve_host_io  # noqa: E402
+from pulseinfer_jax.host_offload.host_pool import HOST_IO, HostKVPool, checked_host_io  # noqa: E402
 from pulseinfer_jax.host_offload.memory import device_sharding  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
@@ -335,8 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"max_bytes": args.max_bytes, "volume": args.volume, "max_copies": args.max_copies,
                  "repeats": args.repeats}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-    host_io, probe = resolve_host_io(args.host_io, device, on_gpu=device.platform == "gpu", block_size=cfg.block_size,
-                                     num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype)
+    host_io, probe = args.host_io, None  # (a backend named is swept as it is; "auto": the pinned pool, if it works)
+    if host_io == "auto":
+        host_io, probe = checked_host_io("xla", device, on_gpu=device.platform == "gpu", block_size=cfg.block_size,
+                                         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype)
     if probe is not None:
         print(f"host_io xla failed its probe ({probe}); sweeping host_io numpy", flush=True)
     cfg = dataclasses.replace(cfg, host_io=host_io)

@@ -267,15 +267,15 @@ class HostKVPool:
         return nbytes / best
 
 
-def resolve_host_io(choice: str, device: jax.Device, *, on_gpu: bool, block_size: int, num_kv_heads: int,
-                    head_dim: int, dtype) -> tuple[str, str | None]:
-    """The backend `choice` ("auto" | "xla" | "numpy") means on `device`: (backend, probe error or None). "auto"
-    is "xla" off-GPU (the emulated memory kinds); on a GPU, "xla" if `probe_host_io` passes, else "numpy"."""
-    if choice != "auto":
-        return choice, None
-    err = probe_host_io(device, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                        dtype=dtype) if on_gpu else None
-    return ("xla" if err is None else "numpy"), err
+def checked_host_io(io: str, device: jax.Device, *, on_gpu: bool, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype) -> tuple[str, str | None]:
+    """Backend `io` if its transfers pass `probe_host_io` on `device`, else "numpy" (pageable RAM, the portable
+    path): (backend, probe error or None). Checked on a GPU only (off a GPU the memory kinds are emulated)."""
+    if io == "numpy" or not on_gpu:
+        return io, None
+    err = probe_host_io(device, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                        io=io)
+    return (io if err is None else "numpy"), err
 
 
 def probe_host_io(device: jax.Device, *, block_size: int, num_kv_heads: int, head_dim: int, dtype,

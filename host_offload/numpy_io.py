@@ -38,7 +38,7 @@ class NumpyHostIO:
     host_gather = True  # (numpy gathers: host code, run on the recall thread when started ahead)
 
     def __init__(self, device: jax.Device | DeviceLayout, first_layer: int):
-        layout = DeviceLayout.on(device)
+        self.layout = layout = DeviceLayout.on(device)
         self.dev = layout.kv_heads(5, "device")  # staging [n, 2, bs, Hkv, hd]: split by KV head under tensor parallel
         self.unit_dev = layout.replicated("device")
         self._stage_on_device = _device_gather(first_layer)

@@ -59,15 +59,15 @@ class PinnedStaging:
 
     def gather(self, layer: Float[np.ndarray, "R 2 bs Hkv hd"], rows: np.ndarray) -> jax.Array:
         """`layer[rows]` written into a staging buffer of its shape whose last copy has finished."""
-        ring = self._rings.setdefault(((len(rows), *layer.shape[1:]), layer.dtype.str), collections.deque())
-        slot = self._free_slot(ring, (len(rows), *layer.shape[1:]), layer.dtype)
+        slot = self._free_slot((len(rows), *layer.shape[1:]), layer.dtype)
         for view, index in slot.views:  # each device's KV heads into its own shard
             self.take_rows(layer[(slice(None), *index[1:])], rows, view)
         return slot.array
 
-    def _free_slot(self, ring: collections.deque, shape: tuple[int, ...], dtype) -> _Slot:
-        """The oldest buffer if its copy is done, else a new one (at most MAX_STAGING: then the oldest, waited for);
-        moved to the ring's end."""
+    def _free_slot(self, shape: tuple[int, ...], dtype: np.dtype) -> _Slot:
+        """From the ring of (shape, dtype): the oldest buffer if its copy is done, else a new one (at most MAX_STAGING:
+        then the oldest, waited for); moved to the ring's end."""
+        ring = self._rings.setdefault((shape, dtype.str), collections.deque())
         if ring and (ring[0].copy is None or ring[0].copy.is_ready() or len(ring) >= MAX_STAGING):
             slot = ring.popleft()
             if slot.copy is not None:
@@ -106,7 +106,6 @@ class PinnedNumpyHostIO(NumpyHostIO):
 
     def __init__(self, device: jax.Device | DeviceLayout, first_layer: int):
         super().__init__(device, first_layer)
-        self.layout = DeviceLayout.on(device)
         self.staging = PinnedStaging(self.layout.kv_heads(5, HOST_KIND), self.dev)
 
     def _gather_blocks(self, layer: np.ndarray, rows: np.ndarray) -> jax.Array:

@@ -141,15 +141,15 @@ def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBack
             why.append(f"decode_attention jnp: the Pallas kernels failed their check ({err})")
             attention, sparse = "jnp", ("jnp" if sparse is not None else None)
     if host_io in ("xla", "numpy-pinned") and b.host_io == "auto":
-        from pulseinfer_jax.host_offload.host_pool import probe_host_io
+        from pulseinfer_jax.host_offload.host_pool import checked_host_io
 
-        c = model.cfg
-        err = probe_host_io(device, block_size=config.block_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                            dtype=storage_dtype(r.kv_dtype), io=host_io)
+        c, tried = model.cfg, host_io
+        host_io, err = checked_host_io(tried, device, on_gpu=True, block_size=config.block_size,
+                                       num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                       dtype=storage_dtype(r.kv_dtype))
         if err is not None:
-            why.append(f"host_io numpy: {host_io}'s pinned-host transfers failed their check ({err}); pageable RAM "
+            why.append(f"host_io numpy: {tried}'s pinned-host transfers failed their check ({err}); pageable RAM "
                        "through PJRT's bounce buffer, slower")
-            host_io = "numpy"
     if moe is not None and moe.grouped_kernel == "pallas":
         from pulseinfer_jax.models.moe import probe_grouped_kernel
 
