@@ -210,6 +210,7 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
                 m = opt["sub"]
                 kmin, kmax = _bounds(keys.astype(jnp.float32), bs // m)  # m rows per block, in order
                 kmin, kmax = (jnp.pad(a, ((0, nbk * m - a.shape[0]), (0, 0), (0, 0))) for a in (kmin, kmax))
+                dt = None
                 if opt["bounds"] != "kv":  # stored as the engine stores them (rounded outward), read back
                     dt = BlockScoring(bounds_dtype=opt["bounds"]).metadata_dtype(keys.dtype)
                     kmin, kmax = (a.astype(jnp.float32) for a in round_bounds_outward(kmin, kmax, dt))
@@ -223,10 +224,10 @@ def rows_pass(model, params, k_prompt, v_prompt, tokens, *, policy: str, budget:
                 scores = block_scores_reference(qf, kmin, kmax, jnp.where(mid, j, -1).astype(jnp.int32),
                                                 per_head=opt["perhead"], beta=opt["beta"], sub_blocks=m,
                                                 scale=scale)  # engine's code: [R, S, NB]
-                if not opt["middle"]:  # the always-kept blocks from their keys, causally (the engine's code)
+                if not opt["middle"]:  # the always-kept blocks' bounds, causally, stored as the engine's (its code)
                     scores = score_kept_from_keys(scores, qf, keys, pos, sink=sink, window=window, block_size=bs,
                                                   per_head=opt["perhead"], beta=opt["beta"], sub_blocks=m,
-                                                  scale=scale)
+                                                  scale=scale, bounds_dtype=dt)
             sel = select_blocks(scores, nb_row, budget_blocks=budget, sink_blocks=sink, window_blocks=window,
                                 mode="solohead" if solo else "headwise", score_scale=scale)  # [R, S, N]
             keep = jnp.zeros((r, sel.shape[1], nbk + 1), bool)

@@ -87,7 +87,8 @@ def quest_select(q: np.ndarray, keys: np.ndarray, positions: np.ndarray, budget:
                                     per_head=per_head, beta=scoring.beta, sub_blocks=m, scale=scale)
     if scoring.scores_kept(mode, "normalized_sum"):
         scores = score_kept_from_keys(scores, q, keys, positions, sink=sink, window=window, block_size=bs,
-                                      per_head=per_head, beta=scoring.beta, sub_blocks=m, scale=scale)
+                                      per_head=per_head, beta=scoring.beta, sub_blocks=m, scale=scale,
+                                      bounds_dtype=scoring.metadata_dtype(keys.dtype))
     sel = np.asarray(select_blocks(scores, jnp.asarray(n_blocks, jnp.int32), budget_blocks=budget, sink_blocks=sink,
                                    window_blocks=window, mode=mode, score_scale=scale))
     keep = np.zeros((p, sel.shape[1], nb), bool)

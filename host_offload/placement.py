@@ -14,8 +14,8 @@ A *sparse* request decodes with block selection. Its placement is either
         (z % L) * NB + packs[z // L]). That costs dense_layers / L of a dense request's KV and no PCIe;
       * the key metadata (min/max per block, head, feature) of every sparse layer, in rows indexed by the
         block's host row (kept by the engine, not here).
-    When a block leaves the window it is written back to its host row (asynchronously), its metadata is
-    computed, and its GPU block becomes the spare.
+    When a block leaves the window it is written back to its host row (asynchronously) and its GPU block becomes
+    the spare; its metadata is complete already (each key joined it as it was written, in the scoring kernel).
     The prompt is prefilled layer by layer (pulseinfer_jax/runner/offloaded_prefill.py): all chunks of layer l write
     their K/V into *prefill units* (flat units of the request's own slot blocks, every layer slice of them, empty
     until decoding starts, plus `scratch_blocks` more GPU blocks when the slots hold fewer than one layer of the
@@ -144,6 +144,7 @@ class SparseKV:
         self.host_row_arr = np.asarray(host_rows, np.int32)  # the same as an array (the decode step's lookups)
         self.counters = SparseCounters()
         self.num_blocks = 0  # logical blocks holding tokens (set by prefill_done / advance)
+        self.tokens = 0  # tokens written or being written (the prompt's, then each decode step's length)
         self.gpu_of: dict[int, int] = {}  # resident logical block -> GPU block
         self.gpu_arr = np.full(n_max, -1, np.int32)  # the same as an array: GPU block of logical j, -1 = not resident
         self.spare: list[int] = []
@@ -192,21 +193,29 @@ class SparseKV:
 
     def prefill_done(self, prompt_tokens: int) -> tuple[list[int], list[int], list[tuple[int, int]]]:
         """The prompt's blocks take their roles: returns (logical blocks to write to their host rows, logical blocks
-        whose metadata to compute (the full ones outside sinks and window), (logical block, own GPU block) of the
-        resident blocks, which take a copy of the prompt's KV there). Host placement calls it before the prefill
-        (runner/offloaded_prefill.py spills each layer as it is computed); nothing here reads the KV."""
+        whose key bounds to compute (all of them: decoding keeps them current from there, `block_len` tokens each),
+        (logical block, own GPU block) of the resident blocks, which take a copy of the prompt's KV there). Host
+        placement calls it before the prefill (runner/offloaded_prefill.py spills each layer as it is computed);
+        nothing here reads the KV."""
         p = self.plan
         n = blocks_for(prompt_tokens, p.block_size)
-        self.num_blocks = n
-        middle = list(range(p.sink_blocks, n - p.window_blocks))
+        self.num_blocks, self.tokens = n, prompt_tokens
         if p.placement == "device":
             self.gpu_of = dict(enumerate(self.table))
             self.gpu_arr[: len(self.table)] = self.table
-            return [], middle, []
+            return [], list(range(n)), []
         keep = [j for j in range(n) if j < p.sink_blocks or j >= n - p.window_blocks]
         self.gpu_of = {j: self.spare.pop() for j in keep}
         self.gpu_arr[keep] = [self.gpu_of[j] for j in keep]
-        return list(range(n)), middle, [(j, self.gpu_of[j]) for j in keep]
+        return list(range(n)), list(range(n)), [(j, self.gpu_of[j]) for j in keep]
+
+    def block_len(self, j: int) -> int:
+        """Tokens logical block j holds (of `tokens`)."""
+        return min(max(self.tokens - j * self.plan.block_size, 0), self.plan.block_size)
+
+    def block_lens(self, n: int) -> list[int]:
+        """`block_len(j)` of logical blocks 0 .. n - 1."""
+        return [self.block_len(j) for j in range(n)]
 
     # ---- decode --------------------------------------------------------------------------------
     def advance(self, length: int) -> list[tuple[int, int]]:
@@ -215,6 +224,7 @@ class SparseKV:
         back and computes their metadata before this step's selection."""
         p = self.plan
         n = blocks_for(length, p.block_size)
+        self.tokens = length
         exits = []
         while self.num_blocks < n:
             j_new = self.num_blocks

@@ -8,10 +8,10 @@ block `b` and KV head `h` is the pair of vectors
 over the block's *valid* tokens t < len(b). `block_scoring.block_scores` turns them into an upper bound
 of every q.k inside the block. The engine keeps per-layer arrays `meta_min/meta_max: [NB * m, Hkv, hd]` next
 to the (possibly offloaded) cache, in float8_e4m3fn by default (rounded outward by `round_bounds_outward`, so
-they still bound; `BlockScoring.bounds_dtype`) or in the KV dtype (exact), and refreshes a block's rows when the
-block fills (`update_bounds`); the sink and window blocks (the partial last one included) have no metadata rows
-while they are resident: where SoloHead scores them, `selection.kept_blocks` bounds them from their keys each
-step.
+they still bound; `BlockScoring.bounds_dtype`) or in the KV dtype (exact). A prompt's blocks get theirs here at
+prefill (`update_bounds`; the partial last one's over its tokens), and from then on each decoded key joins its
+block's rows in the scoring kernel that reads them (`block_scoring.append_and_score`), so every block's bounds,
+the sinks' and the window's included, are current at every step.
 With m = `sub_blocks` > 1 each block has m rows, the bounds of its m equal token slices (finer bounds,
 m times the bytes; `block_scoring` combines them).
 

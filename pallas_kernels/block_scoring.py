@@ -57,19 +57,25 @@ Only rows named by `cand_ids` are ever read.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 from pulseinfer_jax.pallas_kernels.common import next_pow2, on_platform, resolve_interpret, triton_params
+
+from pulseinfer_jax.kv import quant as kv_quant
 
 # Elements of one gathered [TK, hd] bound tile (TK = _TILE_ELEMS // hd candidates per program, 64 at hd = 128), for
 # group sums. Per-query-head scores keep G running rows per slice: ptxas (sm_90a, bench/results/h200_compile.json)
 # reports 234 registers per thread at TK = 64 and 119 at 32, and a spill at 64 with 2 sub-blocks, so they use half
 # the tile, and half again with sub-blocks (a quarter of the registers a block may hold, no spill).
 _TILE_ELEMS = 8192
+_DOT_ROWS = 16  # a float8 pool's key is rotated back by a bfloat16 dot: Triton dots need >= 16 rows
 
 
 def _fold(qpos: Array, qneg: Array, beta: float) -> tuple[Array, Array]:
@@ -98,15 +104,22 @@ def _block_scores_kernel(
     off_ref,  # [1]        added to every id >= 0
     min_ref,  # [NB*m, hd] meta_min[:, h, :] (the whole pool's rows of KV head h, m slices per block)
     max_ref,  # [NB*m, hd] meta_max[:, h, :]
-    o_ref,  # [R, TK]      R = 1 (group sum) or G (per query head)
-    *,
+    *rest,  # o_ref [R, TK] (R = 1: group sum, or G: per query head); when appending (`append_and_score`) before
+    #         it row_ref / block_ref / slot_ref [1] (sequence b's KeyAppend), unit_ref [1] (the pool's unit offset),
+    #         k_ref [U, rows, hd] (the pool's K of head h) and for a float8 pool rot_ref [hd, hd] (its rotation x
+    #         sqrt(p)); after it the aliased bounds min_out / max_out [NB*m, hd]
     group: int,
     num_blocks: int,
     per_head: bool,
     beta: float,
     sub: int,
     scale: float,
+    append: bool = False,
 ):
+    if append:
+        row_ref, block_ref, slot_ref, unit_ref, k_ref, *rot, o_ref, min_out, max_out = rest
+    else:
+        (o_ref,) = rest
     ids = ids_ref[...]
     ids = jnp.where(ids >= 0, ids + off_ref[0], -1)
     valid = (ids >= 0) & (ids < num_blocks)
@@ -119,14 +132,70 @@ def _block_scores_kernel(
         for qg in qs[1:]:
             qpos, qneg = qpos + jnp.maximum(qg, 0.0), qneg + jnp.minimum(qg, 0.0)
         folds = [_fold(qpos, qneg, beta)]
+    if append:  # the new key joins its slice's bounds: every program scores with them, tile 0's stores them
+        blk = row_ref[0]
+        blk = jnp.where(blk >= 0, blk + off_ref[0], -1)
+        live = (blk >= 0) & (blk < num_blocks)
+        bs = kv_quant.block_tokens(k_ref.shape[1], k_ref.shape[2], k_ref.dtype)
+        slot = slot_ref[0]
+        new_slice, fresh = slot // (bs // sub), slot % (bs // sub) == 0
+        target = jnp.where(live, blk * sub + new_slice, 0) + jnp.zeros((1,), jnp.int32)  # [1]
+        key = _written_key(k_ref, rot[0] if rot else None, block_ref[0], unit_ref[0], slot, bs)  # [1, hd]
+        lo = jnp.where(fresh, key, jnp.minimum(min_ref[target].astype(jnp.float32), key))
+        hi = jnp.where(fresh, key, jnp.maximum(max_ref[target].astype(jnp.float32), key))
+        lo, hi = _round_outward(lo, hi, min_out.dtype)
+        mask = jnp.broadcast_to(live & (pl.program_id(2) == 0), lo.shape)
+        at = (target[:, None], jnp.arange(lo.shape[1], dtype=jnp.int32)[None, :])  # [1, hd] (index arrays only)
+        plt.store(min_out.at[at], lo, mask=mask)
+        plt.store(max_out.at[at], hi, mask=mask)
+        lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
+        in_block = valid & live & (ids == blk)  # [TK]: the candidate that is the key's block
     parts: list[list[Array]] = [[] for _ in folds]
     for j in range(sub):
         kmin = min_ref[safe + j].astype(jnp.float32)  # [TK, hd] gather
         kmax = max_ref[safe + j].astype(jnp.float32)
+        if append:  # (tile 0's program may have stored the row already: the same values)
+            hit = (in_block & (new_slice == j))[:, None]
+            kmin, kmax = jnp.where(hit, lo, kmin), jnp.where(hit, hi, kmax)
         for r, (a, c) in enumerate(folds):
-            parts[r].append(jnp.sum(kmax * a[None, :] + kmin * c[None, :], axis=1))  # [TK]
+            part = jnp.sum(kmax * a[None, :] + kmin * c[None, :], axis=1)  # [TK]
+            if append and j:  # the key's block holds no token past the key's slice yet
+                part = jnp.where(in_block & (new_slice < j), -jnp.inf, part)
+            parts[r].append(part)
     for r, p in enumerate(parts):
         o_ref[r, :] = jnp.where(valid, _lse_combine(p, scale), -jnp.inf)
+
+
+def _written_key(k_ref, rot_ref, block: Array, unit_offset: Array, slot: Array, bs: int) -> Array:
+    """The key at token `slot` of pool unit `unit_offset + block` (block >= 0), as float32 [1, hd]: a float8 pool's
+    e4m3 value x its bfloat16 scale, rotated back (as `kept_scores` reads keys: a [16, hd] tile, its row 0 real, so
+    that the rotation's bfloat16 dot has the 16 rows Triton needs; exact products, float32 sums)."""
+    hd = k_ref.shape[2]
+    quantized = kv_quant.is_quantized(k_ref.dtype)
+    rows = _DOT_ROWS if quantized else 1
+    real = jnp.arange(rows, dtype=jnp.int32) == 0
+    unit = jnp.maximum(block, 0) + unit_offset + jnp.zeros((rows,), jnp.int32)
+    at = slot + jnp.zeros((rows,), jnp.int32)
+    feat = jnp.arange(hd, dtype=jnp.int32)
+    keys = plt.load(k_ref.at[(unit[:, None], at[:, None], feat[None, :])],
+                    mask=jnp.broadcast_to(real[:, None], (rows, hd)), other=0)
+    if not quantized:
+        return keys.astype(jnp.float32)
+    scales = kv_quant.scale_from_bytes(*(
+        plt.load(k_ref.at[(unit, *kv_quant.scale_position(at, byte, bs, hd))], mask=real, other=0)
+        for byte in range(kv_quant.SCALE_BYTES)))  # [rows]
+    p = hd & -hd
+    vals = kv_quant.as_float8(keys).astype(jnp.bfloat16)
+    keys = jax.lax.dot_general(vals, rot_ref[...], (((1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32) * (scales / np.sqrt(p))[:, None]
+    return jnp.sum(jnp.where(real[:, None], keys, 0.0), axis=0)[None, :]
+
+
+def _round_outward(lo: Array, hi: Array, dtype) -> tuple[Array, Array]:
+    """float32 bounds -> `dtype`, lo rounded down and hi up (as block_metadata.round_bounds_outward)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return lo, hi
+    return kv_quant.round_directed(lo, dtype, down=True), kv_quant.round_directed(hi, dtype, down=False)
 
 
 def _block_scores_pallas(
@@ -135,6 +204,9 @@ def _block_scores_pallas(
     meta_max: Float[Array, "NBm Hkv hd"],
     cand_ids: Int[Array, "B Kp"],
     id_offset: Int[Array, "1"],
+    append: KeyAppend | None = None,
+    pool: Float[Array, "U 2 rows Hkv hd"] | None = None,
+    unit_offset: Int[Array, "1"] | None = None,
     *,
     tile_k: int,
     per_head: bool,
@@ -143,7 +215,7 @@ def _block_scores_pallas(
     scale: float,
     num_warps: int,
     interpret: bool,
-) -> Float[Array, "B Hkv R Kp"]:
+) -> Float[Array, "B Hkv R Kp"] | tuple[Float[Array, "B Hkv R Kp"], Array, Array]:
     b, hq, hd = q.shape
     nr, hkv, _ = meta_min.shape
     g = hq // hkv
@@ -151,24 +223,40 @@ def _block_scores_pallas(
     rows = g if per_head else 1
     q4 = q.reshape(b, hkv, g, hd)
     kernel = functools.partial(_block_scores_kernel, group=g, num_blocks=nr // sub, per_head=per_head, beta=beta,
-                               sub=sub, scale=scale)
+                               sub=sub, scale=scale, append=append is not None)
     meta_spec = pl.BlockSpec((nr, None, hd), lambda i, h, t: (0, h, 0))
+    in_specs = [
+        pl.BlockSpec((None, None, g, hd), lambda i, h, t: (i, h, 0, 0)),  # q4 [B, Hkv, G, hd]
+        pl.BlockSpec((None, tile_k), lambda i, h, t: (i, t)),  # cand_ids [B, Kp]
+        pl.BlockSpec((1,), lambda i, h, t: (0,)),  # id_offset
+        meta_spec,  # meta_min [NB, Hkv, hd]
+        meta_spec,  # meta_max [NB, Hkv, hd]
+    ]
+    scores_spec = pl.BlockSpec((None, None, rows, tile_k), lambda i, h, t: (i, h, 0, t))
+    scores_shape = jax.ShapeDtypeStruct((b, hkv, rows, kp), jnp.float32)
+    name = f"block_scores_{tile_k=}_{per_head=}_{sub=}"  # beta is folded into q: same kernel shape
+    common = dict(grid=(b, hkv, kp // tile_k), interpret=interpret,
+                  compiler_params=triton_params(num_warps=num_warps, num_stages=1))
+    if append is None:
+        return pl.pallas_call(kernel, in_specs=in_specs, out_specs=scores_spec, out_shape=scores_shape, name=name,
+                              **common)(q4, cand_ids, id_offset, meta_min, meta_max)
+    one = pl.BlockSpec((1,), lambda i, h, t: (i,))  # [B] -> sequence i's entry
+    u, _, rows_p, _, _ = pool.shape
+    quantized = kv_quant.is_quantized(pool.dtype)
+    rot = [jnp.asarray(np.round(kv_quant.hadamard(hd) * np.sqrt(hd & -hd)), jnp.bfloat16)] if quantized else []
     return pl.pallas_call(
         kernel,
-        grid=(b, hkv, kp // tile_k),
-        in_specs=[
-            pl.BlockSpec((None, None, g, hd), lambda i, h, t: (i, h, 0, 0)),  # q4 [B, Hkv, G, hd]
-            pl.BlockSpec((None, tile_k), lambda i, h, t: (i, t)),  # cand_ids [B, Kp]
-            pl.BlockSpec((1,), lambda i, h, t: (0,)),  # id_offset
-            meta_spec,  # meta_min [NB, Hkv, hd]
-            meta_spec,  # meta_max [NB, Hkv, hd]
-        ],
-        out_specs=pl.BlockSpec((None, None, rows, tile_k), lambda i, h, t: (i, h, 0, t)),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, rows, kp), jnp.float32),
-        interpret=interpret,
-        compiler_params=triton_params(num_warps=num_warps, num_stages=1),
-        name=f"block_scores_{tile_k=}_{per_head=}_{sub=}",  # beta is folded into q: same kernel shape
-    )(q4, cand_ids, id_offset, meta_min, meta_max)
+        in_specs=in_specs + [one, one, one, pl.BlockSpec((1,), lambda i, h, t: (0,)),
+                             pl.BlockSpec((u, None, rows_p, None, hd), lambda i, h, t: (0, 0, 0, h, 0))]  # K, head h
+        + [pl.BlockSpec((hd, hd), lambda i, h, t: (0, 0))] * quantized,
+        out_specs=(scores_spec, meta_spec, meta_spec),
+        out_shape=(scores_shape, jax.ShapeDtypeStruct(meta_min.shape, meta_min.dtype),
+                   jax.ShapeDtypeStruct(meta_max.shape, meta_max.dtype)),
+        input_output_aliases={3: 1, 4: 2},  # the bounds are updated in place
+        name=name + "_append",
+        **common,
+    )(q4, cand_ids, id_offset, meta_min, meta_max, *(x.astype(jnp.int32) for x in (
+        append.rows, append.blocks, append.slots)), unit_offset, pool, *rot)
 
 
 def _check_inputs(q: Array, meta_min: Array, meta_max: Array, cand_ids: Array) -> None:
@@ -233,6 +321,67 @@ def block_scores(
     for per-head scores and again for sub-blocks: see _TILE_ELEMS) is the number of candidates per program; the
     head dim must be a power of two on GPU (Triton loads need power-of-two sizes).
     """
+    return _scores(q, meta_min, meta_max, cand_ids, id_offset, None, None, per_head=per_head, beta=beta,
+                   sub_blocks=sub_blocks, scale=scale, tile_k=tile_k, num_warps=num_warps, interpret=interpret)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KeyAppend:
+    """Where each sequence's new key sits and whose key bounds it joins (`append_and_score`); made on the host."""
+
+    rows: Int[Array, " B"]  # metadata block row (+ id_offset) of the block the key is written to, -1 = none
+    blocks: Int[Array, " B"]  # that block in the pool (+ unit_offset)
+    slots: Int[Array, " B"]  # the key's token slot in it (its slice: slot // (bs / m); later slices hold no token)
+
+
+@functools.partial(jax.jit, static_argnames=("per_head", "beta", "sub_blocks", "scale", "tile_k", "num_warps",
+                                             "interpret"))
+def append_and_score(
+    q: Float[Array, "B Hq hd"],
+    meta_min: Float[Array, "NBm Hkv hd"],
+    meta_max: Float[Array, "NBm Hkv hd"],
+    cand_ids: Int[Array, "B K"],
+    id_offset: Int[Array, ""] | None,
+    append: KeyAppend,
+    pool: Float[Array, "U 2 rows Hkv hd"],
+    unit_offset: Int[Array, ""] | int = 0,
+    *,
+    per_head: bool = False,
+    beta: float = 1.0,
+    sub_blocks: int = 1,
+    scale: float | None = None,
+    tile_k: int | None = None,
+    num_warps: int = 4,
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "B S K"], Float[Array, "NBm Hkv hd"], Float[Array, "NBm Hkv hd"]]:
+    """Decode's scoring with its key bounds kept current, in the one kernel: sequence b's new key, read where the
+    step wrote it (token `append.slots[b]` of block `unit_offset + append.blocks[b]` of the flat `pool`; a float8
+    pool's dequantised, as `block_key_bounds` reads keys), joins the bounds of its slice of metadata block
+    `append.rows[b]` (+ `id_offset`; -1 = none): element-wise min / max with them, or the key alone where it is the
+    slice's first token, rounded outward to the metadata's dtype; then `block_scores` of `cand_ids` with those bounds,
+    where the key's block scores only its slices up to the key's (the later ones hold no token yet: no mass, as an
+    empty slice in `kept_scores`). Returns (scores, meta_min, meta_max), the bounds updated in place when the caller's
+    jit donates them. So a block's bounds are complete when it fills, and the sink and window blocks are scored from
+    their rows like any other."""
+    _check_pool(q, meta_min, pool, sub_blocks)
+    return _scores(q, meta_min, meta_max, cand_ids, id_offset, append, (pool, unit_offset), per_head=per_head,
+                   beta=beta, sub_blocks=sub_blocks, scale=scale, tile_k=tile_k, num_warps=num_warps,
+                   interpret=interpret)
+
+
+def _check_pool(q: Array, meta_min: Array, pool: Array, sub_blocks: int) -> None:
+    if pool.ndim != 5 or pool.shape[1] != 2 or pool.shape[3:] != meta_min.shape[1:]:
+        raise ValueError(f"pool {pool.shape} must be a flat [U, 2, rows, Hkv, hd] cache with the metadata's heads and "
+                         f"head_dim {meta_min.shape[1:]}")
+    bs = kv_quant.tokens_per_block(pool)
+    if bs % sub_blocks or bs & (bs - 1):
+        raise ValueError(f"the pool's block size {bs} must be a power of two that sub_blocks={sub_blocks} divides")
+
+
+def _scores(q, meta_min, meta_max, cand_ids, id_offset, append, source, *, per_head, beta, sub_blocks, scale, tile_k,
+            num_warps, interpret):
+    """block_scores / append_and_score (`source`: (pool, unit_offset) of the appended keys, None without)."""
     _check_inputs(q, meta_min, meta_max, cand_ids)
     _check_options(beta, sub_blocks, meta_min.shape[0])
     b, hq, hd = q.shape
@@ -253,10 +402,14 @@ def block_scores(
     kp = -(-max(k, 1) // tile_k) * tile_k
     ids = jnp.pad(cand_ids.astype(jnp.int32), ((0, 0), (0, kp - k)), constant_values=-1)
     off = jnp.zeros((1,), jnp.int32) if id_offset is None else jnp.asarray(id_offset, jnp.int32).reshape(1)
+    pool, unit_off = source or (None, 0)
+    unit_off = jnp.asarray(unit_off, jnp.int32).reshape(1)
     out = on_platform(lambda interp: _block_scores_pallas(
-        q, meta_min, meta_max, ids, off, tile_k=tile_k, per_head=per_head, beta=float(beta), sub=sub_blocks,
-        scale=float(scale), num_warps=num_warps, interpret=interp), interpret)  # [B, Hkv, R, Kp]
-    return out.reshape(b, -1, kp)[:, :, :k]
+        q, meta_min, meta_max, ids, off, append, pool, unit_off, tile_k=tile_k, per_head=per_head, beta=float(beta),
+        sub=sub_blocks, scale=float(scale), num_warps=num_warps, interpret=interp), interpret)  # [B, Hkv, R, Kp]
+    if append is None:
+        return out.reshape(b, -1, kp)[:, :, :k]
+    return out[0].reshape(b, -1, kp)[:, :, :k], out[1], out[2]
 
 
 def block_scores_reference(
@@ -274,6 +427,57 @@ def block_scores_reference(
     """Plain jnp: the literal formulas on gathered rows: sum_g sum_d max(q_d * kmax_d, q_d * kmin_d) at beta = 1,
     else sum_g sum_d q_d mid_d + beta |q_d| half_d; with sub_blocks = m, that score of each of the block's m
     slices (rows id * m + j), combined by logsumexp(scale * s_j) / scale."""
+    return _reference(q, meta_min, meta_max, cand_ids, id_offset, None, per_head=per_head, beta=beta,
+                      sub_blocks=sub_blocks, scale=scale)
+
+
+def append_and_score_reference(
+    q: Float[Array, "B Hq hd"],
+    meta_min: Float[Array, "NBm Hkv hd"],
+    meta_max: Float[Array, "NBm Hkv hd"],
+    cand_ids: Int[Array, "B K"],
+    id_offset: Int[Array, ""] | None,
+    append: KeyAppend,
+    pool: Float[Array, "U 2 rows Hkv hd"],
+    unit_offset: Int[Array, ""] | int = 0,
+    *,
+    per_head: bool = False,
+    beta: float = 1.0,
+    sub_blocks: int = 1,
+    scale: float | None = None,
+) -> tuple[Float[Array, "B S K"], Float[Array, "NBm Hkv hd"], Float[Array, "NBm Hkv hd"]]:
+    """Plain jnp, same contract as `append_and_score`: the keys read from the pool (`kv_quant.unpack_blocks`), the
+    rows updated by a scatter (`update_bounds`' outward rounding), then `block_scores_reference` with the key's
+    block's later slices at -inf."""
+    m = sub_blocks
+    _check_options(beta, m, meta_min.shape[0])
+    _check_pool(q, meta_min, pool, m)
+    bs = kv_quant.tokens_per_block(pool)
+    slices = append.slots // (bs // m)
+    nr = meta_min.shape[0]
+    blk = append.rows if id_offset is None else jnp.where(append.rows >= 0, append.rows + id_offset, -1)
+    live = (blk >= 0) & (blk < nr // m)
+    target = jnp.where(live, blk * m + slices, nr)  # (out of range: dropped)
+    now = jnp.where(live, target, 0)
+    unit = jnp.maximum(append.blocks, 0) + unit_offset
+    k = jnp.take_along_axis(kv_quant.unpack_blocks(pool[unit, 0], jnp.float32), append.slots[:, None, None, None],
+                            axis=1)[:, 0]  # [B, Hkv, hd]
+    start = (append.slots % (bs // m) == 0)[:, None, None]
+    lo = jnp.where(start, k, jnp.minimum(meta_min[now].astype(jnp.float32), k))
+    hi = jnp.where(start, k, jnp.maximum(meta_max[now].astype(jnp.float32), k))
+    lo, hi = _round_outward(lo, hi, meta_min.dtype)
+    meta_min = meta_min.at[target].set(lo, mode="drop")
+    meta_max = meta_max.at[target].set(hi, mode="drop")
+    ids = cand_ids if id_offset is None else jnp.where(cand_ids >= 0, cand_ids + id_offset, -1)
+    in_block = live[:, None] & (ids >= 0) & (ids == blk[:, None])  # [B, K]
+    empty = in_block[:, :, None] & (jnp.arange(m) > slices[:, None, None])  # [B, K, m]
+    s = _reference(q, meta_min, meta_max, cand_ids, id_offset, empty, per_head=per_head, beta=beta, sub_blocks=m,
+                   scale=scale)
+    return s, meta_min, meta_max
+
+
+def _reference(q, meta_min, meta_max, cand_ids, id_offset, empty, *, per_head, beta, sub_blocks, scale):
+    """block_scores_reference; `empty` [B, K, m] (None: none) marks slices that score -inf."""
     _check_inputs(q, meta_min, meta_max, cand_ids)
     _check_options(beta, sub_blocks, meta_min.shape[0])
     if id_offset is not None:
@@ -293,6 +497,8 @@ def block_scores_reference(
         prod = q6 * ((kmax + kmin) / 2) + beta * jnp.abs(q6) * ((kmax - kmin) / 2)
     s = jnp.sum(prod, axis=-1)  # [B, K, m, Hkv, G]
     s = s.reshape(b, -1, m, hq) if per_head else jnp.sum(s, axis=-1)  # [B, K, m, S]
+    if empty is not None:
+        s = jnp.where(empty[..., None], -jnp.inf, s)
     if m > 1:
         t = default_scale(hd, g, per_head) if scale is None else scale
         s = jax.nn.logsumexp(s * t, axis=2) / t

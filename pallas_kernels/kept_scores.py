@@ -31,7 +31,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
-from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, check_sub_blocks
+from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, check_sub_blocks, round_bounds_outward
 from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference
 from pulseinfer_jax.pallas_kernels.common import next_pow2, on_platform, triton_params
 
@@ -184,16 +184,20 @@ def kept_scores_reference(
     beta: float,
     sub_blocks: int,
     scale: float,
+    bounds_dtype=None,
 ) -> Float[Array, "B S KK"]:
     """Plain jnp: the blocks' key bounds (`block_key_bounds`, float8 dequantised) scored by the metadata formula
     (`block_scores_reference`), slices with no token -inf, combined by logsumexp(scale * s) / scale. Same contract
-    as `kept_scores`, any pool dtype."""
+    as `kept_scores`, any pool dtype; with `bounds_dtype` the bounds are first stored as the engine's metadata
+    stores them (`round_bounds_outward`) and read back."""
     _check(q, pool, units, lens, sub_blocks)
     b, kk = units.shape
     m = sub_blocks
     live = (units >= 0) & (lens > 0)
     ids = jnp.where(live, units + unit_offset, 0).reshape(-1)
     kmin, kmax = block_key_bounds(pool, ids, jnp.where(live, lens, 0).reshape(-1), sub_blocks=m)  # [B*KK*m, ...]
+    if bounds_dtype is not None:
+        kmin, kmax = (a.astype(jnp.float32) for a in round_bounds_outward(kmin, kmax, bounds_dtype))
     sb = kv_quant.tokens_per_block(pool) // m
     slice_len = jnp.clip(lens[:, :, None] - jnp.arange(m) * sb, 0, sb)  # [B, KK, m]
     slice_live = (slice_len > 0) & live[:, :, None]

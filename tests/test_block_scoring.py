@@ -16,7 +16,15 @@ from pulseinfer_jax.pallas_kernels.block_metadata import (
     round_bounds_outward,
     update_bounds,
 )
-from pulseinfer_jax.pallas_kernels.block_scoring import block_scores, block_scores_reference
+from pulseinfer_jax.pallas_kernels.block_scoring import (
+    KeyAppend,
+    append_and_score,
+    append_and_score_reference,
+    block_scores,
+    block_scores_reference,
+    default_scale,
+)
+from pulseinfer_jax.pallas_kernels.kept_scores import kept_scores_reference
 
 from pulseinfer_jax.kv import quant as kv_quant
 
@@ -415,3 +423,98 @@ def test_block_scores_rejects_bad_inputs():
         block_scores(jnp.zeros((1, 4, 64)), meta, meta, ids, tile_k=24)
     with pytest.raises(ValueError, match="\\[B, K\\]"):
         block_scores(jnp.zeros((2, 4, 64)), meta, meta, ids)
+
+
+@pytest.mark.parametrize("m,per_head,meta_dtype,kv_dtype,tile_k", [
+    (1, True, jnp.float32, jnp.float32, 4), (2, False, jnp.float32, jnp.float32, 4),
+    (4, True, jnp.float32, jnp.bfloat16, None), (2, True, jnp.bfloat16, jnp.bfloat16, 8),
+    (2, False, jnp.float8_e4m3fn, jnp.bfloat16, 4), (1, True, jnp.float32, jnp.float8_e4m3fn, 4),
+    (2, True, jnp.float8_e4m3fn, jnp.float8_e4m3fn, 8)])
+def test_append_and_score_keeps_the_bounds_current_token_by_token(m, per_head, meta_dtype, kv_dtype, tile_k):
+    """Two sequences decode 3.5 blocks token by token into layer 1 of a 2-layer cache (float8: quantised), the second
+    starting later (a padding row -1 until then). Each key is read back where it was written (the cache's unwritten
+    slots NaN, never read) and appended to its block's slice in metadata rows that start NaN (a previous owner's
+    garbage) inside the second layer's range (`id_offset`), every block listed, shuffled among padding, in the
+    kernel's several tiles. After every token: kernel and reference agree (bounds bit for bit, or within a bound's
+    rounding step for a float8 cache, whose rotation sums in another order; scores to rounding); the bounds are
+    those of the keys written so far (`block_key_bounds` of the cache, rounded outward), and the scores equal
+    `kept_scores_reference`'s from the keys themselves (the sink and window blocks' scores before), the newest
+    block's empty slices without mass."""
+    bs, hkv, group, hd, beta, nb_cache = 8, 2, 2, 32, 0.5, 10
+    f8 = kv_quant.is_quantized(kv_dtype)
+    rng = np.random.default_rng(7 * m + per_head + 3 * f8)
+    steps, nb, per_layer = 3 * bs + 4, 4, 16  # 4 logical blocks per sequence, 16 metadata blocks per layer
+    keys = (rng.standard_normal((2, steps, hkv, hd)) * rng.uniform(0.3, 2, (hkv, hd))).astype(np.float32)
+    q_all = (rng.standard_normal((steps, 2, hkv * group, hd)) * 0.5).astype(np.float32)
+    blocks = rng.permutation(per_layer)[: 2 * nb].reshape(2, nb)  # logical block j of sequence b -> metadata block
+    gpu = rng.permutation(np.arange(1, nb_cache))[: 2 * nb].reshape(2, nb)  # the cache block of each logical one
+    cache = jnp.full((2, nb_cache, 2, kv_quant.block_rows(bs, hd, kv_dtype), hkv, hd), jnp.nan,
+                     kv_quant.storage_dtype(kv_dtype))
+    if f8:
+        cache = jnp.zeros_like(cache)
+    nan = jnp.full((2 * per_layer * m, hkv, hd), jnp.nan, meta_dtype)
+    got, want = (nan, nan), (nan, nan)
+    off = jnp.int32(per_layer)  # layer 1's rows
+    scale = default_scale(hd, group, per_head)
+    kw = dict(per_head=per_head, beta=beta, sub_blocks=m, scale=scale)
+    start = (0, 5)  # sequence 1's first token is written at step 5
+    # one step of the bounds' dtype (float8: relative 2^-3, or its smallest subnormal 2^-9 near zero)
+    step = dict(rtol=0.07, atol=2.0 ** -9) if meta_dtype == jnp.float8_e4m3fn else dict(rtol=1e-5, atol=1e-5)
+    for t in range(steps):
+        pos = np.array([t - s for s in start])
+        live = pos >= 0
+        p0 = np.maximum(pos, 0)
+        rows = np.where(live, blocks[np.arange(2), p0 // bs], -1)
+        blk = np.where(live, gpu[np.arange(2), p0 // bs], 0)
+        k = keys[np.arange(2), p0]
+        cache = kv_quant.write_tokens(cache, jnp.ones(2, jnp.int32), jnp.asarray(blk), jnp.asarray(p0 % bs),
+                                      jnp.asarray(k), jnp.asarray(k))
+        flat = cache.reshape(-1, *cache.shape[2:])
+        app = KeyAppend(jnp.asarray(rows, jnp.int32), jnp.asarray(blk, jnp.int32), jnp.asarray(p0 % bs, jnp.int32))
+        cand = np.full((2, 12), -1, np.int32)
+        for b in range(2):
+            n = pos[b] // bs + 1 if live[b] else 0
+            cand[b, rng.permutation(12)[:n]] = blocks[b, :n]
+        args = (jnp.asarray(cand), off, app, flat, jnp.int32(nb_cache))
+        s_got, *got = append_and_score(jnp.asarray(q_all[t]), *got, *args, tile_k=tile_k, **kw)
+        s_want, *want = append_and_score_reference(jnp.asarray(q_all[t]), *want, *args, **kw)
+        for a, b in zip(got, want, strict=True):
+            a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+            if f8:  # (one rounding step of the bounds' dtype at most)
+                np.testing.assert_allclose(a, b, **step)
+            else:
+                np.testing.assert_array_equal(a, b)
+        s_got, s_want = np.asarray(s_got), np.asarray(s_want)
+        fin = np.isfinite(s_want)
+        assert (np.isfinite(s_got) == fin).all() and (fin == (cand >= 0)[:, None]).all()
+        np.testing.assert_allclose(s_got[fin], s_want[fin], rtol=1e-3 if f8 else 1e-5, atol=1e-3 if f8 else 1e-4)
+        for b in np.flatnonzero(live):  # against the keys in the cache themselves
+            n = pos[b] // bs + 1
+            lens = np.clip(pos[b] + 1 - np.arange(n) * bs, 0, bs).astype(np.int32)
+            units = jnp.asarray(nb_cache + gpu[b, :n], jnp.int32)
+            lo, hi = block_key_bounds(flat, units, jnp.asarray(lens), sub_blocks=m)
+            lo, hi = round_bounds_outward(lo, hi, meta_dtype)
+            at = ((per_layer + blocks[b, :n])[:, None] * m + np.arange(m)).reshape(-1)
+            filled = (lens[:, None] > np.arange(m) * (bs // m)).reshape(-1)  # slices holding a token
+            for mine, theirs in ((want[0], lo), (want[1], hi)):
+                mine, theirs = (np.asarray(x.astype(jnp.float32)) for x in (mine[at], theirs))
+                if f8:  # (a float8 cache's keys, dequantised a token or a block at a time: float32 rounding)
+                    np.testing.assert_allclose(mine[filled], theirs[filled], **step)
+                else:
+                    np.testing.assert_array_equal(mine[filled], theirs[filled])
+            if meta_dtype == jnp.float32:
+                ref = kept_scores_reference(jnp.asarray(q_all[t, b:b + 1]), flat, units[None], jnp.asarray(lens)[None],
+                                            **kw)
+                mine = s_got[b][:, [list(cand[b]).index(x) for x in blocks[b, :n]]]
+                np.testing.assert_allclose(mine, np.asarray(ref[0]), rtol=1e-3 if f8 else 1e-5,
+                                           atol=1e-3 if f8 else 1e-4)
+
+
+def test_append_and_score_rejects_a_pool_that_does_not_fit():
+    meta = jnp.zeros((8, 2, 16), jnp.float32)
+    app = KeyAppend(jnp.array([0]), jnp.array([0]), jnp.array([1]))
+    with pytest.raises(ValueError, match="flat"):
+        append_and_score(jnp.zeros((1, 4, 16)), meta, meta, jnp.array([[0]]), None, app, jnp.zeros((3, 2, 8, 4, 16)))
+    with pytest.raises(ValueError, match="sub_blocks=3 divides"):
+        append_and_score_reference(jnp.zeros((1, 4, 16)), meta[:6], meta[:6], jnp.array([[0]]), None, app,
+                                   jnp.zeros((3, 2, 8, 2, 16)), sub_blocks=3)

@@ -125,6 +125,30 @@ def test_block_scores_compiles_without_spills(compiler, group, hd, k, per_head, 
                          sub_blocks=m)))
 
 
+@pytest.mark.parametrize("group,hd,per_head,meta_dtype,m,kv_dtype", [
+    (4, 128, True, "float8_e4m3fn", 1, "bfloat16"), (4, 128, True, "float8_e4m3fn", 2, "float8_e4m3fn"),
+    (4, 128, False, "bfloat16", 1, "bfloat16"), (3, 64, True, "float32", 4, "float32")])
+def test_append_and_score_is_one_kernel_updating_the_bounds_in_place(compiler, group, hd, per_head, meta_dtype, m,
+                                                                     kv_dtype):
+    """Decode's scoring with the new keys joining their bounds (`block_scoring.append_and_score`; a float8 cache's
+    keys dequantised and rotated back inside), the bounds donated as the layer call donates them: one Triton kernel,
+    no spills, the bounds aliased (no copy of them), reading the candidates' rows, one key per (sequence, head) of
+    the cache and writing back only the appended rows."""
+    b, k, bs = 16, 2048, 16
+    meta = spec((b * k * m, 8, hd), meta_dtype)
+    pool = spec((32 * 1000, 2, kv_quant.block_rows(bs, hd, kv_dtype), 8, hd), kv_quant.storage_dtype(kv_dtype))
+    app = block_scoring.KeyAppend(spec((b,), I32), spec((b,), I32), spec((b,), I32))
+    args = (spec((b, 8 * group, hd), "bfloat16"), meta, meta, spec((b, k), I32), spec((), I32), app, pool,
+            spec((), I32))
+    fn = jax.jit(functools.partial(block_scoring.append_and_score, per_head=per_head, beta=0.5, sub_blocks=m,
+                                   interpret=False), donate_argnums=(1, 2))
+    row = _ok(compiler(program("append_and_score", "kernel", fn, args, pallas=("block_scores",))))
+    assert row["cost"]["launches"] == 1, [kr["name"] for kr in row["kernels"]]
+    item = jnp.dtype(meta_dtype).itemsize
+    assert row["memory"]["alias"] == 2 * b * k * m * 8 * hd * item
+    assert row["cost"]["bytes"] <= 2 * b * k * m * 8 * hd * item * 1.1
+
+
 @pytest.mark.parametrize("dtype,bs,hkv,hd", [("bfloat16", 16, 8, 128), ("float32", 8, 3, 64),
                                            ("uint8", 17, 8, 128)])  # uint8: a float8 cache's blocks, bs 16 + scales
 def test_gather_scatter_compile(compiler, dtype, bs, hkv, hd):
@@ -322,6 +346,8 @@ def test_a_sparse_layer_is_at_most_twenty_kernels(compiler, target, point):
         assert not row["violations"], row["violations"]
         cost = row["cost"]
         assert cost["launches"] <= 20, [k["name"] for k in row["kernels"]]
+        # the sinks and window scored from their bounds, kept current by the scoring kernel: no kernel re-reads keys
+        assert "kept_scores" not in " ".join(row["pallas"]) and any("_append" in n for n in row["pallas"])
         assert cost["host_syncs"] == cost["transfers"] == 0
         weights = [k for k in cost["top_kernels"] if k["name"].startswith("gemm")]
         assert len(weights) == len({k["name"] for k in weights}) and all(k["count"] == 1 for k in weights)

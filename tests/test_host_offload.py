@@ -400,7 +400,8 @@ def test_sparse_kv_roles_window_rotation_and_packs():
     with pytest.raises(ValueError, match="layer by layer"):
         s.prefill_table()
     spill, meta, resident = s.prefill_done(prompt)
-    assert spill == list(range(6)) and meta == [1, 2, 3]  # middle = after the sink, before the 2-block window
+    assert spill == list(range(6)) and meta == list(range(6))  # every block's key bounds, sinks and window too
+    assert s.block_lens(7) == [4, 4, 4, 4, 4, prompt - 20, 0]  # the partial last block's bounds: its tokens
     assert sorted(s.gpu_of) == [0, 4, 5] and len(s.spare) == 1
     assert resident == [(j, s.gpu_of[j]) for j in (0, 4, 5)]  # take a copy of the prompt's KV
     owned = s.owned_gpu_blocks()
@@ -424,7 +425,8 @@ def test_sparse_kv_device_placement_keeps_everything():
     s = SparseKV(p, 0, 40, list(range(1, 11)), list(range(100, 110)))
     assert s.prefill_table() == list(range(1, 11))  # its own blocks
     spill, meta, resident = s.prefill_done(21)
-    assert spill == [] and resident == [] and meta == [1, 2, 3]
+    assert spill == [] and resident == [] and meta == list(range(6)) and s.block_len(5) == 1
     assert all(s.is_resident(j) for j in range(10))
-    assert s.advance(25) == [(4, 5)]  # leaves the window: metadata only, the block stays
+    assert s.advance(25) == [(4, 5)]  # leaves the window (its key bounds already complete), the block stays
+    assert s.block_len(6) == 1
     assert s.is_resident(4) and s.dense_unit(3, 1, NB) == 1 * NB + 4

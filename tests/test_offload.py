@@ -106,6 +106,54 @@ def _run_until_last_token(engine, prompts, max_new):
     return reqs
 
 
+@pytest.mark.parametrize("placement,kv_dtype,kw", [
+    ("host", "auto", {}), ("device", "auto", dict(score_sub_blocks=2)),
+    ("host", "float8_e4m3fn", dict(score_bounds_dtype="kv")), ("host", "float8_e4m3fn", {}),
+    ("host", "auto", dict(recall="interruptible", micro_batches=2, score_sub_blocks=2)),
+    ("host", "auto", dict(decode_attention="pallas", score_sub_blocks=2))])
+def test_every_blocks_key_bounds_are_current(tiny4, placement, kv_dtype, kw):
+    """Key bounds kept current as keys are written: after decoding across several blocks, the metadata rows of every
+    block in every sparse layer (sinks, window, the partial newest one, those that left the window, which nothing
+    recomputes) hold the bounds of exactly the keys written so far, as `block_key_bounds` takes them from the cache
+    or the host pool (float8: dequantised), rounded outward to the metadata's dtype: both decode schedules, both
+    placements, the jnp path and the Pallas kernel."""
+    from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, round_bounds_outward
+
+    cfg = EngineConfig.of(**BASE, mode="offload", budget_tokens=24, dense_layers=2, kv_dtype=kv_dtype,
+                          offload_placement=placement, **kw)
+    eng = Engine(tiny4, cfg)
+    reqs = _run_until_last_token(eng, _prompts(tiny4.cfg.vocab_size, lengths=(45, 30)), 23)
+    d = eng.sparse
+    m, fine = d.scoring.sub_blocks, d.bounds.fine
+    f8 = kv_dtype != "auto"
+    step = dict(rtol=0.07, atol=2.0 ** -9) if fine.lo.dtype == jnp.float8_e4m3fn else dict(rtol=1e-5, atol=1e-6)
+    checked = 0
+    for r in reqs:
+        s = r.sparse
+        for sl in range(s.plan.sparse_layers):
+            for j in range(s.num_blocks):
+                if placement == "device":
+                    block = eng.kv[s.plan.dense_layers + sl, s.table[j]]
+                elif s.is_resident(j):
+                    block = eng.kv[s.plan.dense_layers + sl, s.gpu_of[j]]
+                else:
+                    block = jnp.asarray(eng.host_pool.read(sl, s.host_rows[j]))
+                n = s.block_len(j)
+                lo, hi = block_key_bounds(block[None], jnp.zeros(1, jnp.int32), jnp.array([n], jnp.int32),
+                                          sub_blocks=m)
+                row = (sl * eng.host_pool.num_rows + s.host_rows[j]) * m
+                filled = np.arange(m) * (s.plan.block_size // m) < n
+                for got, want in zip((fine.lo, fine.hi), round_bounds_outward(lo, hi, fine.lo.dtype), strict=True):
+                    got = np.asarray(got[row:row + m].astype(jnp.float32))[filled]
+                    want = np.asarray(want.astype(jnp.float32))[filled]
+                    if f8:  # (keys dequantised a token or a block at a time: float32 rounding, one bound step)
+                        np.testing.assert_allclose(got, want, **step)
+                    else:
+                        np.testing.assert_array_equal(got, want)
+                checked += 1
+    assert checked >= 2 * 2 * 10 and any(s.sparse.num_blocks * 4 > s.sparse.tokens for s in reqs)
+
+
 @pytest.mark.parametrize("host_io,kv_dtype", [("xla", "auto"), ("numpy", "auto"), ("xla", "float8_e4m3fn")])
 def test_host_pool_holds_what_the_gpu_would(tiny4, host_io, kv_dtype):
     """After a long sparse generation, every block that left the GPU window is in the host pool, equal to what
@@ -459,13 +507,13 @@ def test_block_scoring_config_reaches_both_scoring_paths(tiny4, monkeypatch, sco
     from pulseinfer_jax.runner import sparse_layer
 
     seen = []
-    real = sparse_layer.block_scores_reference
+    real = sparse_layer.append_and_score_reference
 
     def spy(q, meta_min, *a, **k):
         seen.append((k.get("beta"), k.get("per_head"), k.get("sub_blocks"), meta_min.shape[0] % k["sub_blocks"]))
         return real(q, meta_min, *a, **k)
 
-    monkeypatch.setattr(sparse_layer, "block_scores_reference", spy)
+    monkeypatch.setattr(sparse_layer, "append_and_score_reference", spy)
     sparse_layer.sparse_pre.clear_cache()  # retrace: the spy sees every scoring this test compiles
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(37,))
     kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2, selection=selection, **scoring)
@@ -482,23 +530,34 @@ def test_block_scoring_config_reaches_both_scoring_paths(tiny4, monkeypatch, sco
     ({}, True), (dict(score_kept_blocks=False), False), (dict(selection="headwise"), False),
 ])
 def test_kept_blocks_scored_only_for_solohead_softmax(tiny4, monkeypatch, kw, runs):
-    """The sink / window blocks are scored (from the resident cache, at their GPU units) where SoloHead's softmax
-    reads scores, and only when asked; stats say so."""
-    from pulseinfer_jax.runner import sparse_layer
+    """The sink / window blocks are scored (from their metadata rows, kept current as each key is written) where
+    SoloHead's softmax reads scores, and only when asked: every step lists their rows among the candidates, the
+    newest block's the row its new key joins; stats say so."""
+    from pulseinfer_jax.runner import sparse_decoder
 
     seen = []
-    real = sparse_layer.kept_block_scores
+    real = sparse_decoder.micro_batch_inputs
 
-    def spy(q, pool, units, lens, *a, **k):
-        seen.append(units.shape)
-        return real(q, pool, units, lens, *a, **k)
+    def spy(plan, *a):
+        mb = real(plan, *a)
+        sparse, lengths = a[-3], a[-1]
+        for b, (s, n) in enumerate(zip(sparse, lengths, strict=True)):
+            blocks = -(-n // plan.block_size)
+            listed = mb.rows.candidates.rows[b, :blocks]
+            kept = [j for j in range(blocks) if not s.is_middle(j)]
+            seen.append(bool((listed[kept] >= 0).all()))
+            assert (listed[kept] == (s.host_row_arr[kept] if runs else -1)).all()
+            assert (listed[[j for j in range(blocks) if s.is_middle(j)]] >= 0).all()
+            app = mb.rows.append  # the new key: its block's metadata row, GPU block and slot
+            assert (app.rows[b], app.blocks[b], app.slots[b]) == (s.host_rows[blocks - 1], s.gpu_arr[blocks - 1],
+                                                                   (n - 1) % plan.block_size)
+        return mb
 
-    monkeypatch.setattr(sparse_layer, "kept_block_scores", spy)
-    sparse_layer.sparse_pre.clear_cache()
+    monkeypatch.setattr(sparse_decoder, "micro_batch_inputs", spy)
     cfg = EngineConfig.of(**BASE, mode="offload", budget_tokens=24, dense_layers=2, **kw)
     out = generate_long(_prompts(tiny4.cfg.vocab_size, lengths=(37,)), tiny4, max_new_tokens=4, ignore_eos=True,
                         engine_config=cfg)
-    assert bool(seen) == runs and all(s[1] == cfg.offload.sink_blocks + cfg.window_blocks for s in seen)
+    assert seen and set(seen) == {runs}
     assert out[0].stats["score_kept_blocks"] is cfg.scoring.kept_blocks
 
 

@@ -383,7 +383,8 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         n_blk = mb.rows.candidates.num_blocks.astype(np.int64)
         dense_valid = ((ATTENTION[0], float(n_blk.sum()) / (bp * kc)),)  # the listed blocks holding tokens
         middle = np.clip(n_blk - plan.sink_blocks - plan.window_blocks, 0, None)
-        scored = ((SCORING[0], float(middle.sum()) / (bp * kc)),)  # candidates that are blocks, not padding
+        listed = n_blk if sc.scores_kept(plan.selection, cfg.ablation.solohead) else middle  # (sinks, window too)
+        scored = ((SCORING[0], float(listed.sum()) / (bp * kc)),)  # candidates that are blocks, not padding
         add(es.program("embed", group, sparse_layer.embed, (model, es.head_params, _vec(bp + bd))), 1)
         dense = specs_of(mb.dense)
         for d in range(plan.dense_layers):
@@ -413,7 +414,7 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
             model, es.layer_params, kv, x, layout.bounds, slots, rows_spec, step, layer_refs), {"spec": select},
             pallas=SCORING, valid=scored)
         add(pre, sl_n)
-        _, q, _, plan_out, _ = out_shapes(pre)
+        _, _, q, _, plan_out, _ = out_shapes(pre)
         q, plan_spec = specs_of(q), specs_of(plan_out)
         n_sel = plan_spec.early[0].shape[-1] * plan.lanes  # entries a row lists: its whole selection
         rows = len(members)
@@ -439,12 +440,12 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
             {"attention": es.attention, "width": width, "fan": fan},
             pallas=ATTENTION, valid=land_valid), sl_n)
         add(es.program("logits", group, sparse_layer.logits, (model, es.head_params, x)), 1)
-    # every block_size steps each request's oldest window block leaves: written back, its key bounds computed
+    # every block_size steps each request's oldest window block leaves: written back (its key bounds are complete: each
+    # key joined them in the scoring kernel as it was written)
     n_exit = len(reqs)
     per_step = 1.0 / cfg.block_size
     for p in write_back_programs(es, layout, n_exit, host_s, dev_s, group):
         add(p, per_step)
-    add(refresh_meta_program(es, layout, sl_n * n_exit, group), per_step)
     if sc.coarse_group > 1:
         add(refresh_coarse_program(es, layout, n_exit, group), per_step)
     # the sparse logits come back to the host unpadded: sampled at exactly len(reqs) rows (and the placed ones)
@@ -535,20 +536,19 @@ def allocations(es: EngineShapes, shardings, layout: SparseLayout | None = None,
 def offloaded_prefill(es: EngineShapes, layout: SparseLayout, prompt_tokens: int, *, shardings=None,
                       group: str = "sparse") -> list[Call]:
     """One offloaded prompt's layer-segmented prefill (runner/offloaded_prefill.py), per prompt: every (layer, chunk)
-    piece,
-    and after each layer its spill (sparse layers: write-back of every block from its prefill units, key bounds of
-    the middle ones; the resident or dense-pack copies), the group bounds with two-level scoring, the logits and
-    the first token's sampling. Also the slot-table reset of its first decode step."""
+    piece, and after each layer its spill (sparse layers: write-back of every block from its prefill units, key
+    bounds of every block, the partial last one's over its tokens; the resident or dense-pack copies), the group
+    bounds with two-level scoring, the logits and the first token's sampling. Also the slot-table reset of its first
+    decode step."""
     cfg, model, plan = es.config, es.model, layout.plan
     bs, nl = cfg.block_size, model.cfg.num_layers
     n = blocks_for(prompt_tokens, bs)
     middle = max(0, n - plan.sink_blocks - plan.window_blocks)
     keep = n - middle
-    if plan.placement == "device":  # dense prefill into the request's own blocks, then its key bounds
+    if plan.placement == "device":  # dense prefill into the request's own blocks, then every block's key bounds
         own = max((len(s.table) for s in layout.requests), default=n)  # its blocks: prompt + new tokens
         calls = prefill(es, prompt_tokens, own, num_blocks=layout.num_gpu_blocks, group=group)
-        if middle:
-            calls.append(Call(refresh_meta_program(es, layout, plan.sparse_layers * middle, group)))
+        calls.append(Call(refresh_meta_program(es, layout, plan.sparse_layers * n, group)))
         return calls + [Call(reset_rows_program(layout, 1, group))]
     kv = es.kv(layout.num_gpu_blocks)
     table = _vec(bucket_blocks(n))
@@ -571,8 +571,7 @@ def offloaded_prefill(es: EngineShapes, layout: SparseLayout, prompt_tokens: int
     dev_s = shardings("device") if shardings is not None else None
     for p in write_back_unit_programs(es, layout, n, host_s, dev_s, group):
         add(p, plan.sparse_layers)
-    if middle:
-        add(refresh_meta_program(es, layout, middle, group), plan.sparse_layers)
+    add(refresh_meta_program(es, layout, n, group), plan.sparse_layers)
     copies = _vec(bucket(keep))
     add(es.program("copy_units", group, sparse_layer.copy_units, (kv, copies, copies)), plan.sparse_layers)
     if plan.dense_layers:

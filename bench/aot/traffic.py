@@ -80,11 +80,23 @@ def _tile(pool: Array) -> int:
 def _block_scores(ops, outs, valid: float = 1.0) -> tuple[int, int]:
     """q4 [B, Hkv, G, hd], cand_ids [B, Kp], id_offset [1], meta_min [R, Hkv, hd], meta_max: each (b, h, tile) program
     reads its head's row of both bounds for every candidate (m rows each with sub-blocks: name `sub=m`); a padding
-    candidate reads row 0 again (a cache hit, not HBM traffic): `valid` of the candidates are real."""
-    q, ids, _, lo, _ = (o[0] for o in ops)
+    candidate reads row 0 again (a cache hit, not HBM traffic): `valid` of the candidates are real. Appending
+    (`append_and_score`: then the KeyAppend's three [B], the unit offset [1], the flat cache [U, 2, rows, Hkv, hd]
+    (and a float8 cache's rotation [hd, hd]) follow, and the bounds come back aliased in place) each (b, h) program
+    also reads its new key from the cache (a float8 one's: its value row and 2 scale bytes), one row of both bounds,
+    and writes that row back."""
+    q, ids, _, lo = (o[0] for o in ops[:4])
     b, hkv, _, hd = q.dims
     item = lo.bytes // max(1, _numel(lo))
-    return int(q.bytes + ids.bytes + 2 * b * ids.dims[1] * valid * hkv * hd * item), sum(o.bytes for o in outs)
+    read = int(q.bytes + ids.bytes + 2 * b * ids.dims[1] * valid * hkv * hd * item)
+    if len(outs) == 1:
+        return read, outs[0].bytes
+    pool = ops[9][0]
+    f8 = pool.dtype == "u8" or pool.dtype.startswith("f8")
+    key = b * hkv * (hd + SCALE_BYTES if f8 else hd * (pool.bytes // max(1, _numel(pool))))
+    rows = 2 * b * hkv * hd * item  # the appended rows of both bounds
+    small = sum(o[0].bytes for o in ops[5:9]) + sum(o[0].bytes for o in ops[10:])  # the KeyAppend, offset, rotation
+    return read + small + key + rows, outs[0].bytes + rows
 
 
 def _select_plan(ops, outs, valid: float = 1.0) -> tuple[int, int]:
@@ -94,7 +106,12 @@ def _select_plan(ops, outs, valid: float = 1.0) -> tuple[int, int]:
     read back by the same program): not counted."""
     scores, gpu, host, slots, stamp = (o[0] for o in ops[9:14])
     rows_c = slots.dims[0] * outs[0].dims[1] * stamp.dims[-1] * 4  # B * S state rows of C int32 each
-    small = sum(o[0].bytes for o in ops[:9]) + sum(o[0].bytes for o in ops[15:17])
+    kept_s, kept_l = (o[0] for o in ops[15:17])
+    if kept_s.dims == scores.dims and kept_l.dims == gpu.dims:  # no kept scores: placeholders, one column read
+        kept_s, kept_l = scores.bytes // scores.dims[-1], gpu.bytes // gpu.dims[-1]
+    else:
+        kept_s, kept_l = kept_s.bytes, kept_l.bytes
+    small = sum(o[0].bytes for o in ops[:9]) + kept_s + kept_l
     read = small + scores.bytes + gpu.bytes + host.bytes + slots.bytes + 2 * rows_c
     write = sum(o.bytes for o in outs[:7]) + 2 * rows_c  # the lists and info, then the state rows
     if len(outs) > 16:  # the cache aliased in place: each row's spare fill reads and writes one block (at most)

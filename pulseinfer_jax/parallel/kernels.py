@@ -59,6 +59,24 @@ def block_scores(fn: Callable[..., Array], q: Float[Array, "B Hq hd"], meta_min:
     return mapped(q, meta_min, meta_max, cand, id_offset)
 
 
+def append_and_score(fn: Callable[..., tuple[Array, Array, Array]], q: Float[Array, "B Hq hd"],
+                     meta_min: Float[Array, "M Hkv hd"], meta_max: Float[Array, "M Hkv hd"], cand: Int[Array, "B K"],
+                     id_offset: Int[Array, ""] | None, append, pool: Float[Array, "U 2 bs Hkv hd"],
+                     unit_offset: Int[Array, ""] | int = 0, **kw) -> tuple[Array, Array, Array]:
+    """`fn(q, meta_min, meta_max, cand, id_offset, append, pool, unit_offset, **kw)` (`block_scoring.append_and_score`'s
+    contract) per device on its heads: scores split by head, each device's key bounds updated from its heads' keys."""
+    if tp_size() == 1:
+        return fn(q, meta_min, meta_max, cand, id_offset, append, pool, unit_offset, **kw)
+    if id_offset is None:
+        id_offset = jnp.zeros((), jnp.int32)
+    heads = split_spec(3, 1)
+    mapped = jax.shard_map(functools.partial(fn, **kw),
+                           in_specs=(heads, heads, heads, P(), P(), jax.tree.map(lambda _: P(), append),
+                                     split_spec(pool.ndim, -2), P()),
+                           out_specs=(heads, heads, heads), check_vma=False)
+    return mapped(q, meta_min, meta_max, cand, id_offset, append, pool, jnp.asarray(unit_offset, jnp.int32))
+
+
 def kept_scores(fn: Callable[..., Array], q: Float[Array, "B Hq hd"], pool: Float[Array, "U 2 bs Hkv hd"],
                 units: Int[Array, "B KK"], lens: Int[Array, "B KK"], unit_offset: Int[Array, ""] | int = 0,
                 **kw) -> Float[Array, "B S KK"]:

@@ -21,10 +21,10 @@ One decode step of the sparse requests (`SparseDecoder.decode`):
      that stops where it needs something not yet there;
   2. dense layer l < dense_layers: one jitted call (write the token, attend over every block, MLP);
   3. sparse layer l:
-       a. `sparse_pre`: q/k/v, write the token into its window block, score the middle blocks (neither sink
-          nor window) from their key metadata (two-level scoring: groups of blocks first, then only the blocks of
-          the best groups; SoloHead normalized_sum: the sinks and window too, from their
-          resident keys, for the softmax; with a resident bonus, blocks in the layer's slot cache rank higher),
+       a. `sparse_pre`: q/k/v, write the token into its window block and its key into that block's key bounds,
+          score the middle blocks (neither sink nor window) from their key bounds in the same kernel (two-level
+          scoring: groups of blocks first, then only the blocks of the best groups; SoloHead normalized_sum: the
+          sinks and window too, for the softmax; with a resident bonus, blocks in the layer's slot cache rank higher),
           select (SoloHead: one set per layer; headwise: one per KV head; sinks and window always), and plan
           it against the slot caches, all in the same call on the device (`slot_plan.layer_plan`): each
           selected block is resident (sink, window), a slot-cache hit, or a miss given a slot (LRU); the
@@ -184,8 +184,8 @@ class SparseDecoder:
     # ---- prompts -------------------------------------------------------------------------------
     def spill_layer(self, kv: jax.Array, s: SparseKV, layer: int, units: np.ndarray) -> jax.Array:
         """Layer `layer` of an offloaded prompt, computed into flat units `units` (logical block j at units[j];
-        runner/offloaded_prefill.py), leaves them: a sparse layer to its host rows (with the middle blocks' key
-        bounds) and
+        runner/offloaded_prefill.py), leaves them: a sparse layer to its host rows (with every block's key bounds,
+        the partial last one's over its tokens) and
         its sinks and window to the request's resident blocks, a dense layer to its packs. Returns kv."""
         p, nb = self.plan, self.nb
         n = len(units)
@@ -194,9 +194,8 @@ class SparseDecoder:
         else:
             sl = layer - p.dense_layers
             self.pool.write_back_units(kv, units.tolist(), s.host_rows[:n], sl)
-            middle = [j for j in range(n) if s.is_middle(j)]
-            self._refresh_meta_units(kv, [int(units[j]) for j in middle],
-                                     [sl * self.pool.num_rows + s.host_rows[j] for j in middle])
+            self._refresh_meta_units(kv, units.tolist(), [sl * self.pool.num_rows + r for r in s.host_rows[:n]],
+                                     s.block_lens(n))
             pairs = [(int(units[j]), layer * nb + g) for j, g in sorted(s.gpu_of.items())]
         return self._copy_units(kv, pairs)
 
@@ -205,8 +204,8 @@ class SparseDecoder:
         self._refresh_groups([(s, j) for j in range(s.num_blocks) if s.is_middle(j)])
 
     def index_prompt(self, kv: jax.Array, s: SparseKV, prompt_tokens: int) -> None:
-        """Device placement, after the prompt's dense prefill into the request's own blocks: its block roles and the
-        middle blocks' key bounds (nothing moves)."""
+        """Device placement, after the prompt's dense prefill into the request's own blocks: its block roles and
+        every block's key bounds (nothing moves)."""
         _, meta_blocks, _ = s.prefill_done(prompt_tokens)
         self._refresh_meta(kv, [(s, j, s.table[j]) for j in meta_blocks])
 
@@ -218,26 +217,27 @@ class SparseDecoder:
         return sparse_layer.copy_units(kv, jnp.asarray(src), jnp.asarray(dst))
 
     def _refresh_meta(self, kv: jax.Array, blocks: list[tuple[SparseKV, int, int]]) -> None:
-        """Key bounds of full GPU blocks into their metadata rows (the blocks' host rows), every sparse layer:
-        [(request, logical block, GPU block)]; with two-level scoring then their groups' bounds."""
+        """Key bounds of a prompt's GPU blocks (their tokens so far) into their metadata rows (the blocks' host rows),
+        every sparse layer: [(request, logical block, GPU block)]; with two-level scoring then their groups' bounds."""
         if not blocks:
             return
         p = self.plan
         units = [(p.dense_layers + sl) * self.nb + g for sl in range(p.sparse_layers) for _, _, g in blocks]
         rows = [sl * self.pool.num_rows + s.host_rows[j] for sl in range(p.sparse_layers) for s, j, _ in blocks]
-        self._refresh_meta_units(kv, units, rows)
+        lens = [s.block_len(j) for _ in range(p.sparse_layers) for s, j, _ in blocks]
+        self._refresh_meta_units(kv, units, rows, lens)
         self._refresh_groups([(s, j) for s, j, _ in blocks])
 
-    def _refresh_meta_units(self, kv: jax.Array, units: list[int], rows: list[int]) -> None:
-        """Key bounds of the whole blocks at flat units `units` into metadata rows `rows`."""
+    def _refresh_meta_units(self, kv: jax.Array, units: list[int], rows: list[int], lens: list[int]) -> None:
+        """Key bounds of the first `lens` tokens of the blocks at flat units `units` into metadata rows `rows`."""
         if not units:
             return
         n = bucket(len(units))
         u = np.zeros(n, np.int32)
         r = np.full(n, -1, np.int32)
-        lens = np.zeros(n, np.int32)
-        u[: len(units)], r[: len(rows)], lens[: len(units)] = units, rows, self.plan.block_size
-        fine = sparse_layer.refresh_meta(kv, self.bounds.fine, jnp.asarray(u), jnp.asarray(lens), jnp.asarray(r),
+        lb = np.zeros(n, np.int32)
+        u[: len(units)], r[: len(rows)], lb[: len(units)] = units, rows, lens
+        fine = sparse_layer.refresh_meta(kv, self.bounds.fine, jnp.asarray(u), jnp.asarray(lb), jnp.asarray(r),
                                       sub_blocks=self.scoring.sub_blocks)
         self.bounds = dataclasses.replace(self.bounds, fine=fine)
 
@@ -280,16 +280,17 @@ class SparseDecoder:
         if placed is not None and not self.joins_dense(sparse):
             raise ValueError("dense-placed requests join only a step with every recall ahead (see joins_dense)")
         self.selector.begin_step(sparse, lengths)
-        write_back, meta = [], []
+        write_back, left = [], []
         for s, length in zip(sparse, lengths, strict=True):
             for j, blk in s.advance(length):
                 if s.plan.placement == "host":
                     write_back.append((blk, s.host_rows[j]))
                     s.counters.written_back_blocks += 1
-                meta.append((s, j, blk))
+                left.append((s, j))
         if write_back:
             self.pool.write_back(kv, [b for b, _ in write_back], [r for _, r in write_back])
-        self._refresh_meta(kv, meta)
+        # (a block's key bounds are complete when it leaves the window: each key joined them as it was written)
+        self._refresh_groups(left)
         for s in sparse:
             s.counters.last_step_recall_bytes = 0
         # recall ahead: a request's first step has nothing prefetched, so that step recalls in the layer, where only
@@ -362,7 +363,7 @@ class SparseDecoder:
             landing, ready, w = self._take_landing(sl)
             late += not ready
             waited += w
-            kv, x, self.slot_state, plan, sel = sparse_layer.ahead_layer(
+            kv, self.bounds, x, self.slot_state, plan, sel = sparse_layer.ahead_layer(
                 model, lp, kv, x, self.bounds, self.slot_state, rows, step, self._layer_refs[sl], landing, placed,
                 spec=spec, attention=self.attention, fan=fan)
             plans.append((sl, plan, sel))
@@ -467,7 +468,7 @@ class SparseDecoder:
                                                    dense.ids[layer], dense.lens, attention=self.attention)
                 continue
             sl = layer - p.dense_layers
-            self.kv, q, self.slot_state, plan, sel = sparse_layer.sparse_pre(
+            self.kv, self.bounds, q, self.slot_state, plan, sel = sparse_layer.sparse_pre(
                 model, lp, self.kv, x, self.bounds, self.slot_state, rows, step, self._layer_refs[sl], spec=spec)
             # eager: the attention over the early entries is queued before the plan is read, so that the GPU works on
             # it while the host reads the plan and issues the recall (one more call on layers with nothing to recall)

@@ -1,10 +1,11 @@
 """What a sparse layer's selection call (`sparse_layer.sparse_pre`) reads, grouped by how long it lives.
 
 - `ScoringBounds`: the engine's key bounds of every sparse layer (block rows, and two-level scoring's group rows);
-  updated when blocks leave the window, read by every step.
+  every block's rows kept current as its tokens are written (the prompt's at prefill, each decoded key by the
+  scoring kernel that reads them, `block_scoring.append_and_score`), read by every step.
 - `SparseRows`: one micro-batch's step, the same for each of its sparse layers (host-built by
   `sparse_inputs.micro_batch_inputs`, numpy there, device arrays in the call): the new tokens' positions and window
-  blocks, the candidates to score (`Candidates`), the always-kept blocks scored from their keys (`KeptBlocks`).
+  blocks, the candidates to score (`Candidates`), where the new keys join the key bounds (`KeyAppend`).
 - `SparseLayerRefs`: where one sparse layer's slices sit (device scalars made once per layer), so a step sends no
   per-layer data.
 - `SelectSpec`: the static shape of the selection (budget, sinks, window, variant, scoring); part of the compile key.
@@ -29,7 +30,7 @@ from jaxtyping import Array, Float, Int
 from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.kv.blocks import blocks_for, bucket
 from pulseinfer_jax.kv.cache import bucket_blocks
-from pulseinfer_jax.selection.kept_blocks import kept_lens, kept_logical
+from pulseinfer_jax.pallas_kernels.block_scoring import KeyAppend
 from pulseinfer_jax.selection.policy import BlockScoring
 from pulseinfer_jax.selection.slot_plan import SlotStep
 
@@ -65,20 +66,9 @@ class Candidates:
     """The blocks a step scores, per batch row: the middle ones (neither sink nor window)."""
 
     rows: Int[IntArray, "B K"]  # layer-relative metadata (= host) row of each logical block, -1 = not a candidate
+    # (the middle blocks; where SoloHead scores the always-kept ones (`BlockScoring.scores_kept`) every block)
     num_blocks: Int[IntArray, " B"]  # logical blocks of each row (0: padding row)
     groups: Int[IntArray, "B G"]  # two-level scoring: layer-relative coarse row of each group, -1 = none
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KeptBlocks:
-    """The always-kept blocks (sinks, window) that SoloHead's softmax scores from their resident keys
-    (selection/kept_blocks.py);
-    a single -1 column when the variant does not score them."""
-
-    logical: Int[IntArray, "B KK"]  # logical block, -1 = none
-    gpu: Int[IntArray, "B KK"]  # its GPU block (layer-relative)
-    lens: Int[IntArray, "B KK"]  # its tokens the new token's query sees (its own included; 0 = none)
 
 
 @jax.tree_util.register_dataclass
@@ -89,7 +79,7 @@ class SparseRows:
     positions: Int[IntArray, " B"]  # position of each row's new token (its length - 1)
     newest: Int[IntArray, " B"]  # GPU block of each row's newest logical block (-1: padding row)
     candidates: Candidates
-    kept: KeptBlocks
+    append: KeyAppend  # where each row's new key joins its block's key bounds (its metadata row and slice)
 
 
 @jax.tree_util.register_dataclass
@@ -276,13 +266,17 @@ def micro_batch_inputs(plan: SparsePlan, scoring: BlockScoring, solohead: str, n
     tables = StepTables.of(sparse, lengths_np, bs, nb)
     nblk = np.zeros(bp, np.int32)
     nblk[:b_real] = n_blocks
-    # middle blocks are scored from their metadata rows; sinks and window are always selected (by position)
-    # and keep no metadata while resident (-1 here; scored from their keys if scoring.scores_kept)
+    # the middle blocks are scored from their metadata rows; sinks and window are always selected (by position),
+    # and scored from theirs too where SoloHead's softmax counts their mass (their rows are as current as any)
     col = np.arange(kc)
-    is_mid = (col >= p.sink_blocks) & (col < nblk[:, None] - p.window_blocks)  # [bp, kc]
-    cand = np.where(is_mid, tables.host, -1)
+    listed = (col >= p.sink_blocks) & (col < nblk[:, None] - p.window_blocks)  # [bp, kc]
+    if scoring.scores_kept(p.selection, solohead):
+        listed = col < nblk[:, None]
+    cand = np.where(listed, tables.host, -1)
     newest = np.full(bp, -1, np.int32)
     newest[:b_real] = tables.gpu[np.arange(b_real), nblk[:b_real] - 1]
+    newest_row = np.full(bp, -1, np.int32)
+    newest_row[:b_real] = tables.host[np.arange(b_real), nblk[:b_real] - 1]
     f = scoring.coarse_group
     coarse = scoring.coarse_groups(p.budget_blocks, p.sink_blocks, p.window_blocks, kc)
     groups = np.full((bp, -(-kc // f) if coarse else 1), -1, np.int32)
@@ -291,14 +285,6 @@ def micro_batch_inputs(plan: SparsePlan, scoring: BlockScoring, solohead: str, n
             lo, hi = p.sink_blocks, n_blocks[b] - p.window_blocks  # middle blocks lo..hi-1
             g = np.arange(lo // f, -(-hi // f) if hi > lo else 0)
             groups[b, g] = s.host_row_arr[g * f] // f
-    # the always-kept blocks' logical indices and GPU blocks (resident: every layer's slice is there)
-    if scoring.scores_kept(p.selection, solohead):
-        kept_l = kept_logical(nblk, p.sink_blocks, p.window_blocks)
-    else:
-        kept_l = np.full((bp, 1), -1, np.int32)
-    kept_l[b_real:] = -1
-    kept_gpu = np.where(kept_l >= 0, np.take_along_axis(tables.gpu, np.clip(kept_l, 0, kc - 1), axis=1), -1)
-    kept_n = kept_lens(kept_l, positions, bs, xp=np)
     dense_lens = np.clip(lengths_np[:, None] - np.arange(kc) * bs, 0, bs) * (np.arange(kc) < np.asarray(
         n_blocks)[:, None])
     dense_lens = np.pad(dense_lens, ((0, bp - b_real), (0, 0))).astype(np.int32)[:, None, :]
@@ -314,7 +300,7 @@ def micro_batch_inputs(plan: SparsePlan, scoring: BlockScoring, solohead: str, n
         dense_write.append(write)
     rows = SparseRows(positions=positions, newest=newest,
                       candidates=Candidates(rows=cand.astype(np.int32), num_blocks=nblk, groups=groups),
-                      kept=KeptBlocks(logical=kept_l.astype(np.int32), gpu=kept_gpu.astype(np.int32), lens=kept_n))
+                      append=KeyAppend(newest_row, newest.copy(), (positions % bs).astype(np.int32)))
     dense = DenseRows(lens=dense_lens, ids=tuple(dense_ids), write=tuple(dense_write))
     return MicroBatchInputs(tokens=tok, rows=rows, dense=dense, coarse=coarse, tables=tables)
 

@@ -27,7 +27,13 @@ from pulseinfer_jax.kv.quant import tokens_per_block, write_tokens
 from pulseinfer_jax.models.rope import rope_tables
 from pulseinfer_jax.models.transformer import Transformer
 from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, update_bounds
-from pulseinfer_jax.pallas_kernels.block_scoring import block_scores, block_scores_reference, default_scale
+from pulseinfer_jax.pallas_kernels.block_scoring import (
+    append_and_score,
+    append_and_score_reference,
+    block_scores,
+    block_scores_reference,
+    default_scale,
+)
 from pulseinfer_jax.pallas_kernels.merge import merge_attention_partials
 from pulseinfer_jax.pallas_kernels.select_plan import copy_fills, select_plan
 from pulseinfer_jax.pallas_kernels.sparse_decode_attention import (
@@ -45,7 +51,7 @@ from pulseinfer_jax.runner.sparse_inputs import (
     SparseRows,
 )
 from pulseinfer_jax.selection import slot_plan
-from pulseinfer_jax.selection.kept_blocks import kept_block_scores, with_kept_scores
+from pulseinfer_jax.selection.kept_blocks import kept_logical, with_kept_scores
 from pulseinfer_jax.selection.policy import BlockScoring, resident_mask, select_blocks, summed_shares, top_groups
 from pulseinfer_jax.selection.slot_plan import LayerPlan, SlotStep
 
@@ -69,9 +75,9 @@ def _unit_index(kv: Array, units: Array) -> tuple[Array, Array]:
 
 
 def _qkv_and_write(model: Transformer, lp: dict, kv: Array, x: Array, positions: Array,
-                   write_unit: Array) -> tuple[Array, Array]:
+                   write_unit: Array) -> tuple[Array, Float[Array, "B Hq hd"]]:
     """Project one layer (weights `lp`), write each row's new K/V at flat unit `write_unit[b]`, slot
-    positions % bs."""
+    positions % bs. Returns (kv, q)."""
     cos, sin = rope_tables(model.cfg, positions[:, None])
     q, k, v = model.layer_qkv(lp, x, cos, sin)  # [B, 1, H, hd]
     li, bi = _unit_index(kv, write_unit)
@@ -153,7 +159,7 @@ def two_level_scores(score_fn, q, meta_min, meta_max, cand, cmeta_min, cmeta_max
     return out[:, :, :k]
 
 
-@functools.partial(jax.jit, static_argnames=("model", "spec"), donate_argnames=("kv", "slot_state"))
+@functools.partial(jax.jit, static_argnames=("model", "spec"), donate_argnames=("kv", "bounds", "slot_state"))
 def sparse_pre(
     model: Transformer,
     lp: dict,
@@ -166,13 +172,13 @@ def sparse_pre(
     layer: SparseLayerRefs,
     *,
     spec: SelectSpec,
-) -> tuple[Array, Float[Array, "B Hq hd"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
+) -> tuple[Array, ScoringBounds, Float[Array, "B Hq hd"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
     """A sparse layer up to attention (`_select_and_plan`), for the drivers that read the plan before attending."""
     return _select_and_plan(model, lp, kv, x, bounds, slot_state, rows, step, layer, spec=spec)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "spec", "attention", "fan"),
-                   donate_argnames=("kv", "slot_state"))
+                   donate_argnames=("kv", "bounds", "slot_state"))
 def ahead_layer(
     model: Transformer,
     lp: dict,
@@ -189,20 +195,20 @@ def ahead_layer(
     spec: SelectSpec,
     attention: str,
     fan: int = 1,
-) -> tuple[Array, Float[Array, "Bt 1 D"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
+) -> tuple[Array, ScoringBounds, Float[Array, "Bt 1 D"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
     """A whole sparse layer with its recall one step ahead (`recall="ahead"`), in one call that never waits on the
     host: land the recall the previous step issued for this layer (`landing`, None = nothing), select and plan
     (`_select_and_plan`; `step.spare` set), copy the miss on the block that just left the window from its spare GPU
     block into its slot, attend over the resident blocks, the slot-cache hits and that fill, o-proj and MLP. The
     plan's other misses are not attended now: the caller recalls them after dispatching the step, for this layer's
     next call. With `placed`, x's rows past the offloaded ones are dense-placed requests: projected, written and
-    finished with them (one pass over the weights), each attending its whole block table. Returns (kv, x, slot
-    state, plan, selection)."""
+    finished with them (one pass over the weights), each attending its whole block table. Returns (kv, key bounds,
+    x, slot state, plan, selection)."""
     if landing is not None:
         kv = _land(kv, layer.unit_offset // kv.shape[1], landing.misses, landing.info, landing.staging, fan)
     if placed is None:
-        kv, q, slot_state, plan, sel = _select_and_plan(model, lp, kv, x, bounds, slot_state, rows, step, layer,
-                                                        spec=spec)
+        kv, bounds, q, slot_state, plan, sel = _select_and_plan(model, lp, kv, x, bounds, slot_state, rows, step,
+                                                                layer, spec=spec)
         o, _, _ = _attend(attention, q, kv, plan.early[0], plan.early[1])
     else:
         b = rows.positions.shape[0]
@@ -210,11 +216,11 @@ def ahead_layer(
         kv, q_all = _qkv_and_write(model, lp, kv, x, _rows(rows.positions, placed.positions),
                                    _rows(_window_unit(rows, layer), write_d))
         q = q_all[:b]
-        kv, slot_state, plan, sel = _plan(model, kv, q, bounds, slot_state, rows, step, layer, spec=spec)
+        kv, bounds, slot_state, plan, sel = _plan(model, kv, q, bounds, slot_state, rows, step, layer, spec=spec)
         o = _rows(_attend(attention, q, kv, plan.early[0], plan.early[1])[0],
                   _attend(attention, q_all[b:], kv, ids_d, placed.lens)[0])
     # (the fill is done: not an output, so its per-lane halves are never materialised)
-    return kv, model.layer_finish(lp, x, o[:, None]), slot_state, dataclasses.replace(plan, fill=None), sel
+    return kv, bounds, model.layer_finish(lp, x, o[:, None]), slot_state, dataclasses.replace(plan, fill=None), sel
 
 
 def _select_and_plan(
@@ -229,14 +235,14 @@ def _select_and_plan(
     layer: SparseLayerRefs,
     *,
     spec: SelectSpec,
-) -> tuple[Array, Float[Array, "B Hq hd"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
+) -> tuple[Array, ScoringBounds, Float[Array, "B Hq hd"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
     """A sparse layer up to attention: write the new token into its window block (GPU block `rows.newest`, -1 for a
-    padding row: the null block), score every candidate block from its key bounds (metadata rows
-    `layer.meta_offset + rows.candidates.rows`, -1 = none; `scoring.sub_blocks` rows each) and, where the variant
-    scores them (`spec.scores_kept`), the always-kept blocks `rows.kept` from their resident keys
-    (selection/kept_blocks.py),
-    and select. GPU block g of this layer is flat unit `layer.unit_offset + g` (layer * NB + g); `rows` and `step` are
-    the same for every layer of a step, only `layer` (device scalars) changes. Where `spec.favours_resident`, the
+    padding row: the null block), add its key to its block's key bounds and score every candidate block from its
+    bounds, in one kernel (`block_scoring.append_and_score`: metadata rows `layer.meta_offset +
+    rows.candidates.rows`, -1 = none, `scoring.sub_blocks` rows each; the sinks and window among them where the
+    variant counts their mass, `spec.scores_kept`), and select. GPU block g of this layer is flat unit
+    `layer.unit_offset + g` (layer * NB + g); `rows` and `step` are the same for every layer of a step, only `layer`
+    (device scalars) changes. Where `spec.favours_resident`, the
     logical blocks in this layer's slot caches (the slot state `(stamp, key)` of sparse layer `layer.index`, rows
     `step.rows`, see slot_plan.py) get the resident-block bonus. Then the slot-cache plan of the selection
     (`slot_plan.layer_plan`, `spec.plan_mode`), which updates the slot state. With `spec.fused` (the Pallas backend's
@@ -248,11 +254,11 @@ def _select_and_plan(
     bounds (coarse rows `layer.coarse_offset + rows.candidates.groups`, -1 = none) and only the best `spec.coarse`
     groups' blocks from their own (`two_level_scores`); else the coarse inputs are not read.
 
-    Returns (kv, q, slot state, the layer's plan (slot_plan.layer_plan), selected logical blocks [B, S, budget]
-    sorted, -1 padded; see policy.select_blocks)."""
+    Returns (kv, key bounds, q, slot state, the layer's plan (slot_plan.layer_plan), selected logical blocks
+    [B, S, budget] sorted, -1 padded; see policy.select_blocks)."""
     kv, q = _qkv_and_write(model, lp, kv, x, rows.positions, _window_unit(rows, layer))
-    kv, slot_state, plan, sel = _plan(model, kv, q, bounds, slot_state, rows, step, layer, spec=spec)
-    return kv, q, slot_state, plan, sel
+    kv, bounds, slot_state, plan, sel = _plan(model, kv, q, bounds, slot_state, rows, step, layer, spec=spec)
+    return kv, bounds, q, slot_state, plan, sel
 
 
 def _window_unit(rows: SparseRows, layer: SparseLayerRefs) -> Int[Array, " B"]:
@@ -271,45 +277,52 @@ def _plan(
     layer: SparseLayerRefs,
     *,
     spec: SelectSpec,
-) -> tuple[Array, tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
-    """`_select_and_plan` after the projection: score, select and plan from the rows' queries `q`."""
+) -> tuple[Array, ScoringBounds, tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
+    """`_select_and_plan` after the projection and the write: the new keys (`rows.append`, read where they were
+    written) join their key bounds, then score, select and plan from the rows' queries `q`."""
     scoring, cands = spec.scoring, rows.candidates
     pallas = spec.attention == "pallas"
     score_fn = functools.partial(tp_kernels.block_scores, block_scores) if pallas else block_scores_reference
+    append_fn = (functools.partial(tp_kernels.append_and_score, append_and_score) if pallas
+                 else append_and_score_reference)
     per_head = spec.per_head
     c = model.cfg
     scale = default_scale(c.head_dim, c.group_size, per_head)
+    kw = dict(per_head=per_head, beta=scoring.beta, sub_blocks=scoring.sub_blocks, scale=scale)
     fine = bounds.fine
     if spec.coarse:
+        # the keys join their bounds with the always-kept blocks' scores (or none: one padding column), then the
+        # groups' pass reads the bounds updated
+        kept = (kept_logical(cands.num_blocks, spec.sink, spec.window, xp=jnp) if spec.scores_kept
+                else jnp.full((cands.rows.shape[0], 1), -1, jnp.int32))
+        at = jnp.clip(kept, 0, cands.rows.shape[1] - 1)
+        kept_rows = jnp.where(kept >= 0, jnp.take_along_axis(cands.rows, at, axis=1), -1)
+        kept_s, lo, hi = append_fn(q, fine.lo, fine.hi, kept_rows, layer.meta_offset, rows.append, _flat(kv),
+                                   layer.unit_offset, **kw)
+        fine = KeyBounds(lo, hi)
         cand = jnp.where(cands.rows >= 0, cands.rows + layer.meta_offset, -1)
         groups = jnp.where(cands.groups >= 0, cands.groups + layer.coarse_offset, -1)
         scores = two_level_scores(score_fn, q, fine.lo, fine.hi, cand, bounds.coarse.lo, bounds.coarse.hi, groups,
                                   keep=spec.coarse, scoring=scoring, per_head=per_head,
                                   scale=scale)  # [B, Hq or Hkv, K]
+        if spec.scores_kept:
+            scores = with_kept_scores(scores, kept_s, kept)
     else:
-        scores = score_fn(q, fine.lo, fine.hi, cands.rows, layer.meta_offset, per_head=per_head, beta=scoring.beta,
-                          sub_blocks=scoring.sub_blocks, scale=scale)  # [B, Hq or Hkv, K]
-    if spec.scores_kept:
-        kept = rows.kept
-        kept_s = kept_block_scores(q, _flat(kv), kept.gpu, kept.lens, layer.unit_offset, per_head=per_head,
-                                   beta=scoring.beta, sub_blocks=scoring.sub_blocks, scale=scale,
-                                   kernel=pallas)  # [B, Hq or Hkv, KK]
-        kept_scores = (kept_s, kept.logical)
-    else:
-        kept_scores = None
+        scores, lo, hi = append_fn(q, fine.lo, fine.hi, cands.rows, layer.meta_offset, rows.append, _flat(kv),
+                                   layer.unit_offset, **kw)  # [B, Hq or Hkv, K]
+        fine = KeyBounds(lo, hi)
+    bounds = dataclasses.replace(bounds, fine=fine)
     stamp, key = slot_state
     if spec.fused:  # selection and slot plan in one kernel (the rules of select_blocks + layer_plan below)
         select = spec.select
         if select == "normalized_sum" and tp_kernels.tp_size() > 1:  # heads split over devices: sum them first
-            if kept_scores is not None:
-                scores, kept_scores = with_kept_scores(scores, *kept_scores), None
             scores, select = summed_shares(scores, cands.num_blocks, scale), "summed"
         # the spare fill's copy inside the kernel too (one device: under tensor parallelism the cache is split by
         # head and the replicated kernel must not gather it)
         in_kernel_fill = step.spare is not None and tp_kernels.tp_size() == 1
         out = tp_kernels.replicated(
             select_plan, scores, cands.num_blocks, stamp, key, layer.index, step.rows, step.capacity, step.gpu,
-            step.host, step.slots, step.lengths, layer.unit_offset, step.spare, layer.retrieval_head, kept_scores,
+            step.host, step.slots, step.lengths, layer.unit_offset, step.spare, layer.retrieval_head, None,
             kv if in_kernel_fill else None, budget=spec.budget, sink=spec.sink, window=spec.window, select=select,
             scale=scale, bonus=scoring.resident_bonus if spec.favours_resident else 0.0,
             block_size=tokens_per_block(kv))
@@ -317,8 +330,6 @@ def _plan(
         plan = slot_plan.fused_layer_plan(out, step.spare is not None)  # (no fill left when the kernel copied it)
         kv = kv if out.kv is None else out.kv
     else:
-        if kept_scores is not None:
-            scores = with_kept_scores(scores, *kept_scores)
         resident = None
         if spec.favours_resident:
             resident = resident_mask(key[layer.index, step.rows, 0], scores.shape[2])  # [B, C] -> [B, K]
@@ -334,7 +345,7 @@ def _plan(
                                                 mode=spec.plan_mode)
     if plan.fill is not None:  # (`step.spare`) the block that just left the window: GPU copy
         kv = copy_fills(kv, layer.unit_offset // kv.shape[1], *plan.fill)
-    return kv, (stamp, key), plan, sel
+    return kv, bounds, (stamp, key), plan, sel
 
 
 def _with_middle(sel: Int[Array, "B S N"], middle: Int[Array, "B S M"], num_blocks: Int[Array, " B"], sink: int,

@@ -7,15 +7,14 @@ window has less left to claim from the middle. Scored on middle blocks only, eve
 (1) among the middle blocks, a head that attends locally as much as one that really reads the middle. Measured
 (bench/RESULTS.md): scoring the kept blocks too lowers the KL to dense 3-15% at 512-2,048-token budgets.
 
-The engine keeps no key bounds of the kept blocks (their metadata rows are written when a block leaves the
-window), but their keys are resident: `kept_block_scores` bounds them on the fly from the cache, causally (the
-partial last block from the tokens written so far, the current one included), and scores them with the same
-formula as the middle blocks' metadata (`BlockScoring`'s beta / per-head / sub-blocks), in one Pallas kernel
-(`pallas_kernels/kept_scores.py`, beside its jnp reference).
-Sub-block slices with no token yet get no mass (-inf), so a one-token block is not credited with m keys. It reads
-(sinks + window) x block_size keys per sequence and layer, which the step's attention reads anyway: tiny next to
-the metadata scan. Used by `sparse_layer.sparse_pre` and, through `score_kept_from_keys` (the same code over a
-plain key sequence), by `bench/oracle_accuracy.py` and `bench/selection_quality.py`.
+The engine scores them from their key bounds like any block: each decoded key joins its block's bounds in the
+scoring kernel (`block_scoring.append_and_score`), so the sinks' and the window's rows are current, the partial
+last block's over the tokens written so far, the current one included, its slices with no token yet without mass.
+Here the same scores straight from keys (`kept_block_scores`: the blocks' bounds taken on the fly, causally, and
+scored with the metadata's formula, `BlockScoring`'s beta / per-head / sub-blocks; one Pallas kernel,
+`pallas_kernels/kept_scores.py`, beside its jnp reference), for code that holds keys and no metadata: through
+`score_kept_from_keys` (over a plain key sequence), `bench/oracle_accuracy.py` and `bench/selection_quality.py`;
+and the tests, as the reference the engine's metadata scores must equal.
 """
 
 from __future__ import annotations
@@ -61,17 +60,19 @@ def kept_block_scores(
     sub_blocks: int,
     scale: float,
     kernel: bool = True,
+    bounds_dtype=None,
 ) -> Float[Array, "B S KK"]:
     """Scores of the blocks `units` (+ `unit_offset` where >= 0) of a flat pool (their first `lens` tokens; len 0
     or unit -1 = no block -> -inf), in the units of `block_scores(q, meta, ..., per_head, beta, sub_blocks,
     scale)`: the slices' bound scores combined by logsumexp(scale * s) / scale over the slices holding at least one
     token. Returns float32 [B, S, KK] (S = Hq with per_head, else Hkv). With `kernel` (the Pallas backend) one Pallas
     kernel (`pallas_kernels/kept_scores`, per device on its heads under tensor parallelism) for pools with
-    power-of-two blocks and heads (float8 blocks included); other shapes and the jnp backend in plain jnp."""
+    power-of-two blocks and heads (float8 blocks included); other shapes and the jnp backend in plain jnp, and so does
+    `bounds_dtype` (the bounds stored as the engine's metadata stores them, rounded outward, and read back)."""
     kw = dict(per_head=per_head, beta=beta, sub_blocks=sub_blocks, scale=scale)
     bs, hd = kv_quant.tokens_per_block(pool), pool.shape[4]
-    if not kernel or bs & (bs - 1) or hd & (hd - 1):
-        return kept_scores_reference(q, pool, units, lens, unit_offset, **kw)
+    if not kernel or bs & (bs - 1) or hd & (hd - 1) or bounds_dtype is not None:
+        return kept_scores_reference(q, pool, units, lens, unit_offset, bounds_dtype=bounds_dtype, **kw)
     return tp_kernels.kept_scores(kept_scores, q, pool, units, lens, unit_offset, **kw)
 
 
@@ -103,10 +104,12 @@ def score_kept_from_keys(
     beta: float,
     sub_blocks: int,
     scale: float,
+    bounds_dtype=None,
 ) -> Float[Array, "P S K"]:
     """`scores` with each query's always-kept blocks scored as the engine scores them, for queries at token
     `positions` over one sequence's keys (logical block j = tokens [j * block_size, (j + 1) * block_size)):
-    kept_logical + kept_lens + kept_block_scores + with_kept_scores. For benches that hold plain keys, not a paged
+    kept_logical + kept_lens + kept_block_scores + with_kept_scores; `bounds_dtype`: the engine's metadata dtype,
+    whose rounding its kept blocks' bounds take too (None: exact). For benches that hold plain keys, not a paged
     cache; traceable."""
     t = keys.shape[0]
     nb = -(-t // block_size)
@@ -116,5 +119,6 @@ def score_kept_from_keys(
     positions = jnp.asarray(positions, jnp.int32)
     logical = kept_logical(positions // block_size + 1, sink, window, xp=jnp)  # logical block = pool block
     kept = kept_block_scores(jnp.asarray(q), pool, logical, kept_lens(logical, positions, block_size),
-                             per_head=per_head, beta=beta, sub_blocks=sub_blocks, scale=scale)
+                             per_head=per_head, beta=beta, sub_blocks=sub_blocks, scale=scale,
+                             bounds_dtype=bounds_dtype)
     return with_kept_scores(scores, kept, logical)

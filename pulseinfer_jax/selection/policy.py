@@ -22,8 +22,9 @@ A block's Quest score bounds its best logit, so softmax(score * scale) estimates
 mass the block holds, and the sum over heads estimates the mass a shared set covers: the quantity SoloHead must keep
 (what `calibrate_retrieval_head` measures). Softmax also gives every head the same total vote, so a head with flat
 scores barely moves the ranking (z-scores would blow its noise up to unit variance). By default the sinks and the
-window are scored too, from their resident keys (`BlockScoring.kept_blocks`, `selection.kept_blocks`), so a
-head whose mass sits there claims less of the middle. `score_scale` is the softmax temperature: the attention scale
+window are scored too, from their key bounds like any block (`BlockScoring.kept_blocks`; each decoded key joins its
+block's bounds as it is written, `block_scoring.append_and_score`), so a head whose mass sits there claims less of
+the middle. `score_scale` is the softmax temperature: the attention scale
 1/sqrt(hd) for per-query-head scores (the default, `BlockScoring.per_query_head`), 1/(G sqrt(hd)) for group sums.
 What each choice measured: bench/RESULTS.md ("Accuracy of sparse decoding").
 """
@@ -62,9 +63,9 @@ class BlockScoring:
       Headwise and retrieval_head selections always score per KV head (they select per KV head).
     sub_blocks: bound m equal slices of each block separately (m rows of metadata per block, m times the bytes
       and the scoring reads) and score a block as the log-sum-exp of its slices; recall stays whole blocks.
-    kept_blocks: SoloHead normalized_sum also scores the always-kept blocks (sinks, window; bounded on the fly
-      from their resident keys, `selection.kept_blocks`), so their estimated mass is in the softmax (else the
-      middle blocks share all of it). Changes no selection rule, only how the middle blocks' shares are estimated.
+    kept_blocks: SoloHead normalized_sum also scores the always-kept blocks (sinks, window; from their key bounds,
+      kept current as each key is written), so their estimated mass is in the softmax (else the middle blocks share
+      all of it). Changes no selection rule, only how the middle blocks' shares are estimated.
     resident_bonus: SoloHead normalized_sum ranks a middle block already in the layer's GPU slot cache as if its
       estimated mass were (1 + resident_bonus) times larger, so a block not resident must beat it by that factor
       to be recalled in its place (hysteresis: fewer recalls, see select_blocks). 0 = off.
