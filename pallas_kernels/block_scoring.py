@@ -66,6 +66,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
+from pulseinfer_jax.pallas_kernels.block_metadata import round_bounds_outward
 from pulseinfer_jax.pallas_kernels.common import next_pow2, on_platform, resolve_interpret, triton_params
 
 from pulseinfer_jax.kv import quant as kv_quant
@@ -143,7 +144,7 @@ def _block_scores_kernel(
         key = _written_key(k_ref, rot[0] if rot else None, block_ref[0], unit_ref[0], slot, bs)  # [1, hd]
         lo = jnp.where(fresh, key, jnp.minimum(min_ref[target].astype(jnp.float32), key))
         hi = jnp.where(fresh, key, jnp.maximum(max_ref[target].astype(jnp.float32), key))
-        lo, hi = _round_outward(lo, hi, min_out.dtype)
+        lo, hi = round_bounds_outward(lo, hi, min_out.dtype)
         mask = jnp.broadcast_to(live & (pl.program_id(2) == 0), lo.shape)
         at = (target[:, None], jnp.arange(lo.shape[1], dtype=jnp.int32)[None, :])  # [1, hd] (index arrays only)
         plt.store(min_out.at[at], lo, mask=mask)
@@ -189,13 +190,6 @@ def _written_key(k_ref, rot_ref, block: Array, unit_offset: Array, slot: Array, 
     keys = jax.lax.dot_general(vals, rot_ref[...], (((1,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32) * (scales / np.sqrt(p))[:, None]
     return jnp.sum(jnp.where(real[:, None], keys, 0.0), axis=0)[None, :]
-
-
-def _round_outward(lo: Array, hi: Array, dtype) -> tuple[Array, Array]:
-    """float32 bounds -> `dtype`, lo rounded down and hi up (as block_metadata.round_bounds_outward)."""
-    if jnp.dtype(dtype) == jnp.float32:
-        return lo, hi
-    return kv_quant.round_directed(lo, dtype, down=True), kv_quant.round_directed(hi, dtype, down=False)
 
 
 def _block_scores_pallas(
@@ -465,7 +459,7 @@ def append_and_score_reference(
     start = (append.slots % (bs // m) == 0)[:, None, None]
     lo = jnp.where(start, k, jnp.minimum(meta_min[now].astype(jnp.float32), k))
     hi = jnp.where(start, k, jnp.maximum(meta_max[now].astype(jnp.float32), k))
-    lo, hi = _round_outward(lo, hi, meta_min.dtype)
+    lo, hi = round_bounds_outward(lo, hi, meta_min.dtype)
     meta_min = meta_min.at[target].set(lo, mode="drop")
     meta_max = meta_max.at[target].set(hi, mode="drop")
     ids = cand_ids if id_offset is None else jnp.where(cand_ids >= 0, cand_ids + id_offset, -1)
