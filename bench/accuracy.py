@@ -9,8 +9,9 @@ Variants: dense, `headwise`, SoloHead `normalized_sum` and SoloHead `retrieval_h
 end), each sparse one at every budget. All sparse runs are offloaded
 (the I/O path is exact, tests/test_offload.py), by default block size 16, 1 sink block, 64-token window, 2 dense
 layers (`--block-size`, `--sink-blocks`, `--window-tokens`, `--dense-layers`, `--score-beta` for the block
-scores' key-range weight; `--no-passkey` runs the teacher-forced part only). `--kv-dtypes auto,float8_e4m3fn` runs
-the grid once per KV cache dtype; agreement is always against the first dtype's dense run.
+scores' key-range weight; `--no-passkey` runs the teacher-forced part only, `--no-teacher-forced` the passkeys
+only). `--kv-dtypes auto,float8_e4m3fn` runs the grid once per KV cache dtype; agreement is always against the first
+dtype's dense run.
 - passkey: the haystack of `pulseinfer_jax.demo.passkey_prompt` at each length and depth, greedy, 12 new
   tokens; found = the passkey's digits appear in the answer.
 - teacher-forced: `--tf-context` tokens of real text as the prompt, then the next `--tf-tokens` tokens fed
@@ -137,6 +138,7 @@ def main() -> int:
     ap.add_argument("--recall", default=None, choices=("ahead", "interruptible", "eager", "sync"),
                     help="EngineConfig.recall (default: the engine's, recall one step ahead)")
     ap.add_argument("--no-passkey", action="store_true", help="teacher-forced agreement only (quick exploration)")
+    ap.add_argument("--no-teacher-forced", action="store_true", help="the passkey grid only")
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows of an unfinished bench/results/NAME.json run with the same arguments and run "
                          "only the rest (the dense reference's logits are recomputed)")
@@ -194,7 +196,7 @@ def main() -> int:
     rows, dense_logits, resumed = [], None, None
     if args.resume:
         rows, resumed = _resumable_rows(pathlib.Path(args.out or RESULTS) / f"{name}.json", runs, base)
-    if rows:  # the kept rows' reference: the first run's teacher-forced logits
+    if rows and not args.no_teacher_forced:  # the kept rows' reference: the first run's teacher-forced logits
         ref_kv, ref_variant, ref_budget = runs[0]
         dense_logits = teacher_forced_logits(model, engine_config(ref_variant, ref_budget, None,
                                                                   dict(base, kv_dtype=ref_kv)), prefix, targets)
@@ -207,19 +209,22 @@ def main() -> int:
             heads = calibrate_retrieval_heads(model, calib, engine_config("normalized_sum", budget, None, kv_base))
         cfg = engine_config(variant, budget, heads, kv_base)
         pk = {} if args.no_passkey else passkey(model, cfg, lengths, depths)
-        logits = teacher_forced_logits(model, cfg, prefix, targets)
-        if dense_logits is None:  # the first dtype's dense run is the reference
-            dense_logits = logits
-        top1, kl = agreement(dense_logits, logits)
+        top1 = kl = margins = None
+        if not args.no_teacher_forced:
+            logits = teacher_forced_logits(model, cfg, prefix, targets)
+            if dense_logits is None:  # the first dtype's dense run is the reference
+                dense_logits = logits
+            top1, kl = agreement(dense_logits, logits)
+            margins = disagreement_margins(dense_logits, logits)
         row = {"variant": variant, "kv_dtype": kv_dtype, "budget_tokens": budget, "retrieval_heads": heads,
                "passkey": {str(n): found for n, found in pk.items()},
                "passkey_accuracy": statistics.mean(x for v in pk.values() for x in v) if pk else None,
                "tf_top1_agreement": top1, "tf_mean_kl": kl,
-               "tf_disagreement_dense_margins": disagreement_margins(dense_logits, logits),
+               "tf_disagreement_dense_margins": margins,
                "seconds": time.perf_counter() - t0}
         rows.append(row)
         print(f"{variant:15s} kv {kv_dtype:13s} budget {budget or '-':>5}: passkey {row['passkey_accuracy'] or 0:.2f} "
-              f"{ {n: sum(f) for n, f in pk.items()} }, teacher-forced top-1 {top1:.4f}, KL {kl:.5f} "
+              f"{ {n: sum(f) for n, f in pk.items()} }, teacher-forced top-1 {top1 or 0:.4f}, KL {kl or 0:.5f} "
               f"({row['seconds']:.0f} s)", flush=True)
         write_result(name, {"model": args.model or "SmolLM2-135M-Instruct (GGUF)", "text": str(text_path),
                             "text_tokens": len(ids), "tf_context": args.tf_context, "tf_tokens": args.tf_tokens,

@@ -33,9 +33,17 @@ slot < len, other = 0. Masked slots are never fetched (padding entries, the unwr
 partial block, stale or NaN data). Then one online-softmax step: s = dot(q, K^T) * scale (f32
 accumulation; IEEE f32 for f32 pools, never TF32), masked to -inf, p = exp(s - m_new),
 acc = acc * alpha + dot(p, V). A fully masked step or split leaves m = -inf and l = 0 without NaN
-(the exponent offset is 0 while m is -inf). With several splits the wrapper merges them with
-`merge_stacked_partials` (tiny: [split_k, B, Hq, hd] f32, one fusion); with one split (the grid already holds
-B * Hkv >= TARGET_PROGRAMS programs) the kernel divides by l itself and the call is one kernel.
+(the exponent offset is 0 while m is -inf). With one split (the grid already holds B * Hkv >= TARGET_PROGRAMS
+programs) the kernel divides by l itself. With several the splits are merged inside the kernel (`merge="inside"`,
+the default; `_merge_last`): each program stores its partial into a [split_k, B, Hkv, G(, hd)] scratch output, a
+block barrier orders every thread's stores before one atomic add (acquire-release, GPU scope) on the (b, h) arrival
+counter, and the program that counts last reads every split's partial (volatile loads: not L1), merges them as
+merge.py does and stores the normalised attention, then sets the counter back to 0. No program waits on another, so
+the grid's order and occupancy do not matter, and the call is one kernel. The counters ([N] int32, N >= B * Hkv,
+all 0) come from the caller (`arrivals`: the sparse decoder keeps one buffer and donates it from call to call) or
+from one memset per call. `merge="after"` keeps the partials and merges them with `merge_stacked_partials` in XLA
+(two more kernels). The engine's start-up probe (`backends.probe_pallas`) runs a four-split merge on the GPU against
+the jnp reference before the kernel is used.
 
 float8 pools (`kv_quant`: e4m3 bytes stored as uint8, rows = bs + r) hold each token's K and V as float8
 values in rows 0..bs-1 (loaded as bytes, viewed as e4m3 by a free bitcast) and, in the r scale rows after
@@ -143,7 +151,9 @@ def _sparse_decode_kernel(
     v_ref,  # [NB, rows, hd] V of head h for every pool block
     ids_ref,  # [Ks] int32 this split's block ids, < 0 = padding
     lens_ref,  # [Ks] int32 valid tokens of each entry
-    *refs,  # (float8 pools: h_ref [hd, hd] bf16 +-1, the cache's rotation x sqrt(hd)) then acc_ref, m_ref, l_ref
+    *refs,  # (`rotating`: h_ref [hd, hd] bf16 +-1, the cache's rotation x sqrt(hd)) (`merging`: the arrival counters
+    # [N] int32, aliased to the last output) then acc_ref, m_ref, l_ref (`merging`: then the split partials
+    # acc_p [splits, G, hd], m_p / l_p [splits, G] f32 of (b, h), and the counters again)
     # outputs: acc_ref [G, hd] f32 unnormalised sum_j exp(s_j - m) v_j (float8: rotated back; `normalize`: divided
     # by l, in the output dtype), m_ref [G] f32 max scaled score (-inf if nothing attended), l_ref [G] f32
     # sum_j exp(s_j - m) (0 if nothing attended)
@@ -153,10 +163,18 @@ def _sparse_decode_kernel(
     cdt: jnp.dtype,
     precision: jax.lax.Precision | None,
     normalize: bool,
+    rotating: bool,
+    merging: bool,
+    barrier: bool,
 ):
     g, hd = q_ref.shape
-    rotating = len(refs) == 4  # float8 pools under bfloat16 compute rotate here (`_rotates_inside`)
-    h_ref, acc_ref, m_ref, l_ref = refs if rotating else (None, *refs)
+    refs = list(refs)
+    h_ref = refs.pop(0) if rotating else None  # float8 pools under bfloat16 compute rotate here (`_rotates_inside`)
+    if merging:
+        refs.pop(0)  # the counters' input (aliased: read and written through the last output)
+        acc_ref, m_ref, l_ref, acc_p, m_p, l_p, arrivals = refs
+    else:
+        acc_ref, m_ref, l_ref = refs
     quantized = kv_quant.is_quantized(k_ref.dtype)
     bs = kv_quant.block_tokens(k_ref.shape[1], hd, k_ref.dtype)  # (float8: rows past bs hold the scales)
     num_steps = ids_ref.shape[0] // blocks_per_step
@@ -213,17 +231,66 @@ def _sparse_decode_kernel(
     acc, m, l = jax.lax.fori_loop(0, num_steps, step, init)  # noqa: E741
     if rotating:  # back from the rotated basis (H is its own inverse); linear, so the split merge is unchanged
         acc = _rotate(acc, h_ref[...], 3)
+    real = jnp.arange(gp) < g  # the G real query rows (stores of Gp rows are masked to them, as q was loaded)
+    if merging:  # this split's partial, then the last split of (b, h) to arrive merges them all
+        _store_rows(acc_p, m_p, l_p, acc, m, l, real, lead=(pl.program_id(2),))
+        _merge_last(acc_p, m_p, l_p, arrivals, acc_ref, m_ref, l_ref, real, barrier=barrier)
+        return
     if normalize:  # one split: the attention itself (no merge after the kernel), 0 where nothing was attended
         acc = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-    if g == gp:
-        acc_ref[...] = acc.astype(acc_ref.dtype)
+    _store_rows(acc_ref, m_ref, l_ref, acc.astype(acc_ref.dtype), m, l, real)
+
+
+def _store_rows(acc_ref, m_ref, l_ref, acc: Array, m: Array, l: Array, real: Array,  # noqa: E741
+                lead: tuple = ()) -> None:
+    """Store [Gp, hd] / [Gp] values into the [G, hd] / [G] refs (after the `lead` indices): only the real rows
+    (masked stores when G < Gp). One indexer per access (the Triton lowering takes no chained `.at`)."""
+    gp, hd = acc.shape
+    if not lead and acc_ref.shape[0] == gp:
+        acc_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = l
-    else:  # only the G real rows are stored (masked stores of Gp rows, as q was loaded): nothing to slice after
-        real = jnp.arange(gp) < g
-        plt.store(acc_ref.at[pl.ds(0, gp)], acc.astype(acc_ref.dtype), mask=jnp.broadcast_to(real[:, None], (gp, hd)))
-        plt.store(m_ref.at[pl.ds(0, gp)], m, mask=real)
-        plt.store(l_ref.at[pl.ds(0, gp)], l, mask=real)
+        return
+    plt.store(acc_ref.at[(*lead, pl.ds(0, gp))], acc, mask=jnp.broadcast_to(real[:, None], (gp, hd)))
+    plt.store(m_ref.at[(*lead, pl.ds(0, gp))], m, mask=real)
+    plt.store(l_ref.at[(*lead, pl.ds(0, gp))], l, mask=real)
+
+
+def _merge_last(acc_p, m_p, l_p, arrivals, o_ref, m_ref, l_ref, real: Array, *, barrier: bool) -> None:
+    """The split-K merge inside the kernel: each program of (b, h) has stored its partial; it counts itself in
+    (b, h)'s arrival counter (an atomic add, acquire-release at GPU scope, after a block barrier so that every
+    thread's stores precede it), and the last to arrive reads every split's partial, merges them (merge.py's rule:
+    weights exp(m_i - m), l = sum l_i exp(m_i - m)), stores the normalised attention and sets the counter back to
+    0 for the next call. No program waits on another, so any grid order and occupancy is safe."""
+    splits, gp, hd = acc_p.shape[0], real.shape[0], acc_p.shape[-1]
+    b, h, hkv = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
+    counter = pl.ds(b * hkv + h, 1)
+    if barrier:  # (interpret mode runs the programs one after another: nothing to order)
+        plt.debug_barrier()
+    arrived = plt.atomic_add(arrivals, (counter,), jnp.ones((1,), jnp.int32))[0]
+
+    @pl.when(arrived == splits - 1)
+    def _merge():
+        rows = jnp.broadcast_to(real[None, :, None], (1, gp, hd))
+        m_all = jnp.full((gp,), -jnp.inf, jnp.float32)
+        parts = []
+        for i in range(splits):  # (static: at most MAX_SPLIT_K) volatile loads: the other programs' stores, not L1
+            m_i = plt.load(m_p.at[pl.ds(i, 1), pl.ds(0, gp)], mask=real[None, :], other=-jnp.inf, volatile=True)[0]
+            l_i = plt.load(l_p.at[pl.ds(i, 1), pl.ds(0, gp)], mask=real[None, :], other=0.0, volatile=True)[0]
+            parts.append((i, m_i, l_i))
+            m_all = jnp.maximum(m_all, m_i)
+        m_off = jnp.where(m_all == -jnp.inf, 0.0, m_all)  # every split empty: all weights below are 0
+        acc = jnp.zeros((gp, hd), jnp.float32)
+        l_all = jnp.zeros((gp,), jnp.float32)
+        for i, m_i, l_i in parts:
+            e = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp(m_i - m_off))  # an empty split's acc is not read
+            a_i = plt.load(acc_p.at[pl.ds(i, 1), pl.ds(0, gp)], mask=rows & (l_i > 0)[None, :, None], other=0.0,
+                           volatile=True)[0]
+            acc = acc + a_i * e[:, None]
+            l_all = l_all + l_i * e
+        o = jnp.where(l_all[:, None] > 0, acc / jnp.where(l_all > 0, l_all, 1.0)[:, None], 0.0)
+        _store_rows(o_ref, m_ref, l_ref, o.astype(o_ref.dtype), m_all, l_all, real)
+        arrivals[counter] = jnp.zeros((1,), jnp.int32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,6 +301,7 @@ def _sparse_decode_call(
     pool: Float[Array, "NB 2 rows Hkv hd"],
     block_ids: Int[Array, "B S Kp"],
     block_lens: Int[Array, "B S Kp"],
+    arrivals: Int[Array, " N"] | None = None,
     *,
     scale: float,
     split_k: int,
@@ -242,12 +310,15 @@ def _sparse_decode_call(
     num_stages: int,
     interpret: bool,
     out_dtype: jnp.dtype | None = None,
-) -> tuple[Float[Array, "P B Hkv G hd"], Float[Array, "P B Hkv G"], Float[Array, "P B Hkv G"]]:
-    """Run the kernel on grid (B, Hkv, split_k); returns per-split (acc, m, l), acc unnormalised, or with `out_dtype`
-    (split_k 1 only) the normalised attention in that dtype. The dots run in
-    `_compute_dtype`; a float8 pool's kernel rotates q into the cache's basis and acc back (`kv_quant.hadamard`)."""
+) -> tuple[Array, ...]:
+    """Run the kernel on grid (B, Hkv, split_k). Returns per-split (acc, m, l) [split_k, B, Hkv, G(, hd)], acc
+    unnormalised; with `out_dtype` (split_k 1) the normalised attention in that dtype. With `arrivals` (several
+    splits: N >= B * Hkv int32 counters, all 0) the kernel merges the splits itself (`_merge_last`) and returns
+    (o [B, Hkv, G, hd] normalised in `out_dtype`, m, l, arrivals (0 again)). The dots run in `_compute_dtype`; a
+    float8 pool's kernel rotates q into the cache's basis and acc back (`kv_quant.hadamard`)."""
     b, hkv, g, hd = q_grouped.shape
     rotating = _rotates_inside(q_grouped.dtype, pool.dtype)
+    merging = arrivals is not None
     gp = max(MIN_DOT_DIM, next_pow2(g))
     nb, _, rows, _, _ = pool.shape
     bs = kv_quant.tokens_per_block(pool)
@@ -259,6 +330,13 @@ def _sparse_decode_call(
     else:
         list_map = lambda i, h, s: (i, 0, s)  # noqa: E731  SoloHead: every head reads row 0
 
+    if out_dtype is not None and split_k != 1 and not merging:
+        raise ValueError(f"a normalised output needs one split or the merge inside, got {split_k=}")
+    if merging and out_dtype is None:
+        raise ValueError("the merge inside stores the normalised attention: give its out_dtype")
+    if merging and (split_k == 1 or arrivals.shape[0] < b * hkv):
+        raise ValueError(f"the merge inside needs several splits and B * Hkv = {b * hkv} arrival counters; got "
+                         f"{split_k=}, {arrivals.shape[0]} counters")
     kernel = functools.partial(
         _sparse_decode_kernel,
         scale=scale,
@@ -267,9 +345,10 @@ def _sparse_decode_call(
         cdt=_compute_dtype(q_grouped.dtype, pool.dtype),
         precision=matmul_precision(_compute_dtype(q_grouped.dtype, pool.dtype)),
         normalize=out_dtype is not None,
+        rotating=rotating,
+        merging=merging,
+        barrier=not interpret,
     )
-    if out_dtype is not None and split_k != 1:
-        raise ValueError(f"a normalised output needs split_k=1, got {split_k}")
     in_specs = [
         pl.BlockSpec((None, None, g, hd), lambda i, h, s: (i, h, 0, 0)),  # q   -> [G, hd]
         pl.BlockSpec((nb, None, rows, None, hd), lambda i, h, s: (0, 0, 0, h, 0)),  # K -> [NB, rows, hd]
@@ -281,26 +360,55 @@ def _sparse_decode_call(
     if rotating:  # the rotation's signs, read once per program (L2-resident)
         in_specs.append(pl.BlockSpec((hd, hd), lambda i, h, s: (0, 0)))
         args.append(jnp.asarray(np.sign(kv_quant.hadamard(hd)), jnp.bfloat16))
-    out_specs = [
-        pl.BlockSpec((None, None, None, g, hd), lambda i, h, s: (s, i, h, 0, 0)),  # acc -> [G, hd]
-        pl.BlockSpec((None, None, None, g), lambda i, h, s: (s, i, h, 0)),  # m -> [G]
-        pl.BlockSpec((None, None, None, g), lambda i, h, s: (s, i, h, 0)),  # l -> [G]
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct((split_k, b, hkv, g, hd), out_dtype or jnp.float32),
-        jax.ShapeDtypeStruct((split_k, b, hkv, g), jnp.float32),
-        jax.ShapeDtypeStruct((split_k, b, hkv, g), jnp.float32),
-    ]
-    return pl.pallas_call(
+    if merging:  # the arrival counters, whole (each program indexes its (b, h) one)
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        args.append(arrivals)
+    if merging:  # the merged attention per (b, h), then every split's partial of (b, h) and the counters
+        out_specs = [
+            pl.BlockSpec((None, None, g, hd), lambda i, h, s: (i, h, 0, 0)),  # o -> [G, hd]
+            pl.BlockSpec((None, None, g), lambda i, h, s: (i, h, 0)),  # m -> [G]
+            pl.BlockSpec((None, None, g), lambda i, h, s: (i, h, 0)),  # l -> [G]
+            pl.BlockSpec((split_k, None, None, g, hd), lambda i, h, s: (0, i, h, 0, 0)),  # acc_p -> [splits, G, hd]
+            pl.BlockSpec((split_k, None, None, g), lambda i, h, s: (0, i, h, 0)),  # m_p -> [splits, G]
+            pl.BlockSpec((split_k, None, None, g), lambda i, h, s: (0, i, h, 0)),  # l_p -> [splits, G]
+            pl.BlockSpec(memory_space=pl.ANY),  # the counters
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((b, hkv, g, hd), out_dtype),
+            jax.ShapeDtypeStruct((b, hkv, g), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, g), jnp.float32),
+            jax.ShapeDtypeStruct((split_k, b, hkv, g, hd), jnp.float32),
+            jax.ShapeDtypeStruct((split_k, b, hkv, g), jnp.float32),
+            jax.ShapeDtypeStruct((split_k, b, hkv, g), jnp.float32),
+            jax.ShapeDtypeStruct(arrivals.shape, jnp.int32),
+        ]
+    else:
+        out_specs = [
+            pl.BlockSpec((None, None, None, g, hd), lambda i, h, s: (s, i, h, 0, 0)),  # acc -> [G, hd]
+            pl.BlockSpec((None, None, None, g), lambda i, h, s: (s, i, h, 0)),  # m -> [G]
+            pl.BlockSpec((None, None, None, g), lambda i, h, s: (s, i, h, 0)),  # l -> [G]
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((split_k, b, hkv, g, hd), out_dtype or jnp.float32),
+            jax.ShapeDtypeStruct((split_k, b, hkv, g), jnp.float32),
+            jax.ShapeDtypeStruct((split_k, b, hkv, g), jnp.float32),
+        ]
+    out = pl.pallas_call(
         kernel,
         grid=(b, hkv, split_k),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases={len(args) - 1: len(out_shape) - 1} if merging else {},
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"sparse_decode_attention_bs{bs}_p{blocks_per_step}" + ("_f8" if rows > bs else ""),
+        name=f"sparse_decode_attention_bs{bs}_p{blocks_per_step}" + ("_f8" if rows > bs else "")
+             + ("_merged" if merging else ""),
     )(*args)
+    if merging:
+        o, m, l, _, _, _, arrivals = out  # noqa: E741
+        return o, m, l, arrivals
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -394,21 +502,23 @@ def _pick_split_k(num_steps: int, programs: int, split_k: int | None) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "split_k", "blocks_per_step", "num_warps", "num_stages", "interpret"),
+    static_argnames=("scale", "split_k", "blocks_per_step", "num_warps", "num_stages", "merge", "interpret"),
 )
 def sparse_decode_attention(
     q: Float[Array, "B Hq hd"],
     pool: Float[Array, "NB 2 rows Hkv hd"],
     block_ids: Int[Array, "B S K"],
     block_lens: Int[Array, "B S K"],
+    arrivals: Int[Array, " N"] | None = None,
     *,
     scale: float | None = None,
     split_k: int | None = None,
     blocks_per_step: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    merge: str = "inside",
     interpret: bool | None = None,
-) -> tuple[Float[Array, "B Hq hd"], Float[Array, "B Hq"], Float[Array, "B Hq"]]:
+) -> tuple[Array, ...]:
     """Partial attention of one query token per sequence over the listed KV blocks.
 
     Args:
@@ -417,6 +527,9 @@ def sparse_decode_attention(
         a float8 cache's bytes: e4m3 values and their bfloat16 scales in the scale rows after them (`kv_quant`).
       block_ids: int [B, S, K] physical block ids; S == 1 (SoloHead) or Hkv (headwise); < 0 = padding.
       block_lens: int [B, S, K] valid tokens (slots 0..len-1) of each entry, in [0, bs].
+      arrivals: int32 [N] arrival counters for the merge inside, N >= B * Hkv, every one 0 (each call leaves them 0
+        again: a caller keeps one buffer, donated from call to call); None: a fresh zeroed buffer where the merge
+        is inside (one memset).
       scale: score scale, default hd ** -0.5.
       split_k: number of programs the K entries are split over (None: picked from K and B * Hkv).
       blocks_per_step: blocks gathered per online-softmax step, a power of two with
@@ -426,15 +539,23 @@ def sparse_decode_attention(
       num_warps, num_stages: Triton compiler params (num_warps None: 4, or 8 when a step's K tile
         has >= 8192 elements, e.g. 64 tokens x hd 128; num_stages None: 2, or 1 for a float8 pool under
         float32 queries).
+      merge: with several splits, "inside": the last program of each (sequence, KV head) to finish merges the
+        splits' partials in the kernel (`_merge_last`: one kernel in all); "after": an XLA fusion after the kernel
+        merges them (two more kernels).
       interpret: Pallas interpret mode (None: where the program is compiled for a CPU; the Triton kernel
         where it is compiled for a GPU, `pallas_kernels.common.on_platform`).
 
     Returns:
       o [B, Hq, hd] (q.dtype, softmax-normalised; 0 where nothing was attended),
       m [B, Hq] f32 max scaled score (-inf where nothing was attended),
-      l [B, Hq] f32 sum of exp(score - m) (0 where nothing was attended).
+      l [B, Hq] f32 sum of exp(score - m) (0 where nothing was attended),
+      and where `arrivals` is given, the counters (all 0) to hand to the next call.
     """
     _check_inputs(q, pool, block_ids, block_lens)
+    if merge not in ("inside", "after"):
+        raise ValueError(f"merge must be 'inside' or 'after', got {merge!r}")
+    if arrivals is not None and (arrivals.ndim != 1 or arrivals.dtype != jnp.int32):
+        raise ValueError(f"arrivals must be int32 [N] counters; got {arrivals.dtype} {arrivals.shape}")
     b, hq, hd = q.shape
     hkv = pool.shape[3]
     bs = kv_quant.tokens_per_block(pool)
@@ -465,19 +586,28 @@ def sparse_decode_attention(
 
     rotate_here = kv_quant.is_quantized(pool.dtype) and not rotating  # (float32 compute: the output rotated back here)
     out_dtype = jnp.float32 if rotate_here else q.dtype
-    acc, m, l = on_platform(lambda interp: _sparse_decode_call(  # noqa: E741
-        q_grouped, pool, ids, lens,
+    inside = split_k > 1 and merge == "inside"
+    if inside and arrivals is not None and arrivals.shape[0] < b * hkv:
+        raise ValueError(f"arrivals holds {arrivals.shape[0]} counters; the merge inside needs B * Hkv = {b * hkv}")
+    counters = (arrivals if arrivals is not None else jnp.zeros((b * hkv,), jnp.int32)) if inside else None
+    out = on_platform(lambda interp: _sparse_decode_call(
+        q_grouped, pool, ids, lens, counters,
         scale=scale, split_k=split_k, blocks_per_step=bps,
         num_warps=num_warps, num_stages=num_stages, interpret=interp,
-        out_dtype=out_dtype if split_k == 1 else None,  # (one split: normalised in the kernel, nothing to merge)
+        out_dtype=out_dtype if split_k == 1 or inside else None,  # (normalised in the kernel, nothing to merge after)
     ), interpret)
-    if split_k == 1:
-        o, m, l = acc[0], m[0], l[0]  # noqa: E741
+    if inside:
+        o, m, l, counters = out  # noqa: E741
+    elif split_k == 1:
+        o, m, l = out[0][0], out[1][0], out[2][0]  # noqa: E741
     else:
-        o, m, l = merge_stacked_partials(acc, m, l, out_dtype=out_dtype, normalized=False)  # noqa: E741
+        o, m, l = merge_stacked_partials(*out, out_dtype=out_dtype, normalized=False)  # noqa: E741
     if rotate_here:
         o = kv_quant.cache_basis(o, pool.dtype).astype(q.dtype)
-    return o.reshape(b, hq, hd), m.reshape(b, hq), l.reshape(b, hq)
+    result = (o.reshape(b, hq, hd), m.reshape(b, hq), l.reshape(b, hq))
+    if arrivals is None:
+        return result
+    return (*result, counters if inside else arrivals)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -186,6 +186,18 @@ def probe_pallas(device: jax.Device, dtype=None, scoring: BlockScoring | None = 
             want = sda.sparse_decode_attention_reference(q, pool, ids, lens)[0]
             if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2):
                 return "sparse_decode_attention disagrees with its jnp reference"
+            # four splits merged inside the kernel (cross-program atomics), twice on one counter buffer
+            many = jnp.asarray(rng.integers(0, 4, (2, 1, 8)), jnp.int32)
+            lens = jnp.asarray(rng.integers(0, 17, (2, 1, 8)), jnp.int32)
+            want = sda.sparse_decode_attention_reference(q, pool, many, lens)[0]
+            counters = jnp.zeros((4,), jnp.int32)
+            for _ in range(2):
+                got, _, _, counters = sda.sparse_decode_attention(q, pool, many, lens, counters, split_k=4,
+                                                                  blocks_per_step=1, interpret=interpret)
+                if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2):
+                    return "sparse_decode_attention's merge inside the kernel disagrees with its jnp reference"
+            if np.any(np.asarray(counters)):
+                return "sparse_decode_attention's merge inside left its arrival counters set"
             if scoring is None:
                 return None
             meta_dtype = scoring.metadata_dtype(dtype)

@@ -347,6 +347,10 @@ def test_pallas_probe_checks_the_kernels_against_their_references(monkeypatch):
     real = sda.sparse_decode_attention
     monkeypatch.setattr(sda, "sparse_decode_attention", lambda *a, **k: tuple(x * 0 for x in real(*a, **k)))
     assert "disagrees" in probe_pallas(cpu, jnp.float32, interpret=True)
+    # only the splits merged inside the kernel wrong (e.g. atomics that do not order the partials' stores)
+    monkeypatch.setattr(sda, "sparse_decode_attention", lambda *a, **k: tuple(
+        x * 0 if k.get("split_k") == 4 and i == 0 else x for i, x in enumerate(real(*a, **k))))
+    assert "merge inside the kernel disagrees" in probe_pallas(cpu, jnp.float32, interpret=True)
     monkeypatch.setattr(sda, "sparse_decode_attention", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("ptxas")))
     assert probe_pallas(cpu, jnp.float32, interpret=True).startswith("RuntimeError: ptxas")
 

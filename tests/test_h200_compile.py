@@ -333,7 +333,7 @@ def test_float8_tiles_load_and_dequantise_in_a_triton_kernel(target, dtype):
 def test_a_sparse_layer_is_at_most_twenty_kernels(compiler, target, point):
     """Recall ahead's one call per sparse layer (`sparse_layer.ahead_layer`), whole batch, as the engine builds it at
     the GPU suite's point A (8 x 32K, bfloat16 KV) and D (12 x 128K, float8 KV: its rotations inside the attention
-    kernel): at most 20 kernels, no host transfer or sync, every weight read once."""
+    kernel): at most 20 kernels, the attention one of them, no host transfer or sync, every weight read once."""
     from bench import predict
 
     st = predict.system_step("pulseinfer", point, predict.DEFAULT_H2D, target.sharding)
@@ -348,19 +348,35 @@ def test_a_sparse_layer_is_at_most_twenty_kernels(compiler, target, point):
         assert cost["launches"] <= 20, [k["name"] for k in row["kernels"]]
         # the sinks and window scored from their bounds, kept current by the scoring kernel: no kernel re-reads keys
         assert "kept_scores" not in " ".join(row["pallas"]) and any("_append" in n for n in row["pallas"])
+        # the attention's splits merged inside its kernel, on the driver's counters (no merge fusion, no memset)
+        assert any(n.startswith("sparse_decode_attention") and n.endswith("_merged") for n in row["pallas"])
         assert cost["host_syncs"] == cost["transfers"] == 0
         weights = [k for k in cost["top_kernels"] if k["name"].startswith("gemm")]
         assert len(weights) == len({k["name"] for k in weights}) and all(k["count"] == 1 for k in weights)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
-def test_one_split_is_one_kernel_with_nothing_after_it(compiler, dtype):
-    """With one split the kernel divides by l itself and stores only the G real query rows: the call is that one
-    kernel, float8's rotations included (with two splits the merge adds two)."""
+def test_the_attention_call_is_one_kernel_whatever_its_splits(compiler, dtype):
+    """With one split the kernel divides by l itself and stores only the G real query rows; with several the last
+    program of each (sequence, KV head) merges the splits inside (its arrival counters handed in, donated): either
+    way the call is that one kernel, float8's rotations included. Without counters a memset zeroes fresh ones;
+    the merge after the kernel (`merge="after"`) adds two kernels."""
     b, hkv, g, hd, bs = 4, 8, 4, 128, 16
     pool = spec((97, 2, kv_quant.block_rows(bs, hd, dtype), hkv, hd), kv_quant.storage_dtype(dtype))
     args = (spec((b, hkv * g, hd), "bfloat16"), pool, spec((b, 1, 64), I32), spec((b, 1, 64), I32))
-    rows = {k: _ok(compiler(_kernel(sparse_decode_attention.sparse_decode_attention, args, "sparse_decode_attention",
-                                    split_k=k))) for k in (1, 2)}
+
+    def sparse_decode_attention_donating(q, pool, ids, lens, arrivals, **kw):
+        return sparse_decode_attention.sparse_decode_attention(q, pool, ids, lens, arrivals, **kw)
+
+    donating = jax.jit(sparse_decode_attention_donating, donate_argnames=("arrivals",),
+                       static_argnames=("split_k", "interpret"))
+    fn = sparse_decode_attention.sparse_decode_attention
+    rows = {k: _ok(compiler(_kernel(fn, args, "sparse_decode_attention", split_k=k))) for k in (1, 2, 4)}
+    rows["after"] = _ok(compiler(_kernel(fn, args, "sparse_decode_attention", split_k=2, merge="after")))
+    rows["counters"] = _ok(compiler(program("sparse_decode_attention_donating", "kernel", donating,
+                                            (*args, spec((b * hkv + 3,), I32)), {"split_k": 4, "interpret": False},
+                                            pallas=("sparse_decode_attention",))))
     names = {k: [x["name"] for x in r["kernels"]] for k, r in rows.items()}
-    assert rows[1]["cost"]["launches"] == 1 and rows[2]["cost"]["launches"] == 3, names
+    launches = {k: r["cost"]["launches"] for k, r in rows.items()}
+    assert launches == {1: 1, 2: 2, 4: 2, "after": 3, "counters": 1}, names
+    assert any("_merged" in n for n in rows["counters"]["pallas"]), rows["counters"]["pallas"]

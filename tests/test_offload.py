@@ -466,6 +466,37 @@ def test_pallas_sparse_pipeline_matches_jnp(tiny4):
     assert b[0].stats["decode_attention"] == "pallas"
 
 
+def test_the_sparse_decoder_hands_the_attention_its_counters(tiny4, monkeypatch):
+    """Recall ahead's layer calls (dense and sparse layers) pass the driver's one buffer of split-merge counters to the
+    Pallas attention (traced once per shape: the spy sees each trace), which merges its splits inside and leaves them
+    0; the tokens are the jnp pipeline's."""
+    import jax
+
+    from pulseinfer_jax.runner import sparse_layer
+
+    jax.clear_caches()  # (the spy below is read when the layer calls are traced)
+    real, seen = sparse_layer.sparse_decode_attention, []
+
+    def spy(q, pool, ids, lens, *rest, **kw):
+        out = real(q, pool, ids, lens, *rest, **kw)
+        seen.append((q.shape[0] * pool.shape[3], rest[0].shape[0] if rest else None, len(out)))
+        return out
+
+    monkeypatch.setattr(sparse_layer, "sparse_decode_attention", spy)
+    prompts = _prompts(tiny4.cfg.vocab_size, lengths=(61, 38))
+    kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
+    eng = Engine(tiny4, EngineConfig.of(**kw, decode_attention="pallas"))
+    reqs = _run_until_last_token(eng, prompts, 6)
+    plain = _run_until_last_token(Engine(tiny4, EngineConfig.of(**kw)), prompts, 6)
+    assert [r.output for r in reqs] == [r.output for r in plain]
+    # (a request's first step runs the same-layer calls, whose attention zeroes its own counters)
+    counted = [(rows, n, out) for rows, n, out in seen if n is not None]
+    assert counted and all(n >= rows and out == 4 for rows, n, out in counted), seen
+    counters = np.asarray(eng.sparse.arrivals)
+    assert counters.dtype == np.int32 and not counters.any()
+    jax.clear_caches()
+
+
 def test_probe_pallas_runs_the_kernels_and_reports_failures(monkeypatch):
     import jax
     from pulseinfer_jax.pallas_kernels import block_scoring

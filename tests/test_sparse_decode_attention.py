@@ -6,6 +6,7 @@ partial block shows up as a non-finite or wrong output. Shapes stay tiny: interp
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -170,6 +171,45 @@ def test_split_k_and_step_size_do_not_change_the_result(headwise):
         got = _run(case, ids, lens, **kw)
         for x, y in zip(got, base, strict=True):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6, rtol=2e-6, err_msg=str(kw))
+
+
+@pytest.mark.parametrize("headwise,f8", [(False, False), (True, False), (False, True), (True, True)])
+def test_the_merge_inside_the_kernel_equals_the_merge_after_it(headwise, f8):
+    """Several splits merged by the last program of each (sequence, KV head) to arrive (`merge="inside"`, the
+    default) against the XLA merge after the kernel and the oracle: shuffled NaN-poisoned pools, a sequence whose
+    later splits are all padding (empty partials), float8 too. The arrival counters come back 0 and serve the next
+    call; too few counters, counters of the wrong dtype, an unknown merge are errors."""
+    rng = np.random.default_rng([17, headwise, f8])
+    bs, hkv, group, hd = 8, 2, 2, 32
+    make = (functools.partial(_make_f8_case, q_dtype=jnp.float32) if f8
+            else functools.partial(_make_case, dtype=jnp.float32))
+    case = make(rng, [9 * bs + 5, 3 * bs, 1], hkv=hkv, group=group, hd=hd, bs=bs)
+    ids, lens = _sparse_lists(rng, case, bs, rows=hkv if headwise else 1, k=12)
+    ids[2], lens[2] = -1, 0  # the 1-token sequence: its block first, the later splits nothing but padding
+    ids[2, :, 0], lens[2, :, 0] = case.tables[2][0], 1
+    pool = kv_quant.unpack_blocks(case.pool, jnp.float32) if f8 else case.pool
+    want = _oracle(case.q, pool, ids, lens)
+    counters = jnp.zeros((3 * hkv + 5,), jnp.int32)
+    for split_k in (2, 3, 4):
+        kw = dict(split_k=split_k, blocks_per_step=2)
+        after = _run(case, ids, lens, merge="after", **kw)
+        inside = _run(case, ids, lens, **kw)
+        *given, counters = sparse_decode_attention(case.q, case.pool, jnp.asarray(ids), jnp.asarray(lens), counters,
+                                                   **kw)
+        assert np.all(np.asarray(counters) == 0), counters
+        _assert_close(inside, want, jnp.float32)
+        for got in (inside, given):
+            for x, y in zip(got, after, strict=True):
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6, rtol=2e-6, err_msg=str(kw))
+        assert np.all(np.asarray(inside[2])[2] == 1.0)  # the 1-token sequence attended its one token
+    one = sparse_decode_attention(case.q, case.pool, jnp.asarray(ids), jnp.asarray(lens), counters, split_k=1)
+    assert len(one) == 4 and one[3] is not None  # (one split: the counters pass through unread)
+    with pytest.raises(ValueError, match="B \\* Hkv"):
+        sparse_decode_attention(case.q, case.pool, jnp.asarray(ids), jnp.asarray(lens), counters[:5], split_k=2)
+    with pytest.raises(ValueError, match="int32"):
+        sparse_decode_attention(case.q, case.pool, jnp.asarray(ids), jnp.asarray(lens), counters.astype(jnp.int16))
+    with pytest.raises(ValueError, match="merge"):
+        _run(case, ids, lens, merge="later")
 
 
 @pytest.mark.parametrize("dtype,headwise", [(jnp.float32, True), (jnp.bfloat16, False)])

@@ -123,6 +123,7 @@ def test_full_budget_offload_under_tp_equals_dense(tp, settings):
     if settings["host_io"] == "xla":  # the pool split by KV head, each device's heads in its own pinned host memory
         assert _spec(pool.pool) == HEADS and pool.pool.sharding.memory_kind == "pinned_host"
     assert _spec(eng.sparse.bounds.fine.lo) == (None, TP, None)  # key bounds [rows, Hkv, hd] split like the cache
+    assert _spec(eng.sparse.arrivals) == (TP,) and not np.asarray(eng.sparse.arrivals).any()  # a share per device
     eng.check_drained()
 
 

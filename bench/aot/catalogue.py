@@ -309,6 +309,11 @@ class SparseLayout:
         return spec((self.plan.sparse_layers, self.host_rows, 2, rows, c.num_kv_heads, c.head_dim), self.es.kv_dtype,
                     memory)
 
+    def arrivals(self, rows: int) -> Spec:
+        """The attention kernel's split-merge counters (SparseDecoder.arrivals) in a step of `rows` rows per call."""
+        c = self.es.model.cfg
+        return spec((bucket(max(self.es.config.max_batch + 1, rows)) * c.num_kv_heads,), I32)
+
     @property
     def slot_state(self) -> tuple[Spec, Spec]:
         rows = bucket(self.es.config.max_batch + 1)  # SparseDecoder sizes it for max_batch + the padding rows' own
@@ -390,7 +395,8 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         for d in range(plan.dense_layers):
             add(es.program("dense_layer", group, sparse_layer.dense_layer,
                            (model, es.layer_params, kv, x, rows_spec.positions, dense.write[d], dense.ids[d],
-                            dense.lens, placed_rows, _scalar() if placed else None), {"attention": es.attention},
+                            dense.lens, placed_rows, _scalar() if placed else None, layout.arrivals(bp + bd)),
+                           {"attention": es.attention},
                            pallas=ATTENTION, valid=dense_valid), 1)
         select = SelectSpec.of(plan, cfg.ablation.solohead, es.attention, sc, coarse=mb.coarse)
         fan = c.num_kv_heads if (cfg.ablation.io == "fragmented" and plan.selection == "solohead") else 1
@@ -405,7 +411,8 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
             early_frac = len(members) * (plan.budget_blocks * plan.lanes - per_row) / (bp * plan.budget_blocks
                                                                                          * plan.lanes)
             add(es.program("ahead_layer", group, sparse_layer.ahead_layer, (
-                model, es.layer_params, kv, x, layout.bounds, slots, rows_spec, step, layer_refs, landing, placed_rows),
+                model, es.layer_params, kv, x, layout.bounds, slots, rows_spec, step, layer_refs, landing, placed_rows,
+                layout.arrivals(bp + bd)),
                 {"spec": select, "attention": es.attention, "fan": fan}, pallas=SCORING + ATTENTION,
                 valid=scored + ((ATTENTION[0], early_frac),)), sl_n)
             add(es.program("logits", group, sparse_layer.logits, (model, es.head_params, x)), 1)

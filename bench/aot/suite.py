@@ -344,6 +344,11 @@ def probes(suite: Suite, *, shardings) -> None:
     calls = [Call(program("sparse_decode_attention", "probe", sparse_decode_attention.sparse_decode_attention,
                           (q, spec((4, 2, kv_quant.block_rows(16, 64, kv), 2, 64), kv), ids, ids)))
              for kv in (BF16, kv_quant.STORAGE)]  # the model's dtype, and a float8 cache's bytes (kv_dtype)
+    many = spec((2, 1, 8), I32)  # four splits merged inside the kernel, on a counter buffer
+    calls += [Call(program("sparse_decode_attention", "probe", sparse_decode_attention.sparse_decode_attention,
+                           (spec((2, 4, 64), BF16), spec((4, 2, kv_quant.block_rows(16, 64, kv), 2, 64), kv),
+                            many, many, spec((4,), I32)), {"split_k": 4, "blocks_per_step": 1}))
+              for kv in (BF16, kv_quant.STORAGE)]
     meta = spec((4 * sc.sub_blocks, 2, 64), sc.metadata_dtype(BF16))
     for per_head in sorted({False, sc.per_query_head}):
         calls.append(Call(program("block_scores", "probe", block_scoring.block_scores,

@@ -66,6 +66,8 @@ def abstract_args(p: Program, layout: DeviceLayout, place: WeightPlacement) -> t
             sharding = layout.kv_heads(len(s.shape))
         elif arg_name in Q_SPLIT and len(s.shape) >= 2:
             sharding = layout.split(len(s.shape), 1)
+        elif arg_name == "arrivals":  # the attention's split-merge counters: a share per device
+            sharding = layout.split(1, 0)
         else:
             sharding = layout.replicated()
         return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)

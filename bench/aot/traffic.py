@@ -58,13 +58,16 @@ def _sparse_decode_attention(ops: list[tuple[Array, ...]], outs: tuple[Array, ..
     program reads its head's [bs, hd] K and V tile of every listed entry that holds tokens (padding entries are
     masked, not fetched): `valid` of the listed entries, as the caller knows them (1 = every entry). A float8 pool's
     blocks have bs + r rows: the program reads bs value rows and the 2 scale bytes of each token, and its rotation
-    [hd, hd] (a sixth operand; L2-resident after the first program: read once)."""
+    [hd, hd] (a sixth operand; L2-resident after the first program: read once). With the split merge inside (seven
+    results: o, m, l, the splits' partials, the arrival counters, which are also the last operand) each program writes
+    its partial and the last of each (sequence, KV head) reads them all back."""
     q, pool, _, ids, lens = (o[0] for o in ops[:5])
-    rotation = sum(o[0].bytes for o in ops[5:])
+    small = sum(o[0].bytes for o in ops[5:])  # the rotation, the counters
     b, hkv = q.dims[:2]
     entries = b * hkv * ids.dims[2] * valid
     item = pool.bytes // max(1, _numel(pool))
-    return (int(q.bytes + ids.bytes + lens.bytes + rotation + entries * 2 * _tile(pool) * item),
+    merged = sum(o.bytes for o in outs[3:6]) if len(outs) == 7 else 0
+    return (int(q.bytes + ids.bytes + lens.bytes + small + merged + entries * 2 * _tile(pool) * item),
             sum(o.bytes for o in outs))
 
 

@@ -32,16 +32,22 @@ def tp_size() -> int:
 
 
 def decode_attention(fn: Callable[..., Partial], q: Float[Array, "B Hq hd"], pool: Float[Array, "U 2 bs Hkv hd"],
-                     ids: Int[Array, "B S K"], lens: Int[Array, "B S K"], **kw) -> Partial:
-    """`fn(q, pool, ids, lens, **kw)` (the sparse decode kernel's contract) per device on its heads; the lanes of a
-    headwise selection (S = Hkv) split with their KV heads, SoloHead's single lane goes to every device."""
+                     ids: Int[Array, "B S K"], lens: Int[Array, "B S K"], arrivals: Int[Array, " N"] | None = None,
+                     **kw) -> tuple[Array, ...]:
+    """`fn(q, pool, ids, lens[, arrivals], **kw)` (the sparse decode kernel's contract) per device on its heads; the
+    lanes of a headwise selection (S = Hkv) split with their KV heads, SoloHead's single lane goes to every device.
+    `arrivals` (the split merge's counters, `sparse_decode_attention`) split evenly over the devices: each device's
+    kernel counts in its own share; they come back as a fourth output."""
+    extra = () if arrivals is None else (arrivals,)
     if tp_size() == 1:
-        return fn(q, pool, ids, lens, **kw)
+        return fn(q, pool, ids, lens, *extra, **kw)
     heads = split_spec(3, 1)
     lanes = heads if ids.shape[1] > 1 else P()
-    mapped = jax.shard_map(functools.partial(fn, **kw), in_specs=(heads, split_spec(pool.ndim, -2), lanes, lanes),
-                           out_specs=(heads, split_spec(2, 1), split_spec(2, 1)), check_vma=False)
-    return mapped(q, pool, ids, lens)
+    share = (P(TP),) if extra else ()
+    mapped = jax.shard_map(functools.partial(fn, **kw),
+                           in_specs=(heads, split_spec(pool.ndim, -2), lanes, lanes, *share),
+                           out_specs=(heads, split_spec(2, 1), split_spec(2, 1), *share), check_vma=False)
+    return mapped(q, pool, ids, lens, *extra)
 
 
 def block_scores(fn: Callable[..., Array], q: Float[Array, "B Hq hd"], meta_min: Float[Array, "M Hkv hd"],

@@ -162,6 +162,10 @@ class SparseDecoder:
         # recompiles for a larger table (it grows, by doubling, only if more requests ever decode at once)
         self.slot_state: tuple[jax.Array, jax.Array] | None = None
         self._ensure_slot_rows(max_requests + 1)
+        # the attention kernel's split-merge counters (sparse_decode_attention's `arrivals`): one buffer, all 0 between
+        # calls, handed from layer call to layer call (donated), so that no call zeroes its own; split over devices
+        self.arrivals: jax.Array | None = None
+        self._ensure_arrivals(max_requests + 1)
         # per decode step: host-to-device copies and bytes issued, recall wait (bounded history); steps logged in all
         self.step_log: collections.deque[dict] = collections.deque(maxlen=65536)
         self.steps_logged = 0
@@ -350,22 +354,22 @@ class SparseDecoder:
             all_tokens = np.concatenate([mb.tokens, extra])
             placed = jax.device_put(placed, self.replicated)
         x = sparse_layer.embed(model, head, jnp.asarray(all_tokens))
+        self._ensure_arrivals(len(all_tokens))
         plans = []
         for layer in range(model.cfg.num_layers):
             lp = self.layer_params[layer]
             if layer < p.dense_layers:
-                kv, x = sparse_layer.dense_layer(model, lp, kv, x, rows.positions, dense.write[layer],
-                                                 dense.ids[layer], dense.lens, placed,
-                                                 None if placed is None else self._dense_offsets[layer],
-                                                 attention=self.attention)
+                kv, x, self.arrivals = sparse_layer.dense_layer(
+                    model, lp, kv, x, rows.positions, dense.write[layer], dense.ids[layer], dense.lens, placed,
+                    None if placed is None else self._dense_offsets[layer], self.arrivals, attention=self.attention)
                 continue
             sl = layer - p.dense_layers
             landing, ready, w = self._take_landing(sl)
             late += not ready
             waited += w
-            kv, self.bounds, x, self.slot_state, plan, sel = sparse_layer.ahead_layer(
+            kv, self.bounds, x, self.slot_state, plan, sel, self.arrivals = sparse_layer.ahead_layer(
                 model, lp, kv, x, self.bounds, self.slot_state, rows, step, self._layer_refs[sl], landing, placed,
-                spec=spec, attention=self.attention, fan=fan)
+                self.arrivals, spec=spec, attention=self.attention, fan=fan)
             plans.append((sl, plan, sel))
         out = sparse_layer.logits(model, head, x)
         for sl, plan, sel in plans:  # the GPU is still on the later layers while these are read
@@ -461,11 +465,13 @@ class SparseDecoder:
 
         head = head_params(params)  # embed / logits read no layer weights: do not pass them
         x = sparse_layer.embed(model, head, jnp.asarray(mb.tokens))
+        self._ensure_arrivals(bp)
         for layer in range(model.cfg.num_layers):
             lp = self.layer_params[layer]
             if layer < p.dense_layers:
-                self.kv, x = sparse_layer.dense_layer(model, lp, self.kv, x, rows.positions, dense.write[layer],
-                                                   dense.ids[layer], dense.lens, attention=self.attention)
+                self.kv, x, self.arrivals = sparse_layer.dense_layer(
+                    model, lp, self.kv, x, rows.positions, dense.write[layer], dense.ids[layer], dense.lens,
+                    arrivals=self.arrivals, attention=self.attention)
                 continue
             sl = layer - p.dense_layers
             self.kv, self.bounds, q, self.slot_state, plan, sel = sparse_layer.sparse_pre(
@@ -517,6 +523,14 @@ class SparseDecoder:
             self.slot_state = slot_plan.reset_rows(*self.slot_state, jnp.asarray(idx))
             for s in sparse:
                 s.slot_fresh = False
+
+    def _ensure_arrivals(self, rows: int) -> None:
+        """The split-merge counters cover `rows` rows of one call for each device's KV heads (grown by doubling,
+        like the slot table, so that a step's row count rarely changes a call's shapes)."""
+        tp = self.layout.tp
+        need = bucket(rows) * (self.model.cfg.num_kv_heads // tp) * tp
+        if self.arrivals is None or self.arrivals.shape[0] < need:
+            self.arrivals = zeros_on((need,), jnp.int32, self.layout.split(1, 0))
 
     def _ensure_slot_rows(self, rows: int) -> None:
         """The device slot-cache table holds at least `rows` rows (grown by doubling, contents kept)."""

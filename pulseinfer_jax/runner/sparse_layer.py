@@ -68,6 +68,17 @@ def _attend(attention: str, q: Array, kv: Array, ids: Array, lens: Array) -> Par
     return sparse_decode_attention_reference(q, _flat(kv), ids, lens)
 
 
+def _attend_counted(attention: str, q: Array, kv: Array, ids: Array, lens: Array,
+                    arrivals: Int[Array, " N"] | None) -> tuple[Partial, Array | None]:
+    """`_attend` with the kernel's split-merge counters handed in and back (`sparse_decode_attention`'s `arrivals`:
+    the driver keeps one buffer, all 0 between calls, so that no memset runs per call); None: the kernel zeroes
+    its own. The jnp path does not read them."""
+    if arrivals is None or attention != "pallas":
+        return _attend(attention, q, kv, ids, lens), arrivals
+    *partial, arrivals = tp_kernels.decode_attention(sparse_decode_attention, q, _flat(kv), ids, lens, arrivals)
+    return tuple(partial), arrivals
+
+
 def _unit_index(kv: Array, units: Array) -> tuple[Array, Array]:
     """Flat units -> (layer, block) indices into the 6-D cache. Writes index the cache this way: a scatter
     into the reshaped flat view makes XLA:CPU copy the whole (donated) cache (measured: 82 ms vs 0.4 ms)."""
@@ -95,7 +106,7 @@ def logits(model: Transformer, params: dict, x: Float[Array, "B 1 D"]) -> Float[
     return model.logits(params, x[:, 0])
 
 
-@functools.partial(jax.jit, static_argnames=("model", "attention"), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("model", "attention"), donate_argnames=("kv", "arrivals"))
 def dense_layer(
     model: Transformer,
     lp: dict,
@@ -107,11 +118,13 @@ def dense_layer(
     lens: Int[Array, "B 1 K"],
     placed: PlacedRows | None = None,
     unit_offset: Int[Array, ""] | None = None,
+    arrivals: Int[Array, " N"] | None = None,
     *,
     attention: str,
-) -> tuple[Array, Float[Array, "Bt 1 D"]]:
+) -> tuple[Array, Float[Array, "Bt 1 D"], Array | None]:
     """A whole dense layer: write the new token, attend over every listed unit (all of the sequence), MLP. With
-    `placed`, x's rows past B are dense-placed requests (this layer's units from `unit_offset`), in the same call."""
+    `placed`, x's rows past B are dense-placed requests (this layer's units from `unit_offset`), in the same call.
+    `arrivals`: the attention kernel's split-merge counters (`_attend_counted`). Returns (kv, x, arrivals)."""
     if placed is not None:
         ids_d, write_d = _placed_units(placed, unit_offset, tokens_per_block(kv))
         positions, write_unit = _rows(positions, placed.positions), _rows(write_unit, write_d)
@@ -119,8 +132,8 @@ def dense_layer(
         ids = _rows(*(jnp.pad(a, ((0, 0), (0, 0), (0, width - a.shape[2])), constant_values=-1) for a in (ids, ids_d)))
         lens = _rows(*(jnp.pad(a, ((0, 0), (0, 0), (0, width - a.shape[2]))) for a in (lens, placed.lens)))
     kv, q = _qkv_and_write(model, lp, kv, x, positions, write_unit)
-    o, _, _ = _attend(attention, q, kv, ids, lens)
-    return kv, model.layer_finish(lp, x, o[:, None])
+    (o, _, _), arrivals = _attend_counted(attention, q, kv, ids, lens, arrivals)
+    return kv, model.layer_finish(lp, x, o[:, None]), arrivals
 
 
 def _rows(*parts: Array) -> Array:
@@ -178,7 +191,7 @@ def sparse_pre(
 
 
 @functools.partial(jax.jit, static_argnames=("model", "spec", "attention", "fan"),
-                   donate_argnames=("kv", "bounds", "slot_state"))
+                   donate_argnames=("kv", "bounds", "slot_state", "arrivals"))
 def ahead_layer(
     model: Transformer,
     lp: dict,
@@ -191,25 +204,28 @@ def ahead_layer(
     layer: SparseLayerRefs,
     landing: Landing | None,
     placed: PlacedRows | None = None,
+    arrivals: Int[Array, " N"] | None = None,
     *,
     spec: SelectSpec,
     attention: str,
     fan: int = 1,
-) -> tuple[Array, ScoringBounds, Float[Array, "Bt 1 D"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"]]:
+) -> tuple[Array, ScoringBounds, Float[Array, "Bt 1 D"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"],
+           Array | None]:
     """A whole sparse layer with its recall one step ahead (`recall="ahead"`), in one call that never waits on the
     host: land the recall the previous step issued for this layer (`landing`, None = nothing), select and plan
     (`_select_and_plan`; `step.spare` set), copy the miss on the block that just left the window from its spare GPU
     block into its slot, attend over the resident blocks, the slot-cache hits and that fill, o-proj and MLP. The
     plan's other misses are not attended now: the caller recalls them after dispatching the step, for this layer's
     next call. With `placed`, x's rows past the offloaded ones are dense-placed requests: projected, written and
-    finished with them (one pass over the weights), each attending its whole block table. Returns (kv, key bounds,
-    x, slot state, plan, selection)."""
+    finished with them (one pass over the weights), each attending its whole block table. `arrivals`: the attention
+    kernel's split-merge counters (`_attend_counted`). Returns (kv, key bounds, x, slot state, plan, selection,
+    arrivals)."""
     if landing is not None:
         kv = _land(kv, layer.unit_offset // kv.shape[1], landing.misses, landing.info, landing.staging, fan)
     if placed is None:
         kv, bounds, q, slot_state, plan, sel = _select_and_plan(model, lp, kv, x, bounds, slot_state, rows, step,
                                                                 layer, spec=spec)
-        o, _, _ = _attend(attention, q, kv, plan.early[0], plan.early[1])
+        (o, _, _), arrivals = _attend_counted(attention, q, kv, plan.early[0], plan.early[1], arrivals)
     else:
         b = rows.positions.shape[0]
         ids_d, write_d = _placed_units(placed, layer.unit_offset, tokens_per_block(kv))
@@ -217,10 +233,12 @@ def ahead_layer(
                                    _rows(_window_unit(rows, layer), write_d))
         q = q_all[:b]
         kv, bounds, slot_state, plan, sel = _plan(model, kv, q, bounds, slot_state, rows, step, layer, spec=spec)
-        o = _rows(_attend(attention, q, kv, plan.early[0], plan.early[1])[0],
-                  _attend(attention, q_all[b:], kv, ids_d, placed.lens)[0])
+        (o, _, _), arrivals = _attend_counted(attention, q, kv, plan.early[0], plan.early[1], arrivals)
+        (o_d, _, _), arrivals = _attend_counted(attention, q_all[b:], kv, ids_d, placed.lens, arrivals)
+        o = _rows(o, o_d)
     # (the fill is done: not an output, so its per-lane halves are never materialised)
-    return kv, bounds, model.layer_finish(lp, x, o[:, None]), slot_state, dataclasses.replace(plan, fill=None), sel
+    return (kv, bounds, model.layer_finish(lp, x, o[:, None]), slot_state, dataclasses.replace(plan, fill=None), sel,
+            arrivals)
 
 
 def _select_and_plan(
