@@ -259,9 +259,9 @@ def _store_rows(acc_ref, m_ref, l_ref, acc: Array, m: Array, l: Array, real: Arr
 def _merge_last(acc_p, m_p, l_p, arrivals, o_ref, m_ref, l_ref, real: Array, *, barrier: bool) -> None:
     """The split-K merge inside the kernel: each program of (b, h) has stored its partial; it counts itself in
     (b, h)'s arrival counter (an atomic add, acquire-release at GPU scope, after a block barrier so that every
-    thread's stores precede it), and the last to arrive reads every split's partial, merges them (merge.py's rule:
-    weights exp(m_i - m), l = sum l_i exp(m_i - m)), stores the normalised attention and sets the counter back to
-    0 for the next call. No program waits on another, so any grid order and occupancy is safe."""
+    thread's stores precede it), and the last to arrive reads every split's partial, merges them (merge.py's rule,
+    online: weights exp(m_i - m), l = sum l_i exp(m_i - m)), stores the normalised attention and sets the counter
+    back to 0 for the next call. No program waits on another, so any grid order and occupancy is safe."""
     splits, gp, hd = acc_p.shape[0], real.shape[0], acc_p.shape[-1]
     b, h, hkv = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
     counter = pl.ds(b * hkv + h, 1)
@@ -272,22 +272,20 @@ def _merge_last(acc_p, m_p, l_p, arrivals, o_ref, m_ref, l_ref, real: Array, *, 
     @pl.when(arrived == splits - 1)
     def _merge():
         rows = jnp.broadcast_to(real[None, :, None], (1, gp, hd))
-        m_all = jnp.full((gp,), -jnp.inf, jnp.float32)
-        parts = []
-        for i in range(splits):  # (static: at most MAX_SPLIT_K) volatile loads: the other programs' stores, not L1
-            m_i = plt.load(m_p.at[pl.ds(i, 1), pl.ds(0, gp)], mask=real[None, :], other=-jnp.inf, volatile=True)[0]
-            l_i = plt.load(l_p.at[pl.ds(i, 1), pl.ds(0, gp)], mask=real[None, :], other=0.0, volatile=True)[0]
-            parts.append((i, m_i, l_i))
-            m_all = jnp.maximum(m_all, m_i)
-        m_off = jnp.where(m_all == -jnp.inf, 0.0, m_all)  # every split empty: all weights below are 0
-        acc = jnp.zeros((gp, hd), jnp.float32)
-        l_all = jnp.zeros((gp,), jnp.float32)
-        for i, m_i, l_i in parts:
-            e = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp(m_i - m_off))  # an empty split's acc is not read
-            a_i = plt.load(acc_p.at[pl.ds(i, 1), pl.ds(0, gp)], mask=rows & (l_i > 0)[None, :, None], other=0.0,
-                           volatile=True)[0]
-            acc = acc + a_i * e[:, None]
-            l_all = l_all + l_i * e
+
+        def join(i, carry):  # one split at a time, rescaled online (an unrolled loop over 16 splits spills registers)
+            m_run, l_run, acc = carry
+            at = (pl.ds(i, 1), pl.ds(0, gp))  # volatile loads: the other programs' stores, never a stale L1 line
+            m_i = plt.load(m_p.at[at], mask=real[None, :], other=-jnp.inf, volatile=True)[0]
+            l_i = plt.load(l_p.at[at], mask=real[None, :], other=0.0, volatile=True)[0]
+            a_i = plt.load(acc_p.at[at], mask=rows & (l_i > 0)[None, :, None], other=0.0, volatile=True)[0]
+            m_new = jnp.maximum(m_run, m_i)
+            m_off = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # exp(-inf - m_off) = 0: empty splits weigh nothing
+            w_run, w_i = jnp.exp(m_run - m_off), jnp.exp(m_i - m_off)
+            return m_new, l_run * w_run + l_i * w_i, acc * w_run[:, None] + a_i * w_i[:, None]
+
+        init = (jnp.full((gp,), -jnp.inf, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, hd), jnp.float32))
+        m_all, l_all, acc = jax.lax.fori_loop(0, splits, join, init)
         o = jnp.where(l_all[:, None] > 0, acc / jnp.where(l_all > 0, l_all, 1.0)[:, None], 0.0)
         _store_rows(o_ref, m_ref, l_ref, o.astype(o_ref.dtype), m_all, l_all, real)
         arrivals[counter] = jnp.zeros((1,), jnp.int32)
