@@ -165,7 +165,8 @@ def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBack
 
 def probe_pallas(device: jax.Device, dtype=None, scoring: BlockScoring | None = BlockScoring(), *,
                  kv_dtype=None, interpret: bool = False) -> str | None:
-    """Run the sparse decode attention and block-scoring kernels once on `device` at tiny shapes in the model dtype
+    """Run the sparse decode attention (one split, and four merged inside the kernel through its atomics, twice on
+    one counter buffer) and block-scoring kernels once on `device` at tiny shapes in the model dtype
     `dtype` (default bfloat16) over a cache of `kv_dtype` (default `dtype`; float8: values and their scales) with the
     engine's block scoring (key bounds in its metadata dtype; per query head and per KV
     head; its beta and sub-blocks; None: the attention only), each against its jnp reference. None if they run and
