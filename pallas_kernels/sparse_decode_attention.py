@@ -109,6 +109,7 @@ MIN_DOT_DIM = 16  # Triton's tensor-core dots want every operand dim >= 16
 TOKENS_PER_STEP = 64  # default tokens gathered per online-softmax step (P = TOKENS_PER_STEP // bs)
 TARGET_PROGRAMS = 256  # auto split-K aims for about two waves of programs on a 132-SM H100/H200
 MAX_SPLIT_K = 16
+UNROLLED_MERGE = 4  # the merge inside joins up to this many splits unrolled, more in a loop (register spills otherwise)
 MIN_STEPS_PER_SPLIT = 2
 # Triton stages a step's K and V tiles in shared memory: measured for sm_90a (ptxas via the compile-only H200,
 # bench/results/h200_compile.json) 1.08-1.2x the two [P * bs, hd] tiles' bytes; over SHARED_MEMORY_PER_BLOCK the
@@ -273,7 +274,7 @@ def _merge_last(acc_p, m_p, l_p, arrivals, o_ref, m_ref, l_ref, real: Array, *, 
     def _merge():
         rows = jnp.broadcast_to(real[None, :, None], (1, gp, hd))
 
-        def join(i, carry):  # one split at a time, rescaled online (an unrolled loop over 16 splits spills registers)
+        def join(i, carry):  # one split at a time, rescaled online
             m_run, l_run, acc = carry
             at = (pl.ds(i, 1), pl.ds(0, gp))  # volatile loads: the other programs' stores, never a stale L1 line
             m_i = plt.load(m_p.at[at], mask=real[None, :], other=-jnp.inf, volatile=True)[0]
@@ -285,7 +286,13 @@ def _merge_last(acc_p, m_p, l_p, arrivals, o_ref, m_ref, l_ref, real: Array, *, 
             return m_new, l_run * w_run + l_i * w_i, acc * w_run[:, None] + a_i * w_i[:, None]
 
         init = (jnp.full((gp,), -jnp.inf, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, hd), jnp.float32))
-        m_all, l_all, acc = jax.lax.fori_loop(0, splits, join, init)
+        if splits <= UNROLLED_MERGE:  # (ptxas, sm_90a: a loop spills under float32 tiles, 16 unrolled splits spill)
+            carry = init
+            for i in range(splits):
+                carry = join(i, carry)
+            m_all, l_all, acc = carry
+        else:
+            m_all, l_all, acc = jax.lax.fori_loop(0, splits, join, init)
         o = jnp.where(l_all[:, None] > 0, acc / jnp.where(l_all > 0, l_all, 1.0)[:, None], 0.0)
         _store_rows(o_ref, m_ref, l_ref, o.astype(o_ref.dtype), m_all, l_all, real)
         arrivals[counter] = jnp.zeros((1,), jnp.int32)

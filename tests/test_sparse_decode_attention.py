@@ -190,7 +190,7 @@ def test_the_merge_inside_the_kernel_equals_the_merge_after_it(headwise, f8):
     pool = kv_quant.unpack_blocks(case.pool, jnp.float32) if f8 else case.pool
     want = _oracle(case.q, pool, ids, lens)
     counters = jnp.zeros((3 * hkv + 5,), jnp.int32)
-    for split_k in (2, 3, 4):
+    for split_k in (2, 3, 4, 6):  # (unrolled up to UNROLLED_MERGE splits, a loop beyond)
         kw = dict(split_k=split_k, blocks_per_step=2)
         after = _run(case, ids, lens, merge="after", **kw)
         inside = _run(case, ids, lens, **kw)
