@@ -591,9 +591,7 @@ def sparse_decode_attention(
 
     rotate_here = kv_quant.is_quantized(pool.dtype) and not rotating  # (float32 compute: the output rotated back here)
     out_dtype = jnp.float32 if rotate_here else q.dtype
-    inside = split_k > 1 and merge == "inside"
-    if inside and arrivals is not None and arrivals.shape[0] < b * hkv:
-        raise ValueError(f"arrivals holds {arrivals.shape[0]} counters; the merge inside needs B * Hkv = {b * hkv}")
+    inside = split_k > 1 and merge == "inside"  # (too few counters: `_sparse_decode_call` says so)
     counters = (arrivals if arrivals is not None else jnp.zeros((b * hkv,), jnp.int32)) if inside else None
     out = on_platform(lambda interp: _sparse_decode_call(
         q_grouped, pool, ids, lens, counters,
