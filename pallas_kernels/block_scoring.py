@@ -66,7 +66,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
-from pulseinfer_jax.pallas_kernels.block_metadata import round_bounds_outward
+from pulseinfer_jax.pallas_kernels.block_metadata import round_bounds_outward, set_rows, take_rows
 from pulseinfer_jax.pallas_kernels.common import next_pow2, on_platform, resolve_interpret, triton_params
 
 from pulseinfer_jax.kv import quant as kv_quant
@@ -456,12 +456,12 @@ def append_and_score_reference(
     unit = jnp.maximum(append.blocks, 0) + unit_offset
     k = jnp.take_along_axis(kv_quant.unpack_blocks(pool[unit, 0], jnp.float32), append.slots[:, None, None, None],
                             axis=1)[:, 0]  # [B, Hkv, hd]
+    k = jax.lax.optimization_barrier(k)  # one read: XLA:CPU fused it into each consumer and then copied the pool
     start = (append.slots % (bs // m) == 0)[:, None, None]
-    lo = jnp.where(start, k, jnp.minimum(meta_min[now].astype(jnp.float32), k))
-    hi = jnp.where(start, k, jnp.maximum(meta_max[now].astype(jnp.float32), k))
+    lo = jnp.where(start, k, jnp.minimum(take_rows(meta_min, now).astype(jnp.float32), k))
+    hi = jnp.where(start, k, jnp.maximum(take_rows(meta_max, now).astype(jnp.float32), k))
     lo, hi = round_bounds_outward(lo, hi, meta_min.dtype)
-    meta_min = meta_min.at[target].set(lo, mode="drop")
-    meta_max = meta_max.at[target].set(hi, mode="drop")
+    meta_min, meta_max = set_rows(meta_min, target, lo), set_rows(meta_max, target, hi)
     ids = cand_ids if id_offset is None else jnp.where(cand_ids >= 0, cand_ids + id_offset, -1)
     in_block = live[:, None] & (ids >= 0) & (ids == blk[:, None])  # [B, K]
     empty = in_block[:, :, None] & (jnp.arange(m) > slices[:, None, None])  # [B, K, m]
@@ -482,8 +482,8 @@ def _reference(q, meta_min, meta_max, cand_ids, id_offset, empty, *, per_head, b
     m = sub_blocks
     valid = (cand_ids >= 0) & (cand_ids < nr // m)  # [B, K]
     rows = jnp.where(valid, cand_ids, 0)[:, :, None] * m + jnp.arange(m)  # [B, K, m]
-    kmin = meta_min[rows].astype(jnp.float32)[:, :, :, :, None]  # [B, K, m, Hkv, 1, hd]
-    kmax = meta_max[rows].astype(jnp.float32)[:, :, :, :, None]
+    kmin = take_rows(meta_min, rows).astype(jnp.float32)[:, :, :, :, None]  # [B, K, m, Hkv, 1, hd]
+    kmax = take_rows(meta_max, rows).astype(jnp.float32)[:, :, :, :, None]
     q6 = q.astype(jnp.float32).reshape(b, 1, 1, hkv, g, hd)  # [B, 1, 1, Hkv, G, hd]
     if beta == 1.0:
         prod = jnp.maximum(q6 * kmax, q6 * kmin)  # [B, K, m, Hkv, G, hd]

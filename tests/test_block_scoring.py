@@ -14,6 +14,8 @@ from pulseinfer_jax.pallas_kernels.block_metadata import (
     block_key_bounds_reference,
     init_bounds,
     round_bounds_outward,
+    set_rows,
+    take_rows,
     update_bounds,
 )
 from pulseinfer_jax.pallas_kernels.block_scoring import (
@@ -204,6 +206,30 @@ def test_update_bounds_writes_listed_rows_and_drops_padding():
     assert zmin.shape == (nb, hkv, hd) and not np.asarray(zmax).any()
     with pytest.raises(ValueError, match="must be \\[n, Hkv, hd\\]"):
         update_bounds(meta_min, meta_max, ids, lo[:2], hi[:2])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32])
+def test_rows_move_bit_for_bit_and_float8_moves_as_bytes(dtype):
+    """take_rows / set_rows equal plain indexing bit for bit (NaN rows too), out-of-range rows dropped; and on
+    XLA:CPU a float8 metadata array is never converted whole to gather or scatter a few rows (it was, twice per
+    array and layer: the decode step's jnp path paid 2 ms a layer)."""
+    rng = np.random.default_rng(3)
+    meta = jnp.asarray(rng.standard_normal((40, 2, 16)), jnp.float32).at[5].set(jnp.nan).astype(dtype)
+    rows = jnp.asarray([[5, 0], [39, 7]], jnp.int32)
+    bits = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8 if x.dtype.itemsize == 1 else  # noqa: E731
+                                                             jnp.uint16 if x.dtype.itemsize == 2 else jnp.uint32))
+    np.testing.assert_array_equal(bits(take_rows(meta, rows)), bits(meta[rows]))
+    vals = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32).astype(dtype)
+    at = jnp.asarray([2, 40, 5], jnp.int32)  # 40: out of range, dropped
+    np.testing.assert_array_equal(bits(set_rows(meta, at, vals)), bits(meta.at[at].set(vals, mode="drop")))
+
+    def step(meta, at, vals, rows):
+        meta = set_rows(meta, at, vals)
+        return meta, take_rows(meta, rows).astype(jnp.float32)
+
+    hlo = jax.jit(step, donate_argnums=0).lower(meta, at, vals, rows).compile().as_text()
+    whole = [line for line in hlo.splitlines() if "[40,2,16]" in line and " convert(" in line]
+    assert not whole, "\n".join(whole)
 
 
 def _all_finite_values(dtype) -> np.ndarray:

@@ -26,7 +26,7 @@ from jaxtyping import Array, Bool, Float, Int
 from pulseinfer_jax.kv.quant import tokens_per_block, write_tokens
 from pulseinfer_jax.models.rope import rope_tables
 from pulseinfer_jax.models.transformer import Transformer
-from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, update_bounds
+from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, take_rows, update_bounds
 from pulseinfer_jax.pallas_kernels.block_scoring import (
     append_and_score,
     append_and_score_reference,
@@ -222,6 +222,8 @@ def ahead_layer(
     arrivals)."""
     if landing is not None:
         kv = _land(kv, layer.unit_offset // kv.shape[1], landing.misses, landing.info, landing.staging, fan)
+        if attention != "pallas":  # (XLA:CPU fused the landing into the token write's flat view and then copied the
+            kv = jax.lax.optimization_barrier(kv)  # whole cache first: 98 MB a call with SmolLM2's pool)
     if placed is None:
         kv, bounds, q, slot_state, plan, sel = _select_and_plan(model, lp, kv, x, bounds, slot_state, rows, step,
                                                                 layer, spec=spec)
@@ -496,6 +498,6 @@ def refresh_coarse(
     m = sub_blocks
     idx = jnp.where(members >= 0, members, 0)[:, :, None] * m + jnp.arange(m)  # [n, F, m]
     member = (members >= 0)[:, :, None, None, None]
-    lo = jnp.where(member, fine.lo[idx].astype(jnp.float32), jnp.inf).min(axis=(1, 2))  # [n, Hkv, hd]
-    hi = jnp.where(member, fine.hi[idx].astype(jnp.float32), -jnp.inf).max(axis=(1, 2))
+    lo = jnp.where(member, take_rows(fine.lo, idx).astype(jnp.float32), jnp.inf).min(axis=(1, 2))  # [n, Hkv, hd]
+    hi = jnp.where(member, take_rows(fine.hi, idx).astype(jnp.float32), -jnp.inf).max(axis=(1, 2))
     return KeyBounds(*update_bounds(coarse.lo, coarse.hi, rows, lo, hi))
