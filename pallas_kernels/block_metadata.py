@@ -142,9 +142,9 @@ def round_bounds_outward(
 
 
 def _as_bytes(meta: Array) -> Array:
-    """A 1-byte float array (float8 bounds) as its uint8 bytes; any other dtype unchanged. XLA:CPU has no float8
-    gather or scatter: it converts the whole array to float16 for each and back (measured: 2 ms per decode layer
-    with SmolLM2's pool), where the same rows moved as bytes cost what they move."""
+    """A 1-byte float array (float8 bounds) as its uint8 bytes; any other dtype unchanged. XLA:CPU scatters float8
+    by converting the whole array to float16 and back, and gathers from that copy (2 ms per decode layer with
+    SmolLM2's pool, read from its compiled program), where rows moved as bytes cost what they move."""
     one_byte_float = jnp.issubdtype(meta.dtype, jnp.floating) and jnp.dtype(meta.dtype).itemsize == 1
     return jax.lax.bitcast_convert_type(meta, jnp.uint8) if one_byte_float else meta
 
