@@ -13,12 +13,13 @@ in PLOTTERS; adding a result kind = writing one `plot_<kind>(data, title, path)`
     copy size (per_block's raw curve, coalesced's one copy, the device copy ceiling); right panel: per batch
     volume for the fixed-unit paths (8 KB (block, head) units, 64 KB blocks, one copy per unit/block) next to
     coalesced, which is the comparison the engine's I/O design rests on.
-  - decode_throughput (bench/decode_throughput.py): decode tokens/s against the batch reached per system (one
-    panel per context) and the step-time (TPOT) distribution per system at the largest batch.
+  - decode_throughput (bench/decode_throughput.py): one row per context, stacked: decode tokens/s against the
+    batch reached per system, and the step-time (TPOT) distribution per system at the largest batch.
   - accuracy (bench/accuracy.py): passkeys found and teacher-forced top-1 agreement with dense against the sparse
     budget, one line per selection variant (and per JSON with --combine), dense as a dotted reference.
   - h200_predict (bench/predict.py): PREDICTED decode tokens/s per system at each GPU-suite point (A, B, ...),
-    horizontal bars, one panel per point, with the placements (dense / offloaded / waiting) each system got.
+    horizontal bars, one panel per point in a grid two panels wide, with the placements (dense / offloaded /
+    waiting) each system got.
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ def title_of(data: dict, what: str) -> str:
     m = data.get("machine", {})
     device = m.get("device") or data.get("device") or "?"
     return f"{what} - {device} ({m.get('jax_backend', '?')}), {data.get('date', '?')}"
+
+
+# ---- layout ------------------------------------------------------------------------------------
+
+def panel_grid(n: int, max_cols: int = 2) -> tuple[int, int]:
+    """(rows, columns) for n panels at page width: at most max_cols side by side, the rest in further rows."""
+    cols = max(1, min(n, max_cols))
+    return -(-n // cols), cols
 
 
 # ---- io_sweep ----------------------------------------------------------------------------------
@@ -128,16 +137,16 @@ def throughput_series(points: list[dict]) -> dict[int, dict[str, list[tuple[floa
 
 
 def plot_decode_throughput(data: dict, title: str, path: pathlib.Path) -> None:
-    """Top row: decode tokens/s against the batch each system reached, one panel per context. Bottom: the
-    distribution of per-step times (TPOT) per system at the largest requested batch of each context."""
+    """One row per context, stacked: on the left decode tokens/s against the batch each system reached, on the
+    right the distribution of per-step times (TPOT) per system at the largest requested batch of that context."""
     plt = _pyplot()
     series = throughput_series(data["points"])
     if not series:
         raise SystemExit("no measured point in this decode_throughput JSON")
-    fig, axes = plt.subplots(2, len(series), figsize=(max(9, 6 * len(series)), 9), squeeze=False,
+    fig, axes = plt.subplots(len(series), 2, figsize=(13, 1.2 + 4.6 * len(series)), squeeze=False,
                              constrained_layout=True)
-    for col, (ctx, systems) in enumerate(series.items()):
-        ax = axes[0, col]
+    for row, (ctx, systems) in enumerate(series.items()):
+        ax = axes[row, 0]
         for system, pts in systems.items():
             ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", ms=4, label=system)
         ax.set_title(f"context {ctx:,} tokens")
@@ -145,7 +154,7 @@ def plot_decode_throughput(data: dict, title: str, path: pathlib.Path) -> None:
         ax.set_ylabel("decode tokens/s")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-        ax = axes[1, col]
+        ax = axes[row, 1]
         top = max(p["batch_requested"] for p in data["points"] if p["context"] == ctx)
         rows = [p for p in data["points"] if p["context"] == ctx and p["batch_requested"] == top
                 and "step_s_all" in p]
@@ -153,7 +162,7 @@ def plot_decode_throughput(data: dict, title: str, path: pathlib.Path) -> None:
             ax.boxplot([[t * 1e3 for t in p["step_s_all"]] for p in rows], whis=(1, 99))
             ax.set_xticks(range(1, len(rows) + 1), [p["system"] for p in rows], rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("TPOT = step time (ms)")
-        ax.set_title(f"step-time distribution, {top} requests requested")
+        ax.set_title(f"context {ctx:,}: step-time distribution, {top} requests requested")
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"{title}\n{data.get('model', '')} {data.get('dtype', '')}; {data.get('kv', '')}; "
                  f"selection: {data.get('selection_source', '')}", fontsize=10)
@@ -255,9 +264,12 @@ def plot_h200_predict(data: dict, title: str, path: pathlib.Path) -> None:
     if not points:
         raise SystemExit("no prediction with tokens/s in this JSON")
     n = max(len(v) for v in points.values())
-    fig, axes = plt.subplots(1, len(points), figsize=(7 * len(points), 1.2 + 0.42 * n), squeeze=False,
+    rows, cols = panel_grid(len(points))
+    fig, axes = plt.subplots(rows, cols, figsize=(6.2 * cols, 1.4 + (0.8 + 0.4 * n) * rows), squeeze=False,
                              constrained_layout=True)
-    for ax, (name, preds) in zip(axes[0], points.items(), strict=True):
+    for ax in axes.flat[len(points):]:
+        ax.set_visible(False)
+    for ax, (name, preds) in zip(axes.flat, points.items(), strict=False):
         ys = list(range(len(preds)))[::-1]
         tps = [p["tokens_per_s"] for p in preds]
         ax.barh(ys, tps, color=[_system_colour(p["system"]) for p in preds])
@@ -276,7 +288,7 @@ def plot_h200_predict(data: dict, title: str, path: pathlib.Path) -> None:
     m, device = data.get("model", {}), data.get("machine", {}).get("device", "?")
     fig.suptitle(f"{title.split(' - ')[0]}, {data.get('date', '?')}: PREDICTED, not measured\nH200 cost model "
                  f"({m.get('bandwidth', 0) / 1e12:.2f} TB/s, t_launch {m.get('t_launch', 0) * 1e6:.2f} us), programs "
-                 f"compiled for the H200 on a {device} machine; bar labels: tokens/s (requests dense / offloaded / "
+                 f"compiled for the H200 on a {device} machine\nbar labels: tokens/s (requests dense / offloaded / "
                  f"waiting, step time)", fontsize=10)
     fig.savefig(path, dpi=120)
     plt.close(fig)

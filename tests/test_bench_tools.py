@@ -238,7 +238,7 @@ def test_throughput_plot_from_a_result(tmp_path):
 
 def test_accuracy_and_prediction_plots_from_the_committed_results(tmp_path):
     """bench/plots.py draws RESULTS.md's two figures from the committed JSONs: accuracy against the budget (dense,
-    SoloHead, headwise; passkeys and teacher-forced top-1) and the predicted tokens/s per system at A and B."""
+    SoloHead, headwise; passkeys and teacher-forced top-1) and the predicted tokens/s per system at A to D."""
     pytest.importorskip("matplotlib")
     import json
     import pathlib
