@@ -53,6 +53,10 @@ class XlaHostIO:
         self.host_scalar, self.dev_scalar = layout.replicated(HOST_KIND), layout.replicated("device")
         (self._write, self._stage_blocks, self._stage_units, self._fragment,
          self._write_units) = transfers(self.host_scalar, self.dev_scalar, first_layer, self.mesh)
+        # the copy up: a plain device_put (one DMA) where the runtime takes a program's pinned-host output, else a
+        # jitted copy (docs/limits.md: jaxlib 0.12's CPU runtime refuses the plain put)
+        self.copy_up = "device_put" if plain_put_takes_program_outputs(self.host_scalar, self.dev_scalar) else "jit"
+        self._up = {5: _copy_up(self.copy_up, self.dev), 1: _copy_up(self.copy_up, self.dev_scalar)}
         self._layers: dict[int, tuple[Array, Array]] = {}  # pool layer -> its index on the host and on the device
 
     def _layer(self, layer: int) -> tuple[Array, Array]:
@@ -97,12 +101,32 @@ class XlaHostIO:
 
     def to_device(self, staging: Array) -> Array:
         """One host-to-device copy (per device, of its heads, under tensor parallelism)."""
-        return jax.device_put(staging, self.dev if staging.ndim == 5 else self.dev_scalar)
+        return self._up[5 if staging.ndim == 5 else 1](staging)
 
     def fragment_units(self, pool: Array, layer: int, rows: np.ndarray, heads: np.ndarray,
                        count: int) -> Float[Array, "n 2 bs hd"]:
         """rows / heads: [n] padded past `count` with the null row's unit (copied too: a known trip count)."""
         return self._fragment(pool, self._layer(layer)[1], jnp.asarray(rows), jnp.asarray(heads))
+
+
+@functools.cache
+def plain_put_takes_program_outputs(host: jax.sharding.Sharding, dev: jax.sharding.Sharding) -> bool:
+    """Whether `jax.device_put` copies an array that a program wrote to pinned host memory up to the device. The
+    CPU runtime of jaxlib 0.12 refuses it (UNIMPLEMENTED: Unsupported layout used for PjRt CPU buffers:
+    {0:S(5)}); a jitted copy works everywhere. Asked once per pair of shardings, at a single element."""
+    made = jax.jit(lambda: jnp.zeros((1,), jnp.int32), out_shardings=host)()
+    try:
+        jax.block_until_ready(jax.device_put(made, dev))
+    except jax.errors.JaxRuntimeError:
+        return False
+    return True
+
+
+def _copy_up(how: str, dev: jax.sharding.Sharding):
+    """The host-to-device copy of a staging buffer: `device_put` (one DMA, no program) or a jitted identity."""
+    if how == "device_put":
+        return functools.partial(jax.device_put, device=dev)
+    return jax.jit(lambda staging: staging, out_shardings=dev)
 
 
 @functools.cache

@@ -1,26 +1,25 @@
 """Every "auto" backend choice, resolved once per engine, with the reason for each.
 
 `plan_backends(config, platform, ...)` is the pure rule (the ahead-of-time check compiles what it says);
-`resolve_backends(config, device, model)` applies it to a real device and, on a GPU, first runs each unverified
-fast path once at tiny shapes against its jnp reference (Pallas attention and block scoring, float8 key bounds,
-pinned-host transfers, the grouped-GEMM kernel): a path that fails or disagrees is replaced by the safe one, and
-the reason says so. The engine logs `ResolvedBackends.summary()` once and reports `as_dict()` in every request's
-stats.
+`resolve_backends(config, device, model)` applies it to a real device, first running each fast path it picked once
+at tiny shapes against its reference (`startup_checks`; the host transfers on every platform, the kernels and the
+landing on a GPU): an "auto" path that fails or disagrees is replaced by the safe one and the reason says so; an
+explicit choice that fails raises `FastPathError`. The engine logs `ResolvedBackends.summary()` once (with what the
+checks cost) and reports `as_dict()` in every request's stats (`fallbacks` where one happened).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from pulseinfer_jax.config import EngineConfig
-from pulseinfer_jax.kv.quant import pack_blocks, resolve_kv_dtype, storage_dtype
+from pulseinfer_jax.kv.quant import resolve_kv_dtype, storage_dtype
 from pulseinfer_jax.models.moe import MoEOptions
 from pulseinfer_jax.selection.policy import BlockScoring
 
@@ -42,6 +41,8 @@ class ResolvedBackends:
     host_io: str | None  # host KV pool transfers: "xla" | "numpy" (None in mode "dense")
     micro_batches: int | None  # offloaded batch split (None in mode "dense")
     reasons: tuple[str, ...] = ()
+    fallbacks: tuple[tuple[str, str], ...] = ()  # (option, why): "auto" fast paths replaced after a failed check
+    check_seconds: float | None = None  # what the start-up checks cost (None: none ran)
 
     @property
     def moe_strategy(self) -> str | None:
@@ -63,6 +64,8 @@ class ResolvedBackends:
         if self.sparse_attention is not None:
             out.update(sparse_attention=self.sparse_attention, score_bounds_dtype=self.scoring.bounds_dtype,
                        host_io=self.host_io, micro_batches=self.micro_batches)
+        if self.fallbacks:
+            out["fallbacks"] = {option: why for option, why in self.fallbacks}
         return out
 
     def summary(self) -> str:
@@ -118,98 +121,106 @@ def plan_backends(config: EngineConfig, platform: str, *, is_moe: bool = False, 
 
 
 def resolve_backends(config: EngineConfig, device: jax.Device, model: Any) -> ResolvedBackends:
-    """`plan_backends` for `device`, with each "auto" fast path on a GPU checked once against its reference first
-    (`model`: a `LoadedModel`; its dtype and KV geometry shape the checks). Logs the summary line."""
+    """`plan_backends` for `device`, with each fast path it picked checked once on the device first (`model`: a
+    `LoadedModel`; its dtype and KV geometry shape the checks): the host transfers on every platform (what the
+    installed jax accepts differs between versions), and on a GPU every kernel and program of the offloaded step
+    (`startup_checks`). An "auto" path that fails falls back to the safe one, said in the reasons, in `fallbacks`
+    and as a warning; a path the config names explicitly that fails raises `FastPathError`. Logs the summary."""
     r = plan_backends(config, device.platform, is_moe=model.cfg.is_moe, model_dtype=model.dtype)
-    if r.platform == "gpu":
-        r = _probe(config, device, model, r)
+    r = _probe(config, device, model, r)
     log.info(r.summary())
     return r
+
+
+class FastPathError(RuntimeError):
+    """A fast path the config chose explicitly failed its start-up check on this device."""
+
+
+def _explicit_failure(option: str, value: str, device: Any, err: str, instead: str) -> FastPathError:
+    return FastPathError(f"{option}={value!r} failed its start-up check on {device.platform} ({err}); set {option}="
+                         f"{instead!r}, or 'auto' to fall back to the safe path on its own")
 
 
 def _probe(config: EngineConfig, device: jax.Device, model: Any, r: ResolvedBackends) -> ResolvedBackends:
     b, why, dtype = config.backends, list(r.reasons), model.dtype
     attention, sparse, scoring, host_io, moe = r.decode_attention, r.sparse_attention, r.scoring, r.host_io, r.moe
-    if b.decode_attention == "auto":
-        err = probe_pallas(device, dtype, scoring, kv_dtype=r.kv_dtype)  # (dense mode: no scoring to check)
+    fallbacks: list[tuple[str, str]] = []
+    timed: list[tuple[str, float]] = []
+    gpu = r.platform == "gpu"
+
+    def timed_check(name: str, fn, *args, **kw):
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        timed.append((name, time.perf_counter() - t0))
+        return out
+
+    if gpu and attention == "pallas":
+        err = timed_check("pallas kernels", probe_pallas, device, dtype, scoring, kv_dtype=r.kv_dtype)
         if err is not None and scoring is not None and scoring.bounds_dtype != "kv":
             exact = dataclasses.replace(scoring, bounds_dtype="kv")
-            if probe_pallas(device, dtype, exact, kv_dtype=r.kv_dtype) is None:
+            if timed_check("pallas kernels, exact bounds", probe_pallas, device, dtype, exact,
+                           kv_dtype=r.kv_dtype) is None:
                 why.append(f"score_bounds_dtype kv: the Pallas scoring failed on {scoring.bounds_dtype} bounds ({err})")
+                fallbacks.append(("score_bounds_dtype", err))
                 err, scoring = None, exact
         if err is not None:
+            if b.decode_attention != "auto":
+                raise _explicit_failure("decode_attention", b.decode_attention, device, err, "jnp")
             why.append(f"decode_attention jnp: the Pallas kernels failed their check ({err})")
+            fallbacks.append(("decode_attention", err))
             attention, sparse = "jnp", ("jnp" if sparse is not None else None)
-    if host_io in ("xla", "numpy-pinned") and b.host_io == "auto":
+    if gpu and sparse is not None:
+        from pulseinfer_jax.startup_checks import check_landing
+
+        err = timed_check("landing", check_landing, device, r.kv_dtype)
+        if err is not None:
+            raise FastPathError(f"the offloaded step's landing of recalled blocks failed its start-up check on "
+                                f"{device.platform} ({err}); offloading cannot run on this device: use mode='dense'")
+    if host_io is not None and host_io != "numpy":
         from pulseinfer_jax.host_offload.host_pool import checked_host_io
 
         c, tried = model.cfg, host_io
-        host_io, err = checked_host_io(tried, device, on_gpu=True, block_size=config.block_size,
-                                       num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                       dtype=storage_dtype(r.kv_dtype))
+        host_io, err = timed_check("host_io", checked_host_io, tried, device, on_gpu=gpu,
+                                   block_size=config.block_size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                   dtype=storage_dtype(r.kv_dtype))
         if err is not None:
+            if b.host_io != "auto":
+                raise _explicit_failure("host_io", b.host_io, device, err, "numpy")
             why.append(f"host_io numpy: {tried}'s pinned-host transfers failed their check ({err}); pageable RAM "
                        "through PJRT's bounce buffer, slower")
-    if moe is not None and moe.grouped_kernel == "pallas":
+            fallbacks.append(("host_io", err))
+    if gpu and moe is not None and moe.grouped_kernel == "pallas":
         from pulseinfer_jax.models.moe import probe_grouped_kernel
 
-        err = probe_grouped_kernel(device, dtype)
+        err = timed_check("grouped gemm", probe_grouped_kernel, device, dtype)
         if err is not None:
+            if b.moe_strategy != "auto":
+                raise _explicit_failure("moe_strategy", b.moe_strategy, device, err, "grouped")
             why.append(f"moe_strategy grouped: the grouped-GEMM Pallas kernel failed ({err}); jnp tile loop")
+            fallbacks.append(("moe_strategy", err))
             moe = dataclasses.replace(moe, grouped_kernel="jnp")
     for line in why[len(r.reasons):]:  # each fallback also as a warning the caller sees
         warnings.warn(f"{line}; the safe path runs instead", RuntimeWarning, stacklevel=4)
+    if timed:
+        why.append("start-up checks " + ", ".join(f"{n} {s:.2f} s" for n, s in timed)
+                   + f" ({sum(s for _, s in timed):.2f} s in all)")
     return dataclasses.replace(r, decode_attention=attention, sparse_attention=sparse, scoring=scoring,
-                               host_io=host_io, moe=moe, reasons=tuple(why))
+                               host_io=host_io, moe=moe, reasons=tuple(why), fallbacks=tuple(fallbacks),
+                               check_seconds=sum(s for _, s in timed) if timed else None)
 
 
 def probe_pallas(device: jax.Device, dtype=None, scoring: BlockScoring | None = BlockScoring(), *,
                  kv_dtype=None, interpret: bool = False) -> str | None:
-    """Run the sparse decode attention (one split, and four merged inside the kernel through its atomics, twice on
-    one counter buffer) and block-scoring kernels once on `device` at tiny shapes in the model dtype
-    `dtype` (default bfloat16) over a cache of `kv_dtype` (default `dtype`; float8: values and their scales) with the
-    engine's block scoring (key bounds in its metadata dtype; per query head and per KV
-    head; its beta and sub-blocks; None: the attention only), each against its jnp reference. None if they run and
-    agree, else what failed.
+    """The Pallas kernels an engine runs, each once on `device` at tiny shapes in the model dtype `dtype` (default
+    bfloat16) over a cache of `kv_dtype` (default `dtype`) against its reference (`startup_checks`): the decode
+    attention at every split count the engine picks; with the engine's block `scoring` (None: dense, the attention
+    only) the scoring kernels and the fused selection + slot plan. None if all run and agree, else what failed first.
     (`interpret`: run the kernels interpreted, to test the check off a GPU.)"""
-    import pulseinfer_jax.pallas_kernels.block_scoring as bsc
-    import pulseinfer_jax.pallas_kernels.sparse_decode_attention as sda
+    from pulseinfer_jax import startup_checks as sc
 
-    dtype = jnp.dtype(dtype or jnp.bfloat16)
-    rng = np.random.default_rng(0)
-    try:
-        with jax.default_device(device):
-            q = jnp.asarray(rng.standard_normal((2, 4, 64)), dtype)
-            pool = pack_blocks(jnp.asarray(rng.standard_normal((4, 2, 16, 2, 64)), dtype), kv_dtype or dtype)
-            ids = jnp.array([[[1, 2]], [[3, 1]]], jnp.int32)
-            lens = jnp.array([[[16, 9]], [[16, 16]]], jnp.int32)
-            got = sda.sparse_decode_attention(q, pool, ids, lens, interpret=interpret)[0]
-            want = sda.sparse_decode_attention_reference(q, pool, ids, lens)[0]
-            if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2):
-                return "sparse_decode_attention disagrees with its jnp reference"
-            # four splits merged inside the kernel (cross-program atomics), twice on one counter buffer
-            many = jnp.asarray(rng.integers(0, 4, (2, 1, 8)), jnp.int32)
-            lens = jnp.asarray(rng.integers(0, 17, (2, 1, 8)), jnp.int32)
-            want = sda.sparse_decode_attention_reference(q, pool, many, lens)[0]
-            counters = jnp.zeros((4,), jnp.int32)
-            for _ in range(2):
-                got, _, _, counters = sda.sparse_decode_attention(q, pool, many, lens, counters, split_k=4,
-                                                                  blocks_per_step=1, interpret=interpret)
-                if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2):
-                    return "sparse_decode_attention's merge inside the kernel disagrees with its jnp reference"
-            if np.any(np.asarray(counters)):
-                return "sparse_decode_attention's merge inside left its arrival counters set"
-            if scoring is None:
-                return None
-            meta_dtype = scoring.metadata_dtype(dtype)
-            lo = jnp.asarray(rng.standard_normal((4 * scoring.sub_blocks, 2, 64)), meta_dtype)
-            hi = jnp.asarray(np.asarray(lo, np.float32) + 1.0, meta_dtype)
-            for per_head in {False, scoring.per_query_head}:
-                kw = dict(per_head=per_head, beta=scoring.beta, sub_blocks=scoring.sub_blocks)
-                got = bsc.block_scores(q, lo, hi, ids[:, 0], interpret=interpret, **kw)
-                want = bsc.block_scores_reference(q, lo, hi, ids[:, 0], **kw)
-                if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=5e-2, rtol=2e-2):
-                    return f"block_scores (per_head={per_head}) disagrees with its jnp reference"
-    except Exception as e:  # noqa: BLE001 - any lowering / compile / runtime error of the kernels
-        return f"{type(e).__name__}: {str(e)[:300]}"
-    return None
+    err = sc.check_attention(device, dtype, kv_dtype, interpret=interpret)
+    if err is None and scoring is not None:
+        err = sc.check_scoring(device, dtype, scoring, kv_dtype, interpret=interpret)
+        if err is None:
+            err = sc.check_select_plan(device, interpret=interpret)
+    return err

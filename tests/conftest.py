@@ -64,15 +64,19 @@ def doubled(m, name: str):
 @pytest.fixture
 def emulated_gpu(monkeypatch):
     """Engines built in the test resolve their backends as on a GPU (pulseinfer_jax/backends.py): the GPU rule, and
-    its start-up checks (real, or scripted by the test) for every "auto" choice."""
+    its start-up checks (real, or scripted by the test) for every fast path it picks."""
     import types
 
     import pulseinfer_jax.engine.core as engine_mod
-    from pulseinfer_jax import backends
+    from pulseinfer_jax import backends, startup_checks
 
     gpu = types.SimpleNamespace(platform="gpu")
     monkeypatch.setattr(engine_mod, "resolve_backends", lambda config, device, model: backends.resolve_backends(
         config, gpu, model))
+    # the landing's check (no kernel) runs for real, on the real device (the emulated GPU is a name only)
+    real_landing = startup_checks.check_landing
+    monkeypatch.setattr(startup_checks, "check_landing", lambda device, kv_dtype: real_landing(jax.devices()[0],
+                                                                                             kv_dtype))
 
 
 @pytest.fixture(scope="module")

@@ -299,9 +299,9 @@ def test_backend_rule_per_platform():
 
 
 def test_gpu_backends_fall_back_when_their_check_fails(tiny, monkeypatch, caplog):
-    """On a GPU each "auto" fast path is checked once when the engine is built; one that fails is replaced by the
-    safe path, said in the reasons and as a warning; the choices are logged in one line; an explicit choice is not
-    checked."""
+    """On a GPU each fast path is checked once when the engine is built; an "auto" one that fails is replaced by the
+    safe path, said in the reasons, in `fallbacks` (the stats) and as a warning; the choices and what the checks
+    cost are logged in one line; an explicit choice that fails raises, naming the option."""
     import logging
     import types
 
@@ -313,44 +313,87 @@ def test_gpu_backends_fall_back_when_their_check_fails(tiny, monkeypatch, caplog
     calls = []
     monkeypatch.setattr(backends, "probe_pallas", lambda *a, **k: calls.append("pallas") or "TritonError: rejected")
     monkeypatch.setattr(host_pool, "probe_host_io", lambda *a, **k: calls.append("io") or "no pinned memory")
+    monkeypatch.setattr("pulseinfer_jax.startup_checks.check_landing", lambda *a: calls.append("land"))
     with caplog.at_level(logging.INFO, logger="pulseinfer_jax"), pytest.warns(RuntimeWarning) as warned:
         r = backends.resolve_backends(EngineConfig.of(mode="offload", recall="interruptible"), gpu, tiny)
     assert (r.decode_attention, r.sparse_attention, r.host_io) == ("jnp", "jnp", "numpy")
     assert r.scoring.bounds_dtype == "kv" or r.sparse_attention == "jnp"
     assert any("the Pallas kernels failed their check" in m for m in r.reasons)
     assert any("host_io numpy" in m for m in r.reasons)
+    assert r.as_dict()["fallbacks"] == {"decode_attention": "TritonError: rejected", "host_io": "no pinned memory"}
+    assert calls == ["pallas", "pallas", "land", "io"] and r.check_seconds is not None
     assert len(warned) == 2 and "safe path runs instead" in str(warned[0].message)
     assert len(caplog.records) == 1 and "backends on gpu" in caplog.records[0].message
     assert "decode_attention=jnp" in caplog.records[0].message and "host_io numpy" in caplog.records[0].message
-    calls.clear()
+    assert "start-up checks pallas kernels" in caplog.records[0].message and "s in all" in caplog.records[0].message
+    # chosen explicitly: checked too, and a failure is an error that names the option
+    for explicit, match in ((dict(decode_attention="pallas"), "decode_attention='pallas' failed its start-up check"),
+                            (dict(decode_attention="jnp", host_io="xla"), "host_io='xla' failed its start-up check")):
+        calls.clear()
+        with pytest.raises(backends.FastPathError, match=match):
+            backends.resolve_backends(EngineConfig.of(mode="offload", **explicit), gpu, tiny)
+        assert calls[0] == ("pallas" if "decode_attention" in match else "land")
+    # every check passing: nothing falls back, the stats carry no fallbacks
+    monkeypatch.setattr(backends, "probe_pallas", lambda *a, **k: None)
+    monkeypatch.setattr(host_pool, "probe_host_io", lambda *a, **k: None)
     r = backends.resolve_backends(EngineConfig.of(mode="offload", decode_attention="pallas", host_io="xla"), gpu, tiny)
-    assert (r.decode_attention, r.host_io, calls) == ("pallas", "xla", [])
+    assert (r.decode_attention, r.host_io, r.fallbacks) == ("pallas", "xla", ()) and "fallbacks" not in r.as_dict()
     # only the float8 bounds fail: the bounds fall back to the KV dtype, Pallas kept
     monkeypatch.setattr(backends, "probe_pallas",
-                        lambda d, dt, sc, kv_dtype=None: None if sc.bounds_dtype == "kv" else "fp8")
+                        lambda d, dt, sc, kv_dtype=None: None if sc is None or sc.bounds_dtype == "kv" else "fp8")
     with pytest.warns(RuntimeWarning, match="score_bounds_dtype kv"):
         r = backends.resolve_backends(EngineConfig.of(mode="offload", host_io="xla"), gpu, tiny)
     assert (r.sparse_attention, r.scoring.bounds_dtype) == ("pallas", "kv")
+    # a landing that fails: offloading cannot run, whatever the other choices
+    monkeypatch.setattr("pulseinfer_jax.startup_checks.check_landing", lambda *a: "land wrote other bytes")
+    with pytest.raises(backends.FastPathError, match="landing of recalled blocks .* use mode='dense'"):
+        backends.resolve_backends(EngineConfig.of(mode="offload"), gpu, tiny)
+    assert backends.resolve_backends(EngineConfig.of(mode="dense"), gpu, tiny).fallbacks == ()
 
 
 def test_pallas_probe_checks_the_kernels_against_their_references(monkeypatch):
-    """The start-up check runs both kernels and compares them with the jnp references (interpreted here): the real
-    kernels pass, a kernel that returns wrong values is caught, a compile error is reported, not raised."""
+    """The start-up check of the Pallas kernels compares each with its jnp reference: a kernel that returns wrong
+    values, at one split count of the attention's merge, or a compile error, is reported (not raised), naming it.
+    (The kernels stand in as their references here; the real kernels' checks: test_startup_checks.py.)"""
     import jax
     import jax.numpy as jnp
+    import pulseinfer_jax.pallas_kernels.block_scoring as bsc
+    import pulseinfer_jax.pallas_kernels.select_plan as spk
     import pulseinfer_jax.pallas_kernels.sparse_decode_attention as sda
 
     from pulseinfer_jax.backends import probe_pallas
 
+    def as_reference(module, name, corrupt=None):
+        ref = getattr(module, name + "_reference")
+
+        def run(*a, interpret=None, **k):
+            for drop in ("split_k", "blocks_per_step", "tile_k", "num_warps"):
+                k.pop(drop, None)
+            if name == "sparse_decode_attention" and len(a) == 5:  # (the merge's counters: returned as given)
+                return (*ref(*a[:4], **k), a[4])
+            out = ref(*a, **k)
+            return corrupt(out) if corrupt else out
+
+        monkeypatch.setattr(module, name, run)
+
     cpu = jax.devices("cpu")[0]
-    assert probe_pallas(cpu, jnp.float32, interpret=True) is None
+    for module, name in ((sda, "sparse_decode_attention"), (bsc, "block_scores"), (bsc, "append_and_score"),
+                         (spk, "select_plan")):
+        as_reference(module, name)
+    assert probe_pallas(cpu, jnp.float32) is None
     real = sda.sparse_decode_attention
     monkeypatch.setattr(sda, "sparse_decode_attention", lambda *a, **k: tuple(x * 0 for x in real(*a, **k)))
-    assert "disagrees" in probe_pallas(cpu, jnp.float32, interpret=True)
-    # only the splits merged inside the kernel wrong (e.g. atomics that do not order the partials' stores)
+    assert "sparse_decode_attention (one split) disagrees" in probe_pallas(cpu, jnp.float32)
+    # only the largest split count's merge wrong (e.g. atomics that do not order the partials' stores)
     monkeypatch.setattr(sda, "sparse_decode_attention", lambda *a, **k: tuple(
-        x * 0 if k.get("split_k") == 4 and i == 0 else x for i, x in enumerate(real(*a, **k))))
-    assert "merge inside the kernel disagrees" in probe_pallas(cpu, jnp.float32, interpret=True)
+        x * 0 if k.get("split_k") == sda.MAX_SPLIT_K and i == 0 else x for i, x in enumerate(real(*a, **k))))
+    assert f"merge inside the kernel at {sda.MAX_SPLIT_K} splits disagrees" in probe_pallas(cpu, jnp.float32)
+    monkeypatch.setattr(sda, "sparse_decode_attention", real)
+    as_reference(bsc, "append_and_score", lambda out: (out[0], out[1], out[2].at[2].add(1.0)))
+    assert "append_and_score (per_head=False) wrote other upper key bounds" in probe_pallas(cpu, jnp.float32)
+    as_reference(bsc, "append_and_score")
+    as_reference(spk, "select_plan", lambda out: out._replace(late_units=out.late_units + 1))
+    assert "select_plan's late_units (step 0) differs" in probe_pallas(cpu, jnp.float32)
+    assert probe_pallas(cpu, jnp.float32, None) is None  # (dense: the attention only)
     monkeypatch.setattr(sda, "sparse_decode_attention", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("ptxas")))
-    assert probe_pallas(cpu, jnp.float32, interpret=True).startswith("RuntimeError: ptxas")
-
+    assert probe_pallas(cpu, jnp.float32).startswith("RuntimeError: ptxas")

@@ -207,6 +207,36 @@ def test_probe_host_io_passes_where_the_backend_works(io, dtype):
     assert probe_host_io(jax.devices()[0], block_size=BS, num_kv_heads=HKV, head_dim=HD, dtype=dtype, io=io) is None
 
 
+@pytest.mark.parametrize("plain", [True, False])
+def test_xla_copies_up_with_a_plain_put_or_a_jitted_copy_bit_for_bit(plain, monkeypatch):
+    """The xla pool's copy to the device: a plain device_put where the runtime takes a program's pinned-host output
+    (jaxlib 0.11), a jitted copy where it does not (jaxlib 0.12's CPU runtime); both move every bit, float8 bytes
+    included, and the engine's backend choice sees the same. The jitted copy forced here whatever this jax does."""
+    from pulseinfer_jax.host_offload import xla_io
+
+    if plain and not _pool(io="xla").io.copy_up == "device_put":
+        pytest.skip("this jax's runtime refuses the plain copy (docs/limits.md)")
+    monkeypatch.setattr(xla_io, "plain_put_takes_program_outputs", lambda host, dev: plain)
+    assert _pool(io="xla").io.copy_up == ("device_put" if plain else "jit")
+    for dtype in (jnp.bfloat16, jnp.uint8):
+        assert probe_host_io(jax.devices()[0], block_size=BS, num_kv_heads=HKV, head_dim=HD, dtype=dtype) is None
+
+
+def test_the_plain_copy_check_asks_the_runtime():
+    """`plain_put_takes_program_outputs` answers from a real copy: False only where the runtime refuses it."""
+    from pulseinfer_jax.host_offload import xla_io
+    from pulseinfer_jax.host_offload.memory import device_sharding, host_sharding
+
+    dev = jax.devices()[0]
+    made = jax.jit(lambda: jnp.ones((3,)), out_shardings=host_sharding(dev))()
+    try:
+        jax.device_put(made, device_sharding(dev)).block_until_ready()
+        takes = True
+    except jax.errors.JaxRuntimeError:
+        takes = False
+    assert xla_io.plain_put_takes_program_outputs(host_sharding(dev), device_sharding(dev)) is takes
+
+
 def test_probe_host_io_reports_failures_and_wrong_bits(monkeypatch):
     dev = jax.devices()[0]
     kw = dict(block_size=BS, num_kv_heads=HKV, head_dim=HD, dtype=jnp.float32)

@@ -91,9 +91,9 @@ def test_float8_refusals_and_report(tiny):
 
 
 def test_the_startup_check_runs_the_float8_kernel():
-    from pulseinfer_jax.backends import probe_pallas
+    from pulseinfer_jax.startup_checks import check_attention
 
-    assert probe_pallas(jax.devices()[0], jnp.bfloat16, kv_dtype="float8_e4m3fn", interpret=True) is None
+    assert check_attention(jax.devices()[0], jnp.bfloat16, "float8_e4m3fn", interpret=True) is None
 
 
 def test_spill_recall_land_move_float8_blocks_bit_for_bit(tiny4, monkeypatch):

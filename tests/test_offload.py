@@ -497,15 +497,13 @@ def test_the_sparse_decoder_hands_the_attention_its_counters(tiny4, monkeypatch)
     jax.clear_caches()
 
 
-def test_probe_pallas_runs_the_kernels_and_reports_failures(monkeypatch):
+def test_the_scoring_check_runs_the_engines_scoring_and_reports_failures(monkeypatch):
     import jax
     from pulseinfer_jax.pallas_kernels import block_scoring
 
-    from pulseinfer_jax.backends import probe_pallas
+    from pulseinfer_jax.startup_checks import check_scoring
 
     dev = jax.devices()[0]
-    # interpreted here (compiled on a GPU)
-    assert probe_pallas(dev, "float32", BlockScoring(sub_blocks=2), interpret=True) is None
     seen = []
     real = block_scoring.block_scores
 
@@ -514,16 +512,18 @@ def test_probe_pallas_runs_the_kernels_and_reports_failures(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(block_scoring, "block_scores", recording)
-    assert probe_pallas(dev, "float32", BlockScoring(beta=0.25, sub_blocks=2), interpret=True) is None
+    # interpreted here (compiled on a GPU)
+    assert check_scoring(dev, "float32", BlockScoring(beta=0.25, sub_blocks=2), interpret=True) is None
     assert sorted(seen) == [(0.25, False, 2), (0.25, True, 2)]  # the engine's scoring, both score layouts
 
     def rejecting(*a, **k):
         raise NotImplementedError("Triton rejected the kernel")
 
     monkeypatch.setattr(block_scoring, "block_scores", rejecting)
-    assert probe_pallas(dev, "float32", BlockScoring(), interpret=True) == \
+    assert check_scoring(dev, "float32", BlockScoring(), interpret=True) == \
         "NotImplementedError: Triton rejected the kernel"
-    assert probe_pallas(dev, "float32").startswith("ValueError")  # compiled for this CPU: reported, not raised
+    monkeypatch.setattr(block_scoring, "block_scores", real)
+    assert check_scoring(dev, "float32").startswith("ValueError")  # compiled for this CPU: reported, not raised
 
 
 @pytest.mark.parametrize("scoring,selection,want", [
@@ -763,17 +763,19 @@ def test_auto_host_io_falls_back_to_numpy_when_the_probe_fails(tiny4, monkeypatc
     assert eng.host_io == "numpy" and eng.host_pool.io_name == "numpy"
     assert eng.layer_loop == "layerwise" and eng.sparse.layer_params is eng.layer_params  # one split, shared
     assert all(r.stats["host_io"] == "numpy" and r.stats["recall_bytes"] > 0 for r in got)
-    assert len(calls) == 1 and calls[0]["dtype"] == tiny4.dtype  # probed once, in the KV dtype
+    assert len(calls) == 1 and calls[0]["dtype"] == jnp.dtype(tiny4.dtype)  # probed once, in the KV dtype
     generate_long(prompts, eng, max_new_tokens=4, ignore_eos=True)
     assert len(calls) == 1  # not again for the next run of the same engine
-    # configured explicitly: no probe
-    eng2 = Engine(tiny4, EngineConfig.of(**kw, host_io="xla"))
-    generate_long(prompts[:1], eng2, max_new_tokens=4, ignore_eos=True, engine_config=eng2.config)
-    assert len(calls) == 1 and eng2.host_pool.io_name == "xla"
+    # configured explicitly: checked too, and its failure is an error naming it
+    from pulseinfer_jax.backends import FastPathError
+
+    with pytest.raises(FastPathError, match="host_io='xla' failed its start-up check on gpu"):
+        Engine(tiny4, EngineConfig.of(**kw, host_io="xla"))
+    assert len(calls) == 2
     with pytest.warns(RuntimeWarning, match=r"host_io numpy: numpy-pinned's pinned-host transfers failed"):
         ahead = Engine(tiny4, EngineConfig.of(**{**kw, "recall": "ahead"}))
     want = generate_long(prompts, ahead, max_new_tokens=12, ignore_eos=True, engine_config=ahead.config)
-    assert len(calls) == 2 and ahead.host_pool.io_name == "numpy" and ahead.host_pool.recalls_off_thread
+    assert len(calls) == 3 and ahead.host_pool.io_name == "numpy" and ahead.host_pool.recalls_off_thread
     # the real check, on the real device (the emulated GPU is a name only), passes: the staging is pinned
     monkeypatch.setattr(host_pool, "probe_host_io", lambda device, **kw: real_probe(jax.devices()[0], **kw))
     ahead = Engine(tiny4, EngineConfig.of(**{**kw, "recall": "ahead"}))
