@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 import typing
@@ -16,10 +17,47 @@ USER_ERRORS = (ValueError, FileNotFoundError, UnsupportedModelError, CheckpointE
 
 
 class _Parser(argparse.ArgumentParser):
-    """Bad options are user errors like any other: one line, exit status 2 (`main`)."""
+    """Bad options are user errors like any other: one line, exit status 2 (`main` adds the `pulseinfer: error:`
+    prefix; the message names the command's --help)."""
 
     def error(self, message: str):
-        raise ValueError(f"{self.prog}: {message} (see --help)")
+        raise ValueError(f"{message} (see {self.prog} --help)")
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, with an unrecognized option answered by the subcommand's option it most likely meant."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            # the options first: a word after an unknown option was its value or the prompt, argparse cannot tell
+            extras = [a for a in extras if a[:1] == "-"] or extras
+            sub = self._subcommand(ns)
+            known = [s for a in sub._actions for s in a.option_strings if s.startswith("--")]
+            guesses = {a: difflib.get_close_matches(a.partition("=")[0], known, n=1) for a in extras if a[:1] == "-"}
+            guesses = {a: g[0] for a, g in guesses.items() if g}
+            message = f"unrecognized argument{'s' if len(extras) > 1 else ''} {', '.join(extras)}"
+            if len(guesses) == 1 and len(extras) == 1:
+                message += f"; did you mean {next(iter(guesses.values()))}?"
+            elif guesses:
+                message += "; did you mean " + ", ".join(f"{g} (for {a})" for a, g in guesses.items()) + "?"
+            sub.error(message)
+        return ns
+
+    def _subcommand(self, ns: argparse.Namespace) -> argparse.ArgumentParser:
+        """The parser of the subcommand `ns` ran (this one if none)."""
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction) and getattr(ns, a.dest, None) in a.choices:
+                return a.choices[getattr(ns, a.dest)]
+        return self
+
+
+def _port(text: str) -> int:
+    """--port: a TCP port number, 1-65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number; give one in 1-65535") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 1-65535, the TCP port numbers")
+    return port
 
 
 SECTIONS = {(): "engine", ("offload",): "KV offloading", ("offload", "scoring"): "KV offloading: block scoring",
@@ -121,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    v.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    v.add_argument("--port", type=_port, default=8000, help="TCP port to listen on, 1-65535 (default: %(default)s)")
     v.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for admission before new ones get HTTP 429 (default: %(default)s)")
     v.add_argument("--served-model-name", default=None,
@@ -197,7 +235,7 @@ def generate_options(args: argparse.Namespace):
         flag = next((f for f in SAMPLING_FLAGS if str(e).startswith(f + "=")), None)
         if flag is None:
             raise
-        raise ValueError(f"pulseinfer generate: argument --{flag.replace('_', '-')}: {e} (see --help)") from None
+        raise ValueError(f"argument --{flag.replace('_', '-')}: {e} (see pulseinfer generate --help)") from None
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -1,6 +1,8 @@
 """Every bad input raises a clear error naming the value, fast; the CLI prints one line and exits 2."""
 
 import json
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -123,12 +125,44 @@ def test_engine_config_validation():
      "below sink + window"),
     (["generate", "--model", str(TINY / "llama2"), "--mode", "offload", "hi"], "leaves no sparse layer"),
     (["generate", "--model", str(TINY / "llama2"), "--score-sub-blocks", "3", "hi"], "power of two"),
+    (["serve", "--port", "99999"], "argument --port: 99999 is outside 1-65535"),
+    (["serve", "--port", "0"], "argument --port: 0 is outside 1-65535"),
+    (["serve", "--port", "-1"], "argument --port: -1 is outside 1-65535"),
+    (["serve", "--port", "http"], "argument --port: 'http' is not a port number"),
 ])
 def test_cli_errors_exit_2_one_line(capsys, argv, match):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()  # status lines ("pulseinfer: loading ..."), then the error
     errors = [line for line in err if line.startswith("pulseinfer: error:")]
     assert len(errors) == 1 and err[-1] == errors[0] and match in errors[0]
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["generate", "--max-tokens", "8", "hi"],
+     "unrecognized argument --max-tokens; did you mean --max-new-tokens? (see pulseinfer generate --help)"),
+    (["generate", "--max-tokens=8", "hi"],
+     "unrecognized argument --max-tokens=8; did you mean --max-new-tokens? (see pulseinfer generate --help)"),
+    (["serve", "--prot", "8000"], "unrecognized argument --prot; did you mean --port? (see pulseinfer serve --help)"),
+    (["generate", "--tmperature", "1", "--budget-tokns", "64", "hi"],
+     "unrecognized arguments --tmperature, --budget-tokns; did you mean --temperature (for --tmperature), "
+     "--budget-tokens (for --budget-tokns)? (see pulseinfer generate --help)"),
+    (["info", "a", "b"], "unrecognized argument b (see pulseinfer info --help)"),
+    (["generate", "--mode", "turbo", "hi"], "argument --mode: invalid choice: 'turbo' (choose from 'dense', "
+                                           "'offload', 'auto') (see pulseinfer generate --help)"),
+])
+def test_cli_names_the_option_a_mistyped_one_meant(capsys, argv, line):
+    """An option the subcommand does not have: one line with the program's prefix once, naming the subcommand's
+    closest option."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"pulseinfer: error: {line}\n"
+
+
+def test_cli_md_shows_the_error_the_cli_prints(capsys):
+    """docs/cli.md's example of a mistyped option: the command shown prints the line shown."""
+    block = re.search(r"```\n\$ pulseinfer (.*)\n(.*)\n```", (ROOT / "docs" / "cli.md").read_text())
+    assert block, "docs/cli.md shows a mistyped option and its error"
+    assert main(shlex.split(block[1])) == 2
+    assert capsys.readouterr().err == block[2] + "\n"
 
 
 def test_cli_generate_and_info(capsys, tmp_path):

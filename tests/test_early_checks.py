@@ -86,8 +86,8 @@ def test_token_ids_checked_against_the_model_before_an_engine(tiny, monkeypatch,
 def test_cli_sampling_flags_before_loading(capsys, flag, value, match):
     assert main(["generate", "--model", NOWHERE, flag, value, "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"pulseinfer: error: pulseinfer generate: argument {flag}: {err[0].split(': ', 4)[-1]}"]
-    assert match in err[0] and "does not exist" not in err[0] and "see --help" in err[0]
+    assert err == [f"pulseinfer: error: argument {flag}: {err[0].split(': ', 3)[-1]}"]
+    assert match in err[0] and "does not exist" not in err[0] and "see pulseinfer generate --help" in err[0]
 
 
 def test_budget_for_context():

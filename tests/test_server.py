@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pulseinfer_jax import Engine, EngineConfig, generate_long, load_model
 from pulseinfer_jax.serving.app import ServerThread, default_model_name
 from pulseinfer_jax.serving.engine_loop import EngineLoop
-from pulseinfer_jax.serving.protocol import ApiError, parse_job
+from pulseinfer_jax.serving.protocol import ApiError, parse_job, read_json
 
 SMOL = "smollm2"
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "Count from one to four.",
@@ -116,6 +116,9 @@ BAD = [
     ("completions", b"{not json", "not valid JSON", None),
     ("completions", {"prompt": "hi", "max_tokens": 0}, "must be >= 1", "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": "5"}, "must be an integer", "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 1e23}, "must be an integer, got 1e+23", "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 10**23}, "the model handles 512 positions", "max_tokens"),
+    ("completions", {"prompt": [5] * 500, "max_tokens": 13}, "ask for at most 12 tokens", "max_tokens"),
     ("completions", {"prompt": ""}, "empty", "prompt"),
     ("completions", {"prompt": []}, "non-empty", "prompt"),
     ("completions", {"prompt": ["a", "b"]}, "one prompt per request", "prompt"),
@@ -241,6 +244,62 @@ def test_metrics_explain_the_engine(tiny4, tiny_server):
     assert samples[("pulseinfer_recall_bytes_total", (("mode", "offload"),))] > 0
     assert samples[("pulseinfer_time_to_first_token_seconds_count", (("mode", "offload"),))] >= 2
     assert samples[("pulseinfer_gpu_kv_blocks_total", ())] > 0
+
+
+INT_FIELDS = [("completion", "max_tokens", 5), ("completion", "n", 1), ("completion", "seed", 7),
+              ("completion", "top_k", 3), ("completion", "logprobs", 0), ("completion", "top_logprobs", 0),
+              ("completion", "best_of", 1), ("chat", "max_tokens", 5), ("chat", "max_completion_tokens", 5),
+              ("chat", "n", 1), ("chat", "seed", 7), ("chat", "top_k", 3), ("chat", "top_logprobs", 0)]
+
+
+@pytest.mark.parametrize("kind,field,good", INT_FIELDS, ids=[f"{k}-{f}" for k, f, _ in INT_FIELDS])
+def test_integer_fields_take_json_integers_only(kind, field, good):
+    """Every integer field takes its integer and refuses, with a 400 naming it, a number with a fraction or an
+    exponent (1e23 is a float in JSON, even one that is whole), true / false, a string and a list."""
+    base = {"prompt": "hi"} if kind == "completion" else {"messages": [{"role": "user", "content": "hi"}]}
+    job = parse_job(read_json(json.dumps({**base, field: good}).encode()), kind, model_name=SMOL,
+                    config=EngineConfig())
+    assert job.kind == kind
+    for raw in ("1e23", "3.5", f"{good}.0", "1E1", "true", "false", f'"{good}"', f"[{good}]"):
+        with pytest.raises(ApiError) as e:
+            parse_job(read_json(f'{{"{field}": {raw}, {json.dumps(base)[1:]}'.encode()), kind, model_name=SMOL,
+                      config=EngineConfig())
+        assert e.value.status == 400 and e.value.param == field, raw
+        assert e.value.message.startswith(f"'{field}' must be an integer, got "), e.value.message
+
+
+def test_chat_logprobs_is_true_or_false():
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_job({**chat, "logprobs": False}, "chat", model_name=SMOL, config=EngineConfig()).kind == "chat"
+    for bad in (0, 0.0, "false"):
+        with pytest.raises(ApiError, match="'logprobs' must be true or false"):
+            parse_job({**chat, "logprobs": bad}, "chat", model_name=SMOL, config=EngineConfig())
+
+
+def test_max_tokens_must_fit_the_positions_with_the_prompt(tiny):
+    """A max_tokens given must fit the model's 512 positions with the prompt (a 400 naming the field that gave it,
+    with the most it may be); left out, it is cut to them."""
+    eng = Engine(tiny, EngineConfig.of(block_size=4, host_kv_tokens=1024, progress=False))
+    loop = EngineLoop(eng)
+    eng.open()
+    positions = tiny.cfg.max_position_embeddings
+    aloop = asyncio.new_event_loop()
+
+    def submit(body: dict, kind: str = "completion"):
+        return loop.submit(parse_job(body, kind, model_name="tiny", config=eng.config), aloop)
+
+    try:
+        prompt = [5] * (positions - 12)
+        assert submit({"prompt": prompt, "max_tokens": 12}).req.max_new_tokens == 12
+        assert submit({"prompt": prompt}).req.max_new_tokens == 12  # the default (16) cut to the positions
+        with pytest.raises(ApiError) as e:
+            submit({"prompt": prompt, "max_tokens": 13})
+        assert loop.queued == 2  # the refusal is not counted against --max-queue
+    finally:
+        aloop.close()
+    assert e.value.status == 400 and e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
+    assert e.value.message == (f"'max_tokens' is 13 but the model handles {positions} positions and the prompt "
+                               f"takes {positions - 12} of them; ask for at most 12 tokens")
 
 
 def test_refusals_name_the_requests_own_fields():

@@ -10,7 +10,8 @@ Every refusal is an OpenAI error body (`{"error": {...}}`) with a 4xx status, th
 input gets a 5xx: a body is read up to `MAX_BODY_BYTES` (413 past it, 415 unless it is JSON), then parsed and checked
 (protocol.py: `read_json`, `parse_job`). The handlers run on the event loop and never wait on the engine (parsing a
 body, tokenizing and checking a prompt run in a worker thread, pieces arrive on a queue). A client that disconnects (a
-stream closed, or a plain request abandoned) has its request cancelled.
+stream closed, or a plain request abandoned) has its request cancelled at once: a task per request waits for the
+connection's `http.disconnect` (`_cancel_on_disconnect`), so the engine stops the request before its next step.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from pulseinfer_jax.serving.engine_loop import EngineLoop, Handle
+from pulseinfer_jax.serving.engine_loop import EngineLoop, Handle, Piece
 from pulseinfer_jax.serving.protocol import (
     MAX_BODY_BYTES,
     ApiError,
@@ -47,7 +48,6 @@ from pulseinfer_jax.serving.protocol import (
 )
 
 log = logging.getLogger("pulseinfer_jax")
-DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that its client is still there
 SHUTDOWN_GRACE_S = 5.0  # how long running requests may go on after SIGINT / SIGTERM (`--shutdown-grace`)
 
 
@@ -162,7 +162,7 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
         handle = await asyncio.to_thread(lambda: loop.submit(parse(data, kind), aloop))
         job = handle.job
         if job.stream:
-            return StreamingResponse(_events(loop, handle), media_type="text/event-stream",
+            return StreamingResponse(_events(loop, handle, request), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _whole(loop, handle, request)
 
@@ -181,14 +181,41 @@ def _sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
 
-async def _events(loop: EngineLoop, handle: Handle) -> AsyncIterator[bytes]:
-    """A request's server-sent events; cancelling the request if the client goes away before the end."""
-    job: Job = handle.job
+_GONE = Piece("")  # put on a handle's queue when its client disconnects: its reader stops at once
+
+
+@contextlib.asynccontextmanager
+async def _cancel_on_disconnect(loop: EngineLoop, handle: Handle, request: Request) -> AsyncIterator[None]:
+    """While inside: the moment the client disconnects, cancel `handle` (the engine stops the request before its next
+    step, freeing its KV) and wake its reader with `_GONE`. The request's body is already read, so the next ASGI
+    message is `http.disconnect`, whether or not pieces keep coming."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        if not handle.done:
+            loop.cancel(handle)
+            handle.pieces.put_nowait(_GONE)
+
+    watcher = asyncio.create_task(watch())
     try:
+        yield
+    finally:
+        watcher.cancel()
+        if not handle.done:  # (left early: an error, or cancelled by the server)
+            loop.cancel(handle)
+
+
+async def _events(loop: EngineLoop, handle: Handle, request: Request) -> AsyncIterator[bytes]:
+    """A request's server-sent events; the request is cancelled as soon as the client goes away."""
+    job: Job = handle.job
+    async with _cancel_on_disconnect(loop, handle, request):
         if job.kind == "chat":
             yield _sse(chunk(job, "", None, first=True))
         while True:
             piece = await handle.pieces.get()
+            if piece is _GONE:
+                return
             if piece.error is not None:
                 yield _sse(piece.error.body())
                 break
@@ -200,32 +227,22 @@ async def _events(loop: EngineLoop, handle: Handle) -> AsyncIterator[bytes]:
                     yield _sse(usage_chunk(job, handle.prompt_tokens, handle.completion_tokens))
                 break
         yield _sse("[DONE]")
-    finally:
-        if not handle.done:
-            loop.cancel(handle)
 
 
 async def _whole(loop: EngineLoop, handle: Handle, request: Request) -> Response:
-    """A request's whole answer; cancelled if its client disconnects while it waits."""
+    """A request's whole answer; the request is cancelled as soon as the client goes away."""
     parts = []
-    try:
+    async with _cancel_on_disconnect(loop, handle, request):
         while True:
-            try:
-                piece = await asyncio.wait_for(handle.pieces.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    loop.cancel(handle)
-                    return Response(status_code=499)  # (nobody reads it: the client is gone)
-                continue
+            piece = await handle.pieces.get()
+            if piece is _GONE:
+                return Response(status_code=499)  # (nobody reads it: the client is gone)
             if piece.error is not None:
                 raise piece.error
             parts.append(piece.text)
             if piece.finish_reason is not None:
                 return JSONResponse(response(handle.job, "".join(parts), piece.finish_reason, handle.prompt_tokens,
                                              handle.completion_tokens))
-    finally:
-        if not handle.done:
-            loop.cancel(handle)
 
 
 class DrainingServer(uvicorn.Server):
@@ -278,6 +295,8 @@ class DrainingServer(uvicorn.Server):
 def serve(loop: EngineLoop, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", shutdown_grace: float = SHUTDOWN_GRACE_S) -> None:
     """Run the server until SIGINT / SIGTERM, then shut down within `shutdown_grace` + ~1 s (`DrainingServer`)."""
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is outside 1-65535, the TCP port numbers")
     server = DrainingServer(uvicorn.Config(create_app(loop, model_name), host=host, port=port, log_level=log_level),
                             loop, shutdown_grace)
     server.run()
@@ -290,6 +309,8 @@ class ServerThread:
 
     def __init__(self, loop: EngineLoop, model_name: str | None = None, *, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning", shutdown_grace: float = SHUTDOWN_GRACE_S):
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port {port} is outside 0-65535 (0: a free port the OS picks)")
         self.loop = loop
         self.model_name = model_name or default_model_name(loop)  # (as `pulseinfer serve` names it)
         self.server = DrainingServer(uvicorn.Config(create_app(loop, self.model_name), host=host, port=port,

@@ -142,8 +142,9 @@ class EngineLoop:
     # ---- from the handlers ---------------------------------------------------------------------
     def submit(self, job: Job, aloop: asyncio.AbstractEventLoop) -> Handle:
         """Tokenize and check `job` and queue it for the engine (call it from a worker thread, not the event loop:
-        tokenizing a long prompt takes a while). ApiError 400 for a prompt the model cannot take or that could never
-        fit the pools, 429 when the queue is full, 503 once the server is shutting down."""
+        tokenizing a long prompt takes a while). ApiError 400 for a prompt the model cannot take, a `max_tokens` that
+        does not fit the model's positions with the prompt, or a request that could never fit the pools; 429 when the
+        queue is full, 503 once the server is shutting down."""
         if self.draining:
             self.metrics.rejected("shutting_down")
             raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
@@ -162,6 +163,12 @@ class EngineLoop:
             except ValueError as e:
                 raise ApiError(400, str(e).replace(f"prompt {index}", "the prompt"),
                                param="messages" if job.kind == "chat" else "prompt") from None
+            positions = eng.model.cfg.max_position_embeddings
+            if job.budget_param is not None and len(ids) + job.sampling.max_new_tokens > positions:
+                raise ApiError(400, f"'{job.budget_param}' is {job.sampling.max_new_tokens} but the model handles "
+                                    f"{positions} positions and the prompt takes {len(ids)} of them; ask for at most "
+                                    f"{positions - len(ids)} tokens", param=job.budget_param,
+                               code="context_length_exceeded")
             req.stream, req.mode = job.stream_id, job.mode
             try:
                 eng.scheduler.check(req)  # (reads only the pools' sizes: safe beside the loop thread)

@@ -6,7 +6,10 @@ streaming options) or raises `ApiError`, whose `body()` is OpenAI's error object
 with a 400 that says so (n > 1, logprobs, penalties, echo, best_of > 1) rather than ignored; a field OpenAI does not
 define is refused too. Extensions: `top_k`, `ignore_eos`, and the engine's settings by their flat names
 (`EngineConfig.of`): `mode` places the request ("dense" | "offload", when the server runs mode "auto"), any other
-setting must equal the server's (one engine serves every request).
+setting must equal the server's (one engine serves every request). Every integer field (`max_tokens`,
+`max_completion_tokens`, `n`, `seed`, `top_k`, `logprobs`, `top_logprobs`, `best_of`) takes a JSON integer only, checked
+by one helper (`_int`): not 3.5, 1e23, true or "5". A `max_tokens` given must fit the model's positions with the
+prompt (`EngineLoop.submit` checks it once the prompt is tokenized; left out, it is cut to them).
 
 `read_json` turns the body's bytes into JSON and `parse_job` checks it (`check_body` first), refusing what no OpenAI
 body is: text other than UTF-8, NaN / Infinity, nesting deeper than `MAX_JSON_DEPTH`, and text holding lone
@@ -144,18 +147,23 @@ class Job:
     stream: bool
     include_usage: bool
     model: str
+    budget_param: str | None = None  # the field that set sampling.max_new_tokens (None: the default, which the
+    # model's positions cut; a value given must fit them with the prompt)
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
 def _int(body: Mapping, name: str, lo: int | None = None) -> int | None:
+    """The integer field `name` of `body` (None if absent or null), or ApiError 400 naming it: a JSON integer only (not
+    a number with a fraction or an exponent such as 3.5 or 1e23, not true / false, not a string), >= lo."""
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise bad(f"'{name}' must be an integer, got {v!r}", name)
+        raise bad(f"'{name}' must be an integer, got {json.dumps(v)[:80]}" +
+                  ("; write it without a fraction or an exponent" if isinstance(v, float) else ""), name)
     if lo is not None and v < lo:
-        raise bad(f"'{name}' must be >= {lo}, got {v}", name)
+        raise bad(f"'{name}' must be >= {lo}, got {v if len(str(v)) <= 40 else str(v)[:20] + '...'}", name)
     return int(v)
 
 
@@ -276,6 +284,12 @@ def parse_job(body: Any, kind: str, *, model_name: str, config: EngineConfig) ->
     n = _int(body, "n", 1)
     if n not in (None, 1):
         raise bad(f"n={n} is not supported: this server returns one choice per request (send n requests)", "n")
+    if kind == "chat":  # OpenAI's chat takes logprobs as true / false; completions as a count (0-5)
+        _bool(body, "logprobs")
+    else:
+        _int(body, "logprobs", 0)
+    _int(body, "top_logprobs", 0)
+    _int(body, "best_of", 1)
     _unsupported(body, "logprobs", (None, False, 0), "no log-probabilities are returned")
     _unsupported(body, "top_logprobs", (None, 0), "no log-probabilities are returned")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -291,11 +305,13 @@ def parse_job(body: Any, kind: str, *, model_name: str, config: EngineConfig) ->
     if "user" in body and not isinstance(body["user"], str):
         raise bad(f"'user' must be a string, got {body['user']!r}", "user")
     max_tokens = _int(body, "max_tokens", 1)
+    budget_param = None if max_tokens is None else "max_tokens"
     if kind == "chat":
         mct = _int(body, "max_completion_tokens", 1)
         if max_tokens is not None and mct is not None and mct != max_tokens:
             raise bad("give 'max_completion_tokens' or 'max_tokens', not two different values", "max_tokens")
-        max_tokens = mct if mct is not None else max_tokens
+        if mct is not None:
+            max_tokens, budget_param = mct, "max_completion_tokens"
         prompt = _messages(body)
     else:
         prompt = _prompt(body)
@@ -321,7 +337,7 @@ def parse_job(body: Any, kind: str, *, model_name: str, config: EngineConfig) ->
         raise bad(str(e)) from None
     mode = _engine_settings(body, config)
     return Job(kind, prompt, sampling, None if seed is None else seed % (1 << 31), mode, stream, include_usage,
-               model_name)
+               model_name, budget_param)
 
 
 # ---- response bodies -------------------------------------------------------------------------------------------
