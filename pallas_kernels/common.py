@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 # shared memory one program (thread block) may use on the target GPUs: the opt-in maximum of the H100 and H200
@@ -36,6 +37,14 @@ def on_platform[T](run: Callable[[bool], T], interpret: bool | None) -> T:
     if interpret is not None:
         return run(bool(interpret))
     return jax.lax.platform_dependent(cpu=lambda: run(True), default=lambda: run(False))
+
+
+def tile(n: int) -> pl.Slice:
+    """Positions [0, n) of a ref axis that may be shorter than n: a power-of-two tile (Triton's tensor sizes) over a
+    smaller axis, for a masked load or store. The start is traced (program 0's id times 0, folded by Triton), since
+    jax >= 0.12 refuses a static slice past an axis's end even under a mask; Triton masks the lanes past it and
+    interpret mode pads them."""
+    return pl.ds(pl.program_id(0) * 0, n)
 
 
 def triton_params(num_warps: int = 4, num_stages: int = 2) -> plt.CompilerParams:

@@ -70,6 +70,19 @@ def test_thunk_reader_nests_loops_and_command_buffers():
     assert [t.name for t in loop.condition] == ["loop_compare_fusion"]
 
 
+def test_thunk_reader_takes_both_xla_kernel_line_formats():
+    """jaxlib 0.11's XLA prints a kernel's launch as `NAME grid: [..] threads: [..] shared_memory: N`, jaxlib 0.12's as
+    fields (`kernel=NAME, ... launch dimensions=blocks: {..}, threads/block: {..}, ..., shmem_bytes=N`): one reader."""
+    old = ("007: kCustomKernel [prev=006 (1) | next=008 (1)] k_1 grid: [8, 8, 4] threads: [256, 1, 1]  "
+           "shared_memory: 39424")
+    new = ("001: kCustomKernel [source | sink] kernel=k_1, profile_annotation=pallas_call.1, launch dimensions=blocks: "
+           "{8, 8, 4}, threads/block: {256, 1, 1}, cluster_dim=nullopt, shmem_bytes=39424, use_pdl=true")
+    for line in (old, new):
+        (t,) = thunks.parse_sequence(line)
+        assert (t.kind, t.name, t.grid, t.threads_per_block, t.shared_memory) == ("kCustomKernel", "k_1", (8, 8, 4),
+                                                                                   256, 39424)
+
+
 def test_ptxas_report_parser():
     text = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'block_scores_k' for 'sm_90a'

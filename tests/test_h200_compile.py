@@ -34,6 +34,7 @@ from pulseinfer_jax.kv import quant as kv_quant
 from pulseinfer_jax.selection import slot_plan  # noqa: E402
 
 I32 = jnp.int32
+# (pytest.mark.smoke: the kernel cases, which CI also compiles on the newest jax allowed: ./run.sh smoke-newest)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,7 @@ def _ok(row):
     return row
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float8_e4m3fn"])
 @pytest.mark.parametrize("b,hkv,group,hd,bs,rows", [(2, 2, 4, 64, 16, 1), (1, 4, 8, 128, 8, 4), (3, 1, 1, 64, 32, 1),
                                                     (8, 8, 4, 128, 16, 1), (8, 8, 4, 128, 16, 8)])
@@ -78,6 +80,7 @@ def test_sparse_decode_attention_compiles(compiler, dtype, b, hkv, group, hd, bs
     assert row["cost"]["launches"] <= 6, [k["name"] for k in row["kernels"]]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("bs,hd", [(16, 128), (8, 64)])
 def test_float8_pool_under_float32_queries_compiles_without_spills(compiler, bs, hd):
     """float32 queries over a float8 pool compute in float32: one software-pipelining stage by default (two spill
@@ -118,6 +121,7 @@ def test_blocks_per_step_bound_is_the_compilers(compiler, dtype, bs, hd):
     (4, 128, 64, False, "bfloat16", 1.0, 1), (4, 128, 2048, True, "bfloat16", 0.5, 1),
     (4, 128, 2048, True, "bfloat16", 0.5, 2), (3, 64, 40, False, "float32", 0.5, 4),
     (4, 128, 2048, True, "float8_e4m3fn", 0.5, 1), (4, 128, 2048, True, "float8_e4m3fn", 0.5, 2)])
+@pytest.mark.smoke
 def test_block_scores_compiles_without_spills(compiler, group, hd, k, per_head, meta_dtype, beta, m):
     meta = spec((16 * k * m, 8, hd), meta_dtype)
     args = (spec((16, 8 * group, hd), "bfloat16"), meta, meta, spec((16, k), I32))
@@ -128,6 +132,7 @@ def test_block_scores_compiles_without_spills(compiler, group, hd, k, per_head, 
 @pytest.mark.parametrize("group,hd,per_head,meta_dtype,m,kv_dtype", [
     (4, 128, True, "float8_e4m3fn", 1, "bfloat16"), (4, 128, True, "float8_e4m3fn", 2, "float8_e4m3fn"),
     (4, 128, False, "bfloat16", 1, "bfloat16"), (3, 64, True, "float32", 4, "float32")])
+@pytest.mark.smoke
 def test_append_and_score_is_one_kernel_updating_the_bounds_in_place(compiler, group, hd, per_head, meta_dtype, m,
                                                                      kv_dtype):
     """Decode's scoring with the new keys joining their bounds (`block_scoring.append_and_score`; a float8 cache's
@@ -149,6 +154,7 @@ def test_append_and_score_is_one_kernel_updating_the_bounds_in_place(compiler, g
     assert row["cost"]["bytes"] <= 2 * b * k * m * 8 * hd * item * 1.1
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype,bs,hkv,hd", [("bfloat16", 16, 8, 128), ("float32", 8, 3, 64),
                                            ("uint8", 17, 8, 128)])  # uint8: a float8 cache's blocks, bs 16 + scales
 def test_gather_scatter_compile(compiler, dtype, bs, hkv, hd):
@@ -161,6 +167,7 @@ def test_gather_scatter_compile(compiler, dtype, bs, hkv, hd):
         _ok(compiler(_kernel(fn, args, fn.__name__)))
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("axis", [0, 1])
 @pytest.mark.parametrize("tile", [16, 128])
@@ -172,6 +179,7 @@ def test_grouped_matmul_compiles_without_spills(compiler, dtype, axis, tile):
     _ok(compiler(_kernel(grouped_matmul.grouped_matmul, args, "grouped_matmul", tile_m=tile, expert_axis=axis)))
 
 
+@pytest.mark.smoke
 def test_an_interpreted_kernel_fails_the_check(compiler):
     """A Pallas call left in interpret mode compiles (to a loop of XLA ops) but is not a GPU kernel: the check
     says so, even for a program not in the default configuration."""
@@ -250,6 +258,7 @@ def test_slot_plan_compiles_to_a_few_kernels_without_sorts(compiler):
     assert row["cost"]["bytes"] < 2 * table  # no copy of a state table (a copy alone reads and writes it: 2x)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("select,rows,lanes", [("normalized_sum", 32, 1), ("headwise", 8, 8)])
 def test_fused_selection_and_plan_is_one_kernel_without_spills(compiler, select, rows, lanes):
     """The selection and slot plan of a sparse layer (pallas_kernels/select_plan.py) at the engine's shape for
@@ -271,6 +280,7 @@ def test_fused_selection_and_plan_is_one_kernel_without_spills(compiler, select,
     assert got["cost"]["launches"] == 1, [kr["name"] for kr in got["kernels"]]  # (a copy of a state table: 2)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("per_head,m,hq,f8", [(True, 1, 32, False), (False, 1, 32, False), (True, 2, 40, False),
                                                (True, 1, 32, True), (False, 2, 32, True)])
 def test_kept_scores_is_one_kernel_reading_only_the_kept_blocks(compiler, per_head, m, hq, f8):
@@ -311,6 +321,7 @@ def test_tensor_parallel_steps_compile_with_megatron_all_reduces(target):
     assert ahead == {"all-reduce": {"ops": 3, "bytes": pre["all-reduce"]["bytes"] + 2 * d}}
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_float8_tiles_load_and_dequantise_in_a_triton_kernel(target, dtype):
     """What a float8 KV cache needs of Pallas on an H200: a float8 tile loaded, converted to float32, scaled per row

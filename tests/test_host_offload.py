@@ -201,12 +201,14 @@ def test_gathers_from_a_pool_no_write_back_has_touched(io):
     np.testing.assert_array_equal(np.asarray(pool.fragment_units(2, [4], [0]))[:1], z[None, :, :, 0])
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("io", ["xla", "numpy", "numpy-pinned"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.uint8])  # (uint8: a float8 cache's bytes, scale rows included)
 def test_probe_host_io_passes_where_the_backend_works(io, dtype):
     assert probe_host_io(jax.devices()[0], block_size=BS, num_kv_heads=HKV, head_dim=HD, dtype=dtype, io=io) is None
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("plain", [True, False])
 def test_xla_copies_up_with_a_plain_put_or_a_jitted_copy_bit_for_bit(plain, monkeypatch):
     """The xla pool's copy to the device: a plain device_put where the runtime takes a program's pinned-host output

@@ -64,6 +64,7 @@ def client(srv) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
+@pytest.mark.smoke
 def test_chat_and_completion_are_generate_long(smol, smol_server):
     """Greedy: the server's text is generate_long's (chat through the template, completion on raw text), with its
     token counts in the usage."""
@@ -307,3 +308,22 @@ def test_refusals_name_the_requests_own_fields():
 
     msg = "request 7: offloaded it needs 9 rows; raise host_kv_tokens or lower max_new_tokens"
     assert _as_request(msg, 7) == "the request: offloaded it needs 9 rows; raise host_kv_tokens or lower max_tokens"
+
+
+def test_metrics_name_each_fast_path_that_fell_back():
+    """`/metrics` says which "auto" fast path failed its start-up check (`ResolvedBackends.fallbacks`), 1 per option."""
+    import types
+
+    from pulseinfer_jax.serving.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    engine = types.SimpleNamespace(allocator=types.SimpleNamespace(capacity=8), host_pool=None, swap=None,
+                                   backends=types.SimpleNamespace(fallbacks=(("decode_attention", "TritonError"),
+                                                                             ("host_io", "no pinned memory"))))
+    m.pools(engine)
+    samples = {(s.name, tuple(s.labels.items())): s.value
+               for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    assert samples[("pulseinfer_fast_path_fallback", (("option", "decode_attention"),))] == 1
+    assert samples[("pulseinfer_fast_path_fallback", (("option", "host_io"),))] == 1
+    assert not any(name == "pulseinfer_fast_path_fallback" and labels == (("option", "moe_strategy"),)
+                   for name, labels in samples)

@@ -11,6 +11,7 @@ from pulseinfer_jax.selection.policy import BlockScoring
 CPU = jax.devices("cpu")[0]
 
 
+@pytest.mark.smoke
 def test_the_attention_check_runs_every_split_count_the_engine_picks(monkeypatch):
     import pulseinfer_jax.pallas_kernels.sparse_decode_attention as sda
 
@@ -40,6 +41,7 @@ def test_the_scoring_check_passes_on_the_kernels_and_catches_a_wrong_bound(kv_dt
                                                                           interpret=True)
 
 
+@pytest.mark.smoke
 def test_the_select_plan_check_passes_on_the_kernel_and_catches_a_wrong_plan(monkeypatch):
     import pulseinfer_jax.pallas_kernels.select_plan as spk
 

@@ -6,6 +6,11 @@ shared memory, command buffers = CUDA graphs, while loops with their condition a
 copies) and `*.thunk_metadata.txt` (each thunk id's HLO instruction, its `profile_annotation`). A kernel line:
 
     007: kCustomKernel [prev=006 (1) | next=008 (1)] NAME grid: [8, 8, 4] threads: [256, 1, 1]  shared_memory: 39424
+
+(jaxlib 0.11's XLA); jaxlib 0.12's prints the same as fields:
+
+    001: kCustomKernel [source | sink] kernel=NAME, profile_annotation=pallas_call.1, launch dimensions=blocks:
+         {37, 4, 1}, threads/block: {128, 1, 1}, cluster_dim=nullopt, shmem_bytes=0, use_pdl=true   (one line)
 """
 
 from __future__ import annotations
@@ -46,16 +51,16 @@ class Thunk:
 
 
 _LINE = re.compile(r"^(\s*)(\d+):\s+(k\w+)\s*(?:\[[^\]]*\])?\s*(.*)$")
-_TRIPLE = r"\[(\d+),\s*(\d+),\s*(\d+)\]"
+_TRIPLE = r"[\[{](\d+),\s*(\d+),\s*(\d+)[\]}]"
 
 
 def _parse_line(m: re.Match) -> Thunk:
     rest = m.group(4)
     t = Thunk(int(m.group(2)), m.group(3), "")
-    g = re.search(r"grid:\s*" + _TRIPLE, rest)
-    th = re.search(r"threads:\s*" + _TRIPLE, rest)
-    sm = re.search(r"shared_memory:\s*(\d+)", rest)
-    name = re.match(r"([\w.\-]+)\s+grid:", rest)
+    g = re.search(r"(?:grid|blocks):\s*" + _TRIPLE, rest)
+    th = re.search(r"threads(?:/block)?:\s*" + _TRIPLE, rest)
+    sm = re.search(r"(?:shared_memory:\s*|shmem_bytes=)(\d+)", rest)
+    name = re.match(r"([\w.\-]+)\s+grid:", rest) or re.search(r"(?:^|\s)kernel=([\w.\-]+)", rest)
     if g:
         t.grid = tuple(int(x) for x in g.groups())
     if th:

@@ -41,6 +41,8 @@ class ServerMetrics:
         self.swap_used = Gauge(p + "swap_kv_blocks_used", "host swap space held by preempted requests (GPU blocks)",
                                registry=r)
         self.swap_total = Gauge(p + "swap_kv_blocks_total", "host swap space (GPU blocks)", registry=r)
+        self.fallback = Gauge(p + "fast_path_fallback", "1 where an \"auto\" fast path failed its start-up check and "
+                              "the safe path runs instead, by option", ["option"], registry=r)
         self._preempt_seen: tuple[int, int] = (0, 0)  # the scheduler's (swap, recompute) counts already counted
         labels = ["mode"]  # (recall exists for offloaded requests only: mode="offload")
         self.recall_bytes = Counter(p + "recall_bytes", "bytes recalled host-to-device", labels, registry=r)
@@ -60,6 +62,8 @@ class ServerMetrics:
         self.gpu_total.set(engine.allocator.capacity)
         self.host_total.set(engine.host_pool.allocator.capacity if engine.host_pool is not None else 0)
         self.swap_total.set(engine.swap.capacity_blocks if engine.swap is not None else 0)
+        for option, _ in engine.backends.fallbacks:
+            self.fallback.labels(option).set(1)
         self._preempt_seen = (0, 0)  # (a new scheduler counts from zero)
 
     def step(self, engine: Any, handles: Iterable[Any]) -> None:
