@@ -39,12 +39,18 @@ def on_platform[T](run: Callable[[bool], T], interpret: bool | None) -> T:
     return jax.lax.platform_dependent(cpu=lambda: run(True), default=lambda: run(False))
 
 
-def tile(n: int) -> pl.Slice:
+def traced_zero() -> jax.Array:
+    """A zero the kernel computes (its program id times 0, folded by Triton): the start of `tile`'s slices. Call it
+    at the kernel's top level (interpret mode resolves program ids there, not inside its loops)."""
+    return pl.program_id(0) * 0
+
+
+def tile(n: int, zero: jax.Array) -> pl.Slice:
     """Positions [0, n) of a ref axis that may be shorter than n: a power-of-two tile (Triton's tensor sizes) over a
-    smaller axis, for a masked load or store. The start is traced (program 0's id times 0, folded by Triton), since
-    jax >= 0.12 refuses a static slice past an axis's end even under a mask; Triton masks the lanes past it and
-    interpret mode pads them."""
-    return pl.ds(pl.program_id(0) * 0, n)
+    smaller axis, for a masked load or store. Its start is `zero` (`traced_zero`), not the constant 0: jax >= 0.12
+    refuses a static slice past an axis's end even under a mask; Triton masks the lanes past it and interpret mode
+    pads them."""
+    return pl.ds(zero, n)
 
 
 def triton_params(num_warps: int = 4, num_stages: int = 2) -> plt.CompilerParams:

@@ -33,7 +33,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 from pulseinfer_jax.pallas_kernels.block_metadata import block_key_bounds, check_sub_blocks, round_bounds_outward
 from pulseinfer_jax.pallas_kernels.block_scoring import block_scores_reference
-from pulseinfer_jax.pallas_kernels.common import next_pow2, on_platform, tile, triton_params
+from pulseinfer_jax.pallas_kernels.common import next_pow2, on_platform, tile, traced_zero, triton_params
 
 from pulseinfer_jax.kv import quant as kv_quant
 
@@ -51,7 +51,8 @@ def _kernel(off_ref, units_ref, lens_ref, q_ref, k_ref, *rest, g: int, gp: int, 
     bs = kv_quant.block_tokens(k_ref.shape[1], hd, k_ref.dtype)  # (float8: rows past bs hold the scales)
     sb = bs // m
     tp = max(sb, MIN_DOT_ROWS) if quantized else sb  # rows of a loaded slice (the rotation's dot needs >= 16)
-    q = plt.load(q_ref.at[tile(gp)], mask=jnp.broadcast_to((jnp.arange(gp) < g)[:, None], (gp, hd)),
+    zero = traced_zero()
+    q = plt.load(q_ref.at[tile(gp, zero)], mask=jnp.broadcast_to((jnp.arange(gp) < g)[:, None], (gp, hd)),
                  other=0).astype(jnp.float32)  # [Gp, hd]: padding rows 0 (they add nothing)
     tok = jnp.arange(tp, dtype=jnp.int32)
     feat = jnp.arange(hd, dtype=jnp.int32)
@@ -102,9 +103,9 @@ def _kernel(off_ref, units_ref, lens_ref, q_ref, k_ref, *rest, g: int, gp: int, 
         out = jnp.where(col[None, :] == i, s[:, None], out) if per_head else jnp.where(col == i, s, out)
     if per_head:
         mask = (jnp.arange(gp) < g)[:, None] & (col < kk)[None, :]
-        plt.store(out_ref.at[tile(gp), tile(kkp)], out, mask=mask)
+        plt.store(out_ref.at[tile(gp, zero), tile(kkp, zero)], out, mask=mask)
     else:
-        plt.store(out_ref.at[tile(kkp)], out, mask=col < kk)
+        plt.store(out_ref.at[tile(kkp, zero)], out, mask=col < kk)
 
 
 def _check(q, pool, units, lens, sub_blocks):

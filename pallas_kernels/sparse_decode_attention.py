@@ -39,11 +39,13 @@ the default; `_merge_last`): each program stores its partial into a [split_k, B,
 block barrier orders every thread's stores before one atomic add (acquire-release, GPU scope) on the (b, h) arrival
 counter, and the program that counts last reads every split's partial (volatile loads: not L1), merges them as
 merge.py does and stores the normalised attention, then sets the counter back to 0. No program waits on another, so
-the grid's order and occupancy do not matter, and the call is one kernel. The counters ([N] int32, N >= B * Hkv,
-all 0) come from the caller (`arrivals`: the sparse decoder keeps one buffer and donates it from call to call) or
-from one memset per call. `merge="after"` keeps the partials and merges them with `merge_stacked_partials` in XLA
-(two more kernels). The engine's start-up probe (`backends.probe_pallas`) runs a four-split merge on the GPU against
-the jnp reference before the kernel is used.
+the grid's order and occupancy do not matter, and the call is one kernel (`program_order` permutes which program
+computes which (b, h, s): interpret mode runs programs in launch order, so tests permute it to make other splits arrive
+last). The counters ([N] int32, N >= B * Hkv, all 0) come from the caller (`arrivals`: the sparse decoder keeps one
+buffer and donates it from call to call) or from one memset per call. `merge="after"` keeps the partials and merges
+them with `merge_stacked_partials` in XLA (two more kernels). The engine's start-up probe (`backends.probe_pallas`)
+runs a four-split merge on the GPU against the jnp reference before the kernel is used; bench/merge_stress.py races
+many splits, sequences and heads on reused counters.
 
 float8 pools (`kv_quant`: e4m3 bytes stored as uint8, rows = bs + r) hold each token's K and V as float8
 values in rows 0..bs-1 (loaded as bytes, viewed as e4m3 by a free bitcast) and, in the r scale rows after
@@ -87,6 +89,7 @@ program per block for all heads would be the next step if profiles show short-bu
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +102,8 @@ from pulseinfer_jax.pallas_kernels.common import (
     matmul_precision,
     next_pow2,
     on_platform,
+    tile,
+    traced_zero,
     triton_params,
 )
 from pulseinfer_jax.pallas_kernels.merge import merge_stacked_partials
@@ -167,6 +172,8 @@ def _sparse_decode_kernel(
     rotating: bool,
     merging: bool,
     barrier: bool,
+    grid: tuple[int, int, int],
+    order: tuple[int, int] | None,
 ):
     g, hd = q_ref.shape
     refs = list(refs)
@@ -179,11 +186,12 @@ def _sparse_decode_kernel(
     quantized = kv_quant.is_quantized(k_ref.dtype)
     bs = kv_quant.block_tokens(k_ref.shape[1], hd, k_ref.dtype)  # (float8: rows past bs hold the scales)
     num_steps = ids_ref.shape[0] // blocks_per_step
+    zero = traced_zero()  # (the start of the padded tiles' slices)
     tokens = blocks_per_step * bs
     if g == gp:
         q = q_ref[...]  # [Gp, hd]
     else:  # (the dots need >= 16 rows: the padding rows are masked loads, not a padded copy of q)
-        q = plt.load(q_ref.at[pl.ds(0, gp)], mask=jnp.broadcast_to((jnp.arange(gp) < g)[:, None], (gp, hd)),
+        q = plt.load(q_ref.at[tile(gp, zero)], mask=jnp.broadcast_to((jnp.arange(gp) < g)[:, None], (gp, hd)),
                      other=0)
     if rotating:  # into the cache's rotated basis (q H, float32), once per program
         q = _rotate(q.astype(jnp.float32), h_ref[...], 1 if q_ref.dtype == jnp.bfloat16 else 2)
@@ -234,15 +242,16 @@ def _sparse_decode_kernel(
         acc = _rotate(acc, h_ref[...], 3)
     real = jnp.arange(gp) < g  # the G real query rows (stores of Gp rows are masked to them, as q was loaded)
     if merging:  # this split's partial, then the last split of (b, h) to arrive merges them all
-        _store_rows(acc_p, m_p, l_p, acc, m, l, real, lead=(pl.program_id(2),))
-        _merge_last(acc_p, m_p, l_p, arrivals, acc_ref, m_ref, l_ref, real, barrier=barrier)
+        b, h, s = _logical_program(pl.program_id(0), pl.program_id(1), pl.program_id(2), grid, order)
+        _store_rows(acc_p, m_p, l_p, acc, m, l, real, zero, lead=(s,))
+        _merge_last(acc_p, m_p, l_p, arrivals, acc_ref, m_ref, l_ref, real, zero, program=(b, h), barrier=barrier)
         return
     if normalize:  # one split: the attention itself (no merge after the kernel), 0 where nothing was attended
         acc = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-    _store_rows(acc_ref, m_ref, l_ref, acc.astype(acc_ref.dtype), m, l, real)
+    _store_rows(acc_ref, m_ref, l_ref, acc.astype(acc_ref.dtype), m, l, real, zero)
 
 
-def _store_rows(acc_ref, m_ref, l_ref, acc: Array, m: Array, l: Array, real: Array,  # noqa: E741
+def _store_rows(acc_ref, m_ref, l_ref, acc: Array, m: Array, l: Array, real: Array, zero: Array,  # noqa: E741
                 lead: tuple = ()) -> None:
     """Store [Gp, hd] / [Gp] values into the [G, hd] / [G] refs (after the `lead` indices): only the real rows
     (masked stores when G < Gp). One indexer per access (the Triton lowering takes no chained `.at`)."""
@@ -252,31 +261,50 @@ def _store_rows(acc_ref, m_ref, l_ref, acc: Array, m: Array, l: Array, real: Arr
         m_ref[...] = m
         l_ref[...] = l
         return
-    plt.store(acc_ref.at[(*lead, pl.ds(0, gp))], acc, mask=jnp.broadcast_to(real[:, None], (gp, hd)))
-    plt.store(m_ref.at[(*lead, pl.ds(0, gp))], m, mask=real)
-    plt.store(l_ref.at[(*lead, pl.ds(0, gp))], l, mask=real)
+    plt.store(acc_ref.at[(*lead, tile(gp, zero))], acc, mask=jnp.broadcast_to(real[:, None], (gp, hd)))
+    plt.store(m_ref.at[(*lead, tile(gp, zero))], m, mask=real)
+    plt.store(l_ref.at[(*lead, tile(gp, zero))], l, mask=real)
 
 
-def _merge_last(acc_p, m_p, l_p, arrivals, o_ref, m_ref, l_ref, real: Array, *, barrier: bool) -> None:
-    """The split-K merge inside the kernel: each program of (b, h) has stored its partial; it counts itself in
-    (b, h)'s arrival counter (an atomic add, acquire-release at GPU scope, after a block barrier so that every
-    thread's stores precede it), and the last to arrive reads every split's partial, merges them (merge.py's rule,
-    online: weights exp(m_i - m), l = sum l_i exp(m_i - m)), stores the normalised attention and sets the counter
-    back to 0 for the next call. No program waits on another, so any grid order and occupancy is safe."""
-    splits, gp, hd = acc_p.shape[0], real.shape[0], acc_p.shape[-1]
-    b, h, hkv = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
-    counter = pl.ds(b * hkv + h, 1)
+def _logical_program(i, h, s, grid: tuple[int, int, int], order: tuple[int, int] | None) -> tuple:
+    """The (sequence, KV head, split) that launched program (i, h, s) of `grid` = (B, Hkv, split_k) computes: itself,
+    or with `order` = (stride, offset) the one numbered (stride * n + offset) mod N in row-major order, n being
+    (i, h, s)'s number (`sparse_decode_attention`'s `program_order`; index maps and the kernel body share it)."""
+    if order is None:
+        return i, h, s
+    _, hkv, splits = grid
+    stride, offset = order
+    n = (stride * ((i * hkv + h) * splits + s) + offset) % math.prod(grid)
+    return n // (hkv * splits), n // splits % hkv, n % splits
+
+
+def _arrived_last(arrivals, counter, splits: int, *, barrier: bool) -> Array:
+    """Count this program in its arrival counter (`arrivals[counter]`, an atomic add, acquire-release at GPU scope,
+    after a block barrier so that every thread's stores precede it): whether it is the last of `splits` to arrive."""
     if barrier:  # (interpret mode runs the programs one after another: nothing to order)
         plt.debug_barrier()
     arrived = plt.atomic_add(arrivals, (counter,), jnp.ones((1,), jnp.int32))[0]
+    return arrived == splits - 1
 
-    @pl.when(arrived == splits - 1)
+
+def _merge_last(acc_p, m_p, l_p, arrivals, o_ref, m_ref, l_ref, real: Array, zero: Array, *, program: tuple,
+                barrier: bool) -> None:
+    """The split-K merge inside the kernel: each program of (b, h) = `program` has stored its partial; it counts
+    itself in (b, h)'s arrival counter (`_arrived_last`), and the last to arrive reads every split's partial, merges
+    them (merge.py's rule, online: weights exp(m_i - m), l = sum l_i exp(m_i - m)), stores the normalised attention
+    and sets the counter back to 0 for the next call. No program waits on another, so any grid order and occupancy
+    is safe: the last to arrive need not be the last split, nor the last program in the grid."""
+    splits, gp, hd = acc_p.shape[0], real.shape[0], acc_p.shape[-1]
+    (b, h), hkv = program, pl.num_programs(1)
+    counter = pl.ds(b * hkv + h, 1)
+
+    @pl.when(_arrived_last(arrivals, counter, splits, barrier=barrier))
     def _merge():
         rows = jnp.broadcast_to(real[None, :, None], (1, gp, hd))
 
         def join(i, carry):  # one split at a time, rescaled online
             m_run, l_run, acc = carry
-            at = (pl.ds(i, 1), pl.ds(0, gp))  # volatile loads: the other programs' stores, never a stale L1 line
+            at = (pl.ds(i, 1), tile(gp, zero))  # volatile loads: the other programs' stores, never a stale L1 line
             m_i = plt.load(m_p.at[at], mask=real[None, :], other=-jnp.inf, volatile=True)[0]
             l_i = plt.load(l_p.at[at], mask=real[None, :], other=0.0, volatile=True)[0]
             a_i = plt.load(acc_p.at[at], mask=rows & (l_i > 0)[None, :, None], other=0.0, volatile=True)[0]
@@ -294,7 +322,7 @@ def _merge_last(acc_p, m_p, l_p, arrivals, o_ref, m_ref, l_ref, real: Array, *, 
         else:
             m_all, l_all, acc = jax.lax.fori_loop(0, splits, join, init)
         o = jnp.where(l_all[:, None] > 0, acc / jnp.where(l_all > 0, l_all, 1.0)[:, None], 0.0)
-        _store_rows(o_ref, m_ref, l_ref, o.astype(o_ref.dtype), m_all, l_all, real)
+        _store_rows(o_ref, m_ref, l_ref, o.astype(o_ref.dtype), m_all, l_all, real, zero)
         arrivals[counter] = jnp.zeros((1,), jnp.int32)
 
 
@@ -315,8 +343,10 @@ def _sparse_decode_call(
     num_stages: int,
     interpret: bool,
     out_dtype: jnp.dtype | None = None,
+    program_order: tuple[int, int] | None = None,
 ) -> tuple[Array, ...]:
-    """Run the kernel on grid (B, Hkv, split_k). Returns per-split (acc, m, l) [split_k, B, Hkv, G(, hd)], acc
+    """Run the kernel on grid (B, Hkv, split_k) (`program_order`: which program computes what, see
+    `sparse_decode_attention`). Returns per-split (acc, m, l) [split_k, B, Hkv, G(, hd)], acc
     unnormalised; with `out_dtype` (split_k 1) the normalised attention in that dtype. With `arrivals` (several
     splits: N >= B * Hkv int32 counters, all 0) the kernel merges the splits itself (`_merge_last`) and returns
     (o [B, Hkv, G, hd] normalised in `out_dtype`, m, l, arrivals (0 again)). The dots run in `_compute_dtype`; a
@@ -329,6 +359,12 @@ def _sparse_decode_call(
     bs = kv_quant.tokens_per_block(pool)
     s_rows, kp = block_ids.shape[1], block_ids.shape[2]
     ks = kp // split_k  # entries per split
+
+    grid = (b, hkv, split_k)
+    _check_program_order(program_order, grid)
+
+    def at(index_map):  # index maps of the logical (sequence, KV head, split) a launched program computes
+        return lambda i, h, s: index_map(*_logical_program(i, h, s, grid, program_order))
 
     if s_rows == hkv:
         list_map = lambda i, h, s: (i, h, s)  # noqa: E731  headwise: own list per KV head
@@ -353,13 +389,15 @@ def _sparse_decode_call(
         rotating=rotating,
         merging=merging,
         barrier=not interpret,
+        grid=grid,
+        order=program_order,
     )
     in_specs = [
-        pl.BlockSpec((None, None, g, hd), lambda i, h, s: (i, h, 0, 0)),  # q   -> [G, hd]
-        pl.BlockSpec((nb, None, rows, None, hd), lambda i, h, s: (0, 0, 0, h, 0)),  # K -> [NB, rows, hd]
-        pl.BlockSpec((nb, None, rows, None, hd), lambda i, h, s: (0, 1, 0, h, 0)),  # V -> [NB, rows, hd]
-        pl.BlockSpec((None, None, ks), list_map),  # block_ids  -> [Ks]
-        pl.BlockSpec((None, None, ks), list_map),  # block_lens -> [Ks]
+        pl.BlockSpec((None, None, g, hd), at(lambda i, h, s: (i, h, 0, 0))),  # q   -> [G, hd]
+        pl.BlockSpec((nb, None, rows, None, hd), at(lambda i, h, s: (0, 0, 0, h, 0))),  # K -> [NB, rows, hd]
+        pl.BlockSpec((nb, None, rows, None, hd), at(lambda i, h, s: (0, 1, 0, h, 0))),  # V -> [NB, rows, hd]
+        pl.BlockSpec((None, None, ks), at(list_map)),  # block_ids  -> [Ks]
+        pl.BlockSpec((None, None, ks), at(list_map)),  # block_lens -> [Ks]
     ]
     args = [q_grouped, pool, pool, block_ids, block_lens]
     if rotating:  # the rotation's signs, read once per program (L2-resident)
@@ -370,12 +408,12 @@ def _sparse_decode_call(
         args.append(arrivals)
     if merging:  # the merged attention per (b, h), then every split's partial of (b, h) and the counters
         out_specs = [
-            pl.BlockSpec((None, None, g, hd), lambda i, h, s: (i, h, 0, 0)),  # o -> [G, hd]
-            pl.BlockSpec((None, None, g), lambda i, h, s: (i, h, 0)),  # m -> [G]
-            pl.BlockSpec((None, None, g), lambda i, h, s: (i, h, 0)),  # l -> [G]
-            pl.BlockSpec((split_k, None, None, g, hd), lambda i, h, s: (0, i, h, 0, 0)),  # acc_p -> [splits, G, hd]
-            pl.BlockSpec((split_k, None, None, g), lambda i, h, s: (0, i, h, 0)),  # m_p -> [splits, G]
-            pl.BlockSpec((split_k, None, None, g), lambda i, h, s: (0, i, h, 0)),  # l_p -> [splits, G]
+            pl.BlockSpec((None, None, g, hd), at(lambda i, h, s: (i, h, 0, 0))),  # o -> [G, hd]
+            pl.BlockSpec((None, None, g), at(lambda i, h, s: (i, h, 0))),  # m -> [G]
+            pl.BlockSpec((None, None, g), at(lambda i, h, s: (i, h, 0))),  # l -> [G]
+            pl.BlockSpec((split_k, None, None, g, hd), at(lambda i, h, s: (0, i, h, 0, 0))),  # acc_p [splits, G, hd]
+            pl.BlockSpec((split_k, None, None, g), at(lambda i, h, s: (0, i, h, 0))),  # m_p -> [splits, G]
+            pl.BlockSpec((split_k, None, None, g), at(lambda i, h, s: (0, i, h, 0))),  # l_p -> [splits, G]
             pl.BlockSpec(memory_space=pl.ANY),  # the counters
         ]
         out_shape = [
@@ -389,9 +427,9 @@ def _sparse_decode_call(
         ]
     else:
         out_specs = [
-            pl.BlockSpec((None, None, None, g, hd), lambda i, h, s: (s, i, h, 0, 0)),  # acc -> [G, hd]
-            pl.BlockSpec((None, None, None, g), lambda i, h, s: (s, i, h, 0)),  # m -> [G]
-            pl.BlockSpec((None, None, None, g), lambda i, h, s: (s, i, h, 0)),  # l -> [G]
+            pl.BlockSpec((None, None, None, g, hd), at(lambda i, h, s: (s, i, h, 0, 0))),  # acc -> [G, hd]
+            pl.BlockSpec((None, None, None, g), at(lambda i, h, s: (s, i, h, 0))),  # m -> [G]
+            pl.BlockSpec((None, None, None, g), at(lambda i, h, s: (s, i, h, 0))),  # l -> [G]
         ]
         out_shape = [
             jax.ShapeDtypeStruct((split_k, b, hkv, g, hd), out_dtype or jnp.float32),
@@ -471,6 +509,18 @@ def _check_inputs(q, pool, block_ids, block_lens) -> None:
             raise ValueError(f"{name} must be an integer array; got {x.dtype}")
 
 
+def _check_program_order(order, grid: tuple[int, int, int]) -> None:
+    if order is None:
+        return
+    n = math.prod(grid)
+    if (len(order) != 2 or not all(isinstance(x, int) for x in order) or not 0 < order[0] < n or not 0 <= order[1] < n
+            or math.gcd(order[0], n) != 1):
+        raise ValueError(f"program_order={order} must be (stride, offset) with 0 < stride < N, gcd(stride, N) = 1 and "
+                         f"0 <= offset < N, N = B * Hkv * split_k = {n} programs")
+    if (n - 1) * n >= 2 ** 31:  # (stride * n + offset in int32)
+        raise ValueError(f"program_order needs N * N < 2 ** 31 (int32 program numbers); got N = {n} programs")
+
+
 def max_blocks_per_step(bs: int, hd: int, itemsize: int, shared_memory: int = SHARED_MEMORY_PER_BLOCK) -> int:
     """The largest power-of-two blocks per step whose K and V tiles fit a program's shared memory."""
     p = 1
@@ -507,7 +557,8 @@ def _pick_split_k(num_steps: int, programs: int, split_k: int | None) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "split_k", "blocks_per_step", "num_warps", "num_stages", "merge", "interpret"),
+    static_argnames=("scale", "split_k", "blocks_per_step", "num_warps", "num_stages", "merge", "interpret",
+                     "program_order"),
 )
 def sparse_decode_attention(
     q: Float[Array, "B Hq hd"],
@@ -523,6 +574,7 @@ def sparse_decode_attention(
     num_stages: int | None = None,
     merge: str = "inside",
     interpret: bool | None = None,
+    program_order: tuple[int, int] | None = None,
 ) -> tuple[Array, ...]:
     """Partial attention of one query token per sequence over the listed KV blocks.
 
@@ -549,6 +601,11 @@ def sparse_decode_attention(
         merges them (two more kernels).
       interpret: Pallas interpret mode (None: where the program is compiled for a CPU; the Triton kernel
         where it is compiled for a GPU, `pallas_kernels.common.on_platform`).
+      program_order: None, or (stride, offset) with stride coprime to N = B * Hkv * split_k: the program launched
+        n-th (row-major over the grid) computes the (sequence, KV head, split) numbered (stride * n + offset) mod N.
+        The result does not depend on it. Interpret mode runs the programs one at a time in launch order, so a
+        permuted order makes a program other than the last split of a (sequence, KV head) arrive last: tests run
+        the merge inside that way, where it must rely on its arrival counters alone.
 
     Returns:
       o [B, Hq, hd] (q.dtype, softmax-normalised; 0 where nothing was attended),
@@ -598,6 +655,7 @@ def sparse_decode_attention(
         scale=scale, split_k=split_k, blocks_per_step=bps,
         num_warps=num_warps, num_stages=num_stages, interpret=interp,
         out_dtype=out_dtype if split_k == 1 or inside else None,  # (normalised in the kernel, nothing to merge after)
+        program_order=program_order,
     ), interpret)
     if inside:
         o, m, l, counters = out  # noqa: E741

@@ -73,10 +73,14 @@ def emulated_gpu(monkeypatch):
     gpu = types.SimpleNamespace(platform="gpu")
     monkeypatch.setattr(engine_mod, "resolve_backends", lambda config, device, model: backends.resolve_backends(
         config, gpu, model))
-    # the landing's check (no kernel) runs for real, on the real device (the emulated GPU is a name only)
-    real_landing = startup_checks.check_landing
+    # the checks that need no kernel (the landing, the host transfers) run for real, on the real device (the
+    # emulated GPU is a name only)
+    from pulseinfer_jax.host_offload import host_pool
+
+    real_landing, real_io = startup_checks.check_landing, host_pool.probe_host_io
     monkeypatch.setattr(startup_checks, "check_landing", lambda device, kv_dtype: real_landing(jax.devices()[0],
                                                                                              kv_dtype))
+    monkeypatch.setattr(host_pool, "probe_host_io", lambda device, **kw: real_io(jax.devices()[0], **kw))
 
 
 @pytest.fixture(scope="module")

@@ -809,11 +809,12 @@ def test_auto_kernels_fall_back_on_a_gpu_that_rejects_them(tiny4, monkeypatch, e
         assert eng.sparse_attention == attention and eng.scoring.bounds_dtype == bounds
         assert eng.sparse.bounds.fine.lo.dtype == eng.scoring.metadata_dtype(tiny4.dtype)
         assert got[0].stats["score_bounds_dtype"] == bounds and got[0].stats["decode_attention"] == attention
+        generate_long(prompts, eng, max_new_tokens=2, ignore_eos=True)
+        assert len(calls) == 2
+        # (the same choices made explicitly: Pallas is checked again, since an explicit choice is checked too)
         want = generate_long(prompts, tiny4, max_new_tokens=5, ignore_eos=True, engine_config=EngineConfig.of(
             **kw, decode_attention=attention, score_bounds_dtype=bounds))
         assert got[0].token_ids == want[0].token_ids
-        generate_long(prompts, eng, max_new_tokens=2, ignore_eos=True)
-        assert len(calls) == 2
 
 
 def test_the_jnp_layer_calls_never_copy_the_cache(tiny4, monkeypatch):

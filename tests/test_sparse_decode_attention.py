@@ -7,11 +7,14 @@ partial block shows up as a non-finite or wrong output. Shapes stay tiny: interp
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pulseinfer_jax.pallas_kernels.sparse_decode_attention as sda_kernel
 import pytest
+from jax.experimental import pallas as pl
 from pulseinfer_jax.pallas_kernels.merge import merge_attention_partials
 from pulseinfer_jax.pallas_kernels.sparse_decode_attention import (
     sparse_decode_attention,
@@ -210,6 +213,79 @@ def test_the_merge_inside_the_kernel_equals_the_merge_after_it(headwise, f8):
         sparse_decode_attention(case.q, case.pool, jnp.asarray(ids), jnp.asarray(lens), counters.astype(jnp.int16))
     with pytest.raises(ValueError, match="merge"):
         _run(case, ids, lens, merge="later")
+
+
+def _last_to_run(order, grid):
+    """Per (sequence, KV head): the split whose program runs last when interpret mode runs the grid in launch order
+    under `program_order` = order, and whether that program is the last one launched in its grid row (i, h, :)."""
+    b, hkv, splits = grid
+    n = b * hkv * splits
+    last = {}
+    for launched in range(n):  # row-major launch order, as interpret mode runs it
+        logical = (order[0] * launched + order[1]) % n
+        last[divmod(logical // splits, hkv)] = (logical % splits, launched % splits == splits - 1)
+    return last
+
+
+def _gate_by_grid_index(arrivals, counter, splits, *, barrier):
+    """A broken gate: the program launched last in its grid row merges, no counter."""
+    return pl.program_id(2) == splits - 1
+
+
+def _gate_by_split_index(order, grid):
+    """A broken gate: the program of the last split merges, no counter."""
+    def gate(arrivals, counter, splits, *, barrier):
+        return sda_kernel._logical_program(pl.program_id(0), pl.program_id(1), pl.program_id(2), grid, order)[2] \
+            == splits - 1
+    return gate
+
+
+@pytest.mark.parametrize("split_k", [4, 6])  # (the merge unrolled, and in a loop: > UNROLLED_MERGE)
+def test_the_merge_inside_relies_on_its_arrival_counters_alone(monkeypatch, split_k):
+    """Interpret mode runs the programs one at a time in grid order, where the last split of each (sequence, KV head)
+    is always the last to arrive; a permuted `program_order` makes other splits arrive last. The merge inside must
+    still equal the oracle and leave its counters 0, and the check must have teeth: gates that merge in the last
+    program of a grid row or in the last split, instead of in the last to arrive, give wrong attention under the
+    strided order (each split holds tokens: a merge that runs early misses some)."""
+    rng = np.random.default_rng([23, split_k])
+    bs, hkv, group, hd, bps = 8, 2, 2, 16, 2
+    case = _make_case(rng, [24 * bs, 23 * bs + 5], hkv=hkv, group=group, hd=hd, bs=bs, dtype=jnp.float32)
+    ids, lens = _dense_lists(case, bs)  # 24 entries: 12 steps of 2 blocks, every split some
+    want = _oracle(case.q, case.pool, ids, lens)
+    grid = (2, hkv, split_k)
+    n = math.prod(grid)
+    reverse, strided = (n - 1, n - 1), (5, 3)
+    # the orders do what the test needs: some (sequence, KV head) arrives last with another split, and under the
+    # strided order also in a program that is not the last of its grid row
+    for order in (reverse, strided):
+        assert any(s != split_k - 1 for s, _ in _last_to_run(order, grid).values())
+    assert any(not row_last for _, row_last in _last_to_run(strided, grid).values())
+
+    def run(order, **kw):
+        counters = jnp.zeros((2 * hkv + 3,), jnp.int32)
+        o, m, l, counters = sparse_decode_attention(case.q, case.pool, jnp.asarray(ids), jnp.asarray(lens),  # noqa: E741
+                                                    counters, split_k=split_k, blocks_per_step=bps,
+                                                    program_order=order, **kw)
+        return (o, m, l), np.asarray(counters)
+
+    for order in (reverse, strided):
+        got, counters = run(order)
+        _assert_close(got, want, jnp.float32)
+        assert np.all(counters == 0), (order, counters)
+    after, _ = run(strided, merge="after")  # (no counters: the XLA merge, the same order)
+    _assert_close(after, want, jnp.float32)
+
+    try:
+        for gate in (_gate_by_grid_index, _gate_by_split_index(strided, grid)):
+            monkeypatch.setattr(sda_kernel, "_arrived_last", gate)
+            jax.clear_caches()  # (traced anew with the broken gate)
+            got, _ = run(strided)
+            with pytest.raises(AssertionError):
+                _assert_close(got, want, jnp.float32)
+            monkeypatch.undo()
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()  # (no kernel traced with a broken gate stays cached)
 
 
 @pytest.mark.parametrize("dtype,headwise", [(jnp.float32, True), (jnp.bfloat16, False)])
