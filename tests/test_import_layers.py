@@ -25,7 +25,7 @@ LAYERS = [
     ["pallas_kernels"],
     ["models", "host_offload"],
     ["options", "request", "selection"],
-    ["config", "backends", "runner"],
+    ["config", "backends", "startup_checks", "runner"],
     ["sched"],
     ["engine"],
     ["api", "calibration", "serving", "console", "demo", "cli"],
@@ -33,8 +33,8 @@ LAYERS = [
 RANK = {group: i for i, groups in enumerate(LAYERS) for group in groups}
 # the leaves (models, kernels, host I/O) and the bottom import only from lower layers; named so the rule reads plainly
 LEAVES = {"models", "pallas_kernels", "host_offload", "kv", "parallel"}
-CORE = {"engine", "sched", "runner", "selection", "api", "serving", "cli", "config", "backends", "request",
-        "calibration", "console", "demo", "options"}
+CORE = {"engine", "sched", "runner", "selection", "api", "serving", "cli", "config", "backends", "startup_checks",
+        "request", "calibration", "console", "demo", "options"}
 
 
 def modules() -> dict[str, pathlib.Path]:
