@@ -1,6 +1,7 @@
 """Decode throughput and latency: dense serving vs per-head offloading vs PulseInfer (+ one ablation per technique).
 
     python bench/decode_throughput.py --smoke                              # tiny random model on CPU (script check)
+    python bench/decode_throughput.py --point A --out DIR                  # a GPU-suite point (bench/points.py)
     python bench/decode_throughput.py --model random:llama-3.1-8b --dtype bfloat16 \
         --contexts 32768,65536,131072 --batches 1,2,4,8 --gpu-kv-budget 24GiB --replay smollm2 --out DIR
     python bench/decode_throughput.py --model random:qwen3-14b --dtype bfloat16 --mix mooncake --mix-requests 12 ...
@@ -25,6 +26,11 @@ in use, offload metadata) and host KV bytes, host-to-device bytes and copies per
 (bytes per step / step time), recall wait per step, slot-cache hit rate, XLA compiles during the timed steps.
 Mix (`--mix mooncake`): request prompt and output lengths drawn from the Mooncake trace's empirical
 distribution (bench/workload.py), run to completion; per-request TPOT p50/p99 and decode tokens/s.
+
+`--point NAME` takes the model, requests, budgets, KV dtype, replayed trace, timed window and systems from
+bench/points.py (what bench/predict.py predicts; the options it sets cannot be given beside it). Every fixed-batch
+row also lists the compiled programs of its decode step with their fingerprints (bench/fingerprint.py: the programs
+run in `FINGERPRINT_STEPS` more steps after the timed ones), to be matched with the predicted row's.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from bench import points  # noqa: E402
 from bench.common import RESULTS, sparse_io_stats, write_result  # noqa: E402
 
 SYSTEMS = {
@@ -116,15 +123,22 @@ def engine_for(model, system: str, base: dict, replay: dict | None, cache: dict,
     `overrides` (EngineConfig fields) win over the system's own settings."""
     from bench.synthetic import SyntheticKVEngine
     from bench.traces import ReplaySelector
+
+    cfg = system_config(base, system, overrides)
+    selector = ReplaySelector(replay[cfg.ablation.selection]) if replay is not None and cfg.mode != "dense" else None
+    eng = SyntheticKVEngine(model, cfg, selector=selector)
+    eng.host_pool = cache.pop("host_pool", None)
+    return eng, cfg
+
+
+def system_config(base: dict, system: str, overrides: dict | None = None):
+    """The EngineConfig of `system` over the bench's `base` settings (`engine_base`); `overrides` win."""
     from pulseinfer_jax import EngineConfig
 
     cfg = EngineConfig.of(**{**base, **SYSTEMS[system], **(overrides or {})})  # over base: a system's own settings
     if system == "pulseinfer-min-reuse":
         cfg = cfg.with_settings(slot_cache_blocks=cfg.budget_blocks - cfg.offload.sink_blocks - cfg.window_blocks)
-    selector = ReplaySelector(replay[cfg.ablation.selection]) if replay is not None and cfg.mode != "dense" else None
-    eng = SyntheticKVEngine(model, cfg, selector=selector)
-    eng.host_pool = cache.pop("host_pool", None)
-    return eng, cfg
+    return cfg
 
 
 def _release(eng, cache: dict) -> None:
@@ -166,14 +180,14 @@ def run_point(model, system: str, prompt_len: int, batch: int, steps: int, warm:
               profile_dir: str | None = None) -> dict:
     """One (system, context, batch) point; see the module docstring. With `profile_dir`, two more decode steps
     run after the timed ones under `jax.profiler.trace` (a Perfetto trace there; the timed steps are not
-    profiled)."""
+    profiled); then `points.FINGERPRINT_STEPS` more, whose programs the row lists with their fingerprints."""
+    from bench.fingerprint import ExecutedPrograms
     from pulseinfer_jax import SamplingParams
     from pulseinfer_jax.request import Status
 
     cache = {} if cache is None else cache
     eng, cfg = engine_for(model, system, base, replay, cache)
-    # prefill steps (one prompt per step) also decode the running requests; 2 more for an optional profile
-    new = warm + steps + 2 * batch + 6
+    new = points.max_new_tokens(warm, steps, batch)
     skip = _host_pool_skip(eng, cache, host_bytes_needed(model, cfg, [prompt_len + new] * batch))
     if skip is not None:
         return skip
@@ -211,8 +225,16 @@ def run_point(model, system: str, prompt_len: int, batch: int, steps: int, warm:
         import jax
 
         with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
-            for _ in range(2):
+            for _ in range(points.PROFILE_STEPS):
                 list(eng.step())
+    programs = {"programs_error": ExecutedPrograms.unavailable()}
+    if programs["programs_error"] is None:  # the compiled programs of the step (untimed: recording slows dispatch)
+        c1 = compiles.count
+        with ExecutedPrograms() as executed:
+            for _ in range(points.FINGERPRINT_STEPS):
+                list(eng.step())
+        programs = {"programs": executed.programs(points.FINGERPRINT_STEPS),
+                    "programs_compiled": compiles.count - c1}
     meta_bytes = eng.sparse.metadata_bytes if eng.sparse is not None else 0
     p50 = float(np.percentile(times, 50))
     row = {
@@ -228,6 +250,7 @@ def run_point(model, system: str, prompt_len: int, batch: int, steps: int, warm:
         "h2d_gb_per_s_implied": io["h2d_bytes_per_step"] / p50 / 1e9,
         "compiles_in_timed_steps": compiled,
         "preemptions": eng.scheduler.preemptions,  # (dense KV grows: the youngest waits in host memory when out)
+        **programs,
     }
     for r in reqs:
         if r.status is not Status.FINISHED:
@@ -306,31 +329,45 @@ def describe(row: dict) -> str:
             f"compiles {row['compiles_in_timed_steps']}")
 
 
-def main() -> int:
+# the options a --point sets (bench/points.py), and their defaults without one
+POINT_OPTIONS = {"model": "random:llama-3.1-8b", "dtype": "bfloat16", "contexts": "32768", "batches": "1,4",
+                 "steps": 16, "warm": 6, "budget_tokens": 2048, "gpu_kv_budget": None, "kv_dtype": "auto",
+                 "replay": None}
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="random:llama-3.1-8b")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--contexts", default="32768", help="prompt tokens per request (comma list; prompt + generated "
-                    "tokens must stay below the model's max positions, e.g. 130816 for a 128K point on Llama-3.1)")
-    ap.add_argument("--batches", default="1,4", help="requests per point (comma list)")
-    ap.add_argument("--steps", type=int, default=16, help="timed decode steps per point")
-    ap.add_argument("--warm", type=int, default=6, help="untimed decode steps first (compiles)")
-    ap.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma list of {', '.join(SYSTEMS)}")
-    ap.add_argument("--budget-tokens", type=int, default=2048)
+    ap.add_argument("--point", default=None, choices=sorted(points.POINTS),
+                    help="a GPU-suite point (bench/points.py): sets the options marked [point]")
+    ap.add_argument("--model", default=None, help="[point] default random:llama-3.1-8b")
+    ap.add_argument("--dtype", default=None, help="[point] default bfloat16")
+    ap.add_argument("--contexts", default=None, help="[point] prompt tokens per request (comma list; prompt + "
+                    "generated tokens must stay below the model's max positions, e.g. 130816 for a 128K point on "
+                    "Llama-3.1; default 32768)")
+    ap.add_argument("--batches", default=None, help="[point] requests per point (comma list; default 1,4)")
+    ap.add_argument("--steps", type=int, default=None, help="[point] timed decode steps per point (default 16)")
+    ap.add_argument("--warm", type=int, default=None, help="[point] untimed decode steps first (compiles; default 6)")
+    ap.add_argument("--systems", default=None, help=f"comma list of {', '.join(SYSTEMS)} (default: the point's, "
+                    f"else {DEFAULT_SYSTEMS})")
+    ap.add_argument("--budget-tokens", type=int, default=None, help="[point] default 2048")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dense-layers", type=int, default=2)
-    ap.add_argument("--gpu-kv-budget", type=parse_bytes, default=None, help="e.g. 24GiB (emulates a smaller GPU)")
-    ap.add_argument("--kv-dtype", default="auto", help="KV cache dtype: auto (the model's) or float8_e4m3fn")
+    ap.add_argument("--gpu-kv-budget", type=parse_bytes, default=None,
+                    help="[point] e.g. 24GiB (emulates a smaller GPU)")
+    ap.add_argument("--kv-dtype", default=None, help="[point] KV cache dtype: auto (the model's, default) or "
+                    "float8_e4m3fn")
     ap.add_argument("--host-io", default="auto", choices=("auto", "xla", "numpy", "numpy-pinned"),
                     help="host KV pool backend of every system (EngineConfig.host_io; default auto)")
-    ap.add_argument("--replay", default=None, help="trace name (e.g. smollm2) or path prefix; see bench/traces.py")
+    ap.add_argument("--replay", default=None, help="[point] trace name (e.g. smollm2) or path prefix; see "
+                    "bench/traces.py")
     ap.add_argument("--mix", default=None, choices=["mooncake"], help="also run a trace-shaped request mix")
     ap.add_argument("--mix-only", action="store_true", help="skip the fixed (context, batch) points")
     ap.add_argument("--mix-requests", type=int, default=8)
     ap.add_argument("--mix-scale", type=float, default=4.0, help="prompt lengths x this (long-context shift)")
     ap.add_argument("--max-context", type=int, default=131072, help="mix prompts are capped here")
     ap.add_argument("--mix-max-output", type=int, default=256, help="mix outputs are capped here (GPU time)")
-    ap.add_argument("--name", default=None, help="result file name (default decode_throughput_<platform>)")
+    ap.add_argument("--name", default=None, help="result file name (default decode_throughput_<point> or "
+                    "decode_throughput_<platform>)")
     ap.add_argument("--profile-system", default=None, help="profile 2 extra decode steps of this system's first "
                     "point (jax.profiler, Perfetto trace) into --profile-dir")
     ap.add_argument("--profile-dir", default=None, help="default: OUT/profile")
@@ -342,7 +379,29 @@ def main() -> int:
                     help="EngineConfig.moe_strategy of every system (mixture-of-experts models; default auto)")
     ap.add_argument("--smoke", action="store_true", help="tiny random model and sizes (CPU check of the script)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The bench's settings: a --point's (bench/points.py), or the options given over their defaults."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    given = [k for k in POINT_OPTIONS if getattr(args, k) is not None]
+    if args.point is not None:
+        clash = [f"--{k.replace('_', '-')}" for k in given] + (["--smoke"] if args.smoke else [])
+        if clash:
+            ap.error(f"--point {args.point} sets what {', '.join(clash)} would (bench/points.py)")
+        p = points.POINTS[args.point]
+        args.model, args.dtype, args.contexts, args.batches = p.model, p.dtype, str(p.context), str(p.batch)
+        args.steps, args.warm, args.budget_tokens = p.steps, p.warm, p.budget_tokens
+        args.gpu_kv_budget, args.kv_dtype, args.replay = p.gpu_kv_budget, p.kv_dtype, p.replay
+        args.systems = args.systems or ",".join(p.systems)
+        args.name = args.name or f"decode_throughput_{args.point.lower()}"
+    else:
+        for k, v in POINT_OPTIONS.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+        args.systems = args.systems or DEFAULT_SYSTEMS
     if args.smoke:
         # SmolLM2's shape with random weights: 30 layers make offloading cheaper than dense on the GPU (a
         # 2-layer model would keep half its KV in the dense-layer packs); 200 MiB holds 2 dense 2K requests
@@ -350,10 +409,32 @@ def main() -> int:
         args.steps, args.warm, args.budget_tokens = 3, 2, 256
         args.gpu_kv_budget = args.gpu_kv_budget or 200 * 2**20
         args.mix_requests, args.mix_scale, args.max_context, args.mix_max_output = 4, 0.3, 2500, 12
-    systems = args.systems.split(",")
-    unknown = [s for s in systems if s not in SYSTEMS]
+    unknown = [s for s in args.systems.split(",") if s not in SYSTEMS]
     if unknown:
         ap.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.mix_only and not args.mix:
+        ap.error("--mix-only needs --mix")
+    if args.profile_system is not None and args.profile_system not in args.systems.split(","):
+        ap.error(f"--profile-system {args.profile_system} is not among --systems")
+    return args
+
+
+def engine_base(args: argparse.Namespace) -> dict:
+    """The EngineConfig settings every system runs over (`system_config`)."""
+    batches = [int(x) for x in args.batches.split(",")]
+    return dict(block_size=args.block_size, budget_tokens=args.budget_tokens, dense_layers=args.dense_layers,
+                max_batch=max(batches + ([args.mix_requests] if args.mix else [])), gpu_kv_budget=args.gpu_kv_budget,
+                progress=False, prefill_chunk=max(512, args.block_size), host_io=args.host_io,
+                moe_strategy=args.moe_strategy, kv_dtype=args.kv_dtype,
+                **({} if args.layer_loop is None else {"layer_loop": args.layer_loop}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    systems = args.systems.split(",")
+    from bench.fingerprint import portable_locations
+
+    portable_locations()  # (before anything is traced: fingerprints as the compile-only check makes them)
 
     import jax
     from pulseinfer_jax.models.loading import load_model
@@ -368,23 +449,15 @@ def main() -> int:
     model = load_model(args.model, dtype=args.dtype,
                        layout=plan_backends(loop, jax.devices()[0].platform).weights_layout)
     replay = load_replay(args.replay, args.budget_tokens)
-    if args.mix_only and not args.mix:
-        ap.error("--mix-only needs --mix")
     contexts = [] if args.mix_only else [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    base = dict(block_size=args.block_size, budget_tokens=args.budget_tokens, dense_layers=args.dense_layers,
-                max_batch=max(batches + [args.mix_requests]), gpu_kv_budget=args.gpu_kv_budget, progress=False,
-                prefill_chunk=max(512, args.block_size), host_io=args.host_io, moe_strategy=args.moe_strategy,
-                kv_dtype=args.kv_dtype,
-                **({} if args.layer_loop is None else {"layer_loop": args.layer_loop}))
+    base = engine_base(args)
     name = args.name or ("decode_throughput_smoke" if args.smoke else f"decode_throughput_{jax.devices()[0].platform}")
-    meta = {"kind": "decode_throughput", "model": args.model, "dtype": args.dtype, "engine": base,
+    meta = {"kind": "decode_throughput", "point": args.point, "model": args.model, "dtype": args.dtype, "engine": base,
             "kv": "synthetic random KV (not prefilled)",
             "selection_source": f"replayed traces {args.replay}" if replay else "the engine's own (over random KV)",
             "gpu_kv_budget_note": "GPU KV capped by gpu_kv_budget (an emulated smaller GPU)" if args.gpu_kv_budget
             else "GPU KV: 85% of free device memory", "points": [], "mix": None}
-    if args.profile_system is not None and args.profile_system not in systems:
-        ap.error(f"--profile-system {args.profile_system} is not among --systems")
     profiled = False
     for ctx in contexts:
         for b in batches:

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One-call GPU suite (< 8 minutes on an H200): environment (and the GPU's own XLA target config, for the compile-only
 # check: OUT/h200_target_config.txtpb), the kernel and offload tests compiled for the GPU
-# (no interpret mode), bench/kernels.py, bench/io_sweep.py, one representative point of every system of
-# bench/decode_throughput.py (random Llama-3.1-8B, bf16, synthetic KV with a real model's selections replayed),
-# then a 128K-context point, points C (24 x 32K) and D (12 x 128K, float8 KV) where dense holds 3, the dense decode bench (scan vs layer-wise layer loop, jnp vs Pallas attention) and a
-# short serving point (bench/serving.py: the OpenAI-compatible server at 1 and 8 clients) if time is left. On a GPU the engine probes its Pallas kernels (and, where it uses them,
+# (no interpret mode), bench/kernels.py, bench/merge_stress.py (the split merge's atomics under racing programs),
+# bench/io_sweep.py, bench/decode_throughput.py at the points of
+# bench/points.py, exactly as bench/predict.py predicts them (random Llama-3.1-8B, bf16, synthetic KV with a real
+# model's selections replayed; A: 8 x 32K, every system; B: 4 x 128K; C: 24 x 32K and D: 12 x 128K in float8 KV,
+# where dense holds 3; each row lists its step's compiled programs with fingerprints), the dense decode bench (scan
+# vs layer-wise layer loop, jnp vs Pallas attention) and a short serving point (bench/serving.py: the OpenAI-compatible server at 1 and 8 clients) if time is left. On a GPU the engine probes its Pallas kernels (and, where it uses them,
 # its pinned-host transfers) first and falls back (jnp attention, host_io numpy) with a warning in the logs. Point C
 # also runs pulseinfer-numpy-io (the recall through PJRT's bounce buffer), last: where pinned staging should matter most. Two extra PulseInfer decode steps of
 # point A are profiled (jax.profiler: OUT/profile/.../perfetto_trace.json.gz, for ui.perfetto.dev). Every
@@ -13,17 +15,20 @@
 #   bench/gpu_suite.sh OUT_DIR              on a GPU machine (python3 with jax[cuda] 0.11.2 + flax + transformers)
 #   bench/gpu_suite.sh OUT_DIR --smoke      tiny sizes on CPU, the whole script end to end (~6 min on 2 cores)
 #   bench/gpu_suite.sh OUT_DIR --tests-only just the tests (TEST_TIMEOUT seconds)
+#   bench/gpu_suite.sh OUT_DIR --print-args the decode_throughput.py runs on a GPU (name, then each argument;
+#                                           tab-separated), nothing run: tests/test_bench_points.py compares them
+#                                           with bench/predict.py's
 # Tests run in parallel processes (pytest-xdist, if present) without GPU memory preallocation: on the GPU the
 # suite's tests are dominated by XLA compile time, which parallelises over the host's cores.
 # Wheels the GPU image lacks (gguf) travel in .whl/ (bench/fetch_gpu_wheels.sh) and go to /tmp/site.
 set -uo pipefail
-OUT=${1:?usage: bench/gpu_suite.sh OUT_DIR [--smoke|--tests-only]}
+OUT=${1:?usage: bench/gpu_suite.sh OUT_DIR [--smoke|--tests-only|--print-args]}
 MODE=${2:-}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
+if [ "$MODE" != "--print-args" ] && compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -31,14 +36,6 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 t0=$(date +%s)
 # the whole suite stays under 8 minutes of GPU time: each step's limit is cut to what is left
 SUITE_BUDGET=${SUITE_BUDGET:-$([ "$MODE" = "--smoke" ] && echo 1800 || echo 465)}
-{
-    date -u; nvidia-smi 2>/dev/null || echo "no nvidia-smi"; free -g 2>/dev/null
-    "$PY" -c "import jax, flax, transformers; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'transformers', transformers.__version__)"
-    # the GPU's own target description, for the compile-only check (replaces bench/aot/targets/h200.txtpb)
-    "$PY" -c "from bench.aot.target import device_target_config as c; open('$OUT/h200_target_config.txtpb', 'w').write(c())" \
-        && echo "saved $OUT/h200_target_config.txtpb" || echo "no GPU target config saved (not a GPU?)"
-} > "$OUT/env.txt" 2>&1
-tail -4 "$OUT/env.txt"
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run with a timeout (cut to what is left of SUITE_BUDGET), log to
     # $OUT/NAME.log, print its tail; skipped when under 15 s are left
@@ -75,25 +72,12 @@ else
     TESTS=("${KERNEL_TESTS[@]}")
     TEST_TIMEOUT=${TEST_TIMEOUT:-110}
     SMOKE=()
-    TRACE=smollm2  # bench/results/traces/smollm2_{solohead,headwise}_b2048.npz (bench/selection_trace.py)
-    # point A: 8 requests of 32K tokens under a 16 GiB GPU KV budget (dense fits 3 of 4.0 GiB), every system
-    DT_A=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 32768 --batches 8 --steps 12 --warm 6
-          --budget-tokens 2048 --gpu-kv-budget 16GiB --replay "$TRACE" --name decode_throughput_a
-          --profile-system pulseinfer --profile-dir "$OUT/profile"
-          --systems dense,pulseinfer,pulseinfer-same-layer,offload-headwise,pulseinfer-no-ioaa,pulseinfer-no-solohead,pulseinfer-no-coalescing,pulseinfer-no-interrupt,pulseinfer-min-reuse,pulseinfer-xla-io)
-    # point B: 4 requests of 128K (130,816 prompt tokens: Llama-3.1 stops at 131,072 positions) under 33 GiB
-    # (dense fits 2 of 16.0 GiB; the 128 GiB host holds ~6 offloaded)
-    DT_B=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 130816 --batches 4 --steps 8 --warm 4
-          --budget-tokens 2048 --gpu-kv-budget 33GiB --replay "$TRACE" --name decode_throughput_b
-          --systems dense,pulseinfer,offload-headwise)
-    # point C: 24 requests of 32K under 16 GiB (dense fits 3; the host pool ~90 GiB of the 128 GiB host)
-    DT_C=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 32768 --batches 24 --steps 8 --warm 4
-          --budget-tokens 2048 --gpu-kv-budget 16GiB --replay "$TRACE" --name decode_throughput_c
-          --systems dense,pulseinfer,pulseinfer-same-layer,offload-headwise,pulseinfer-numpy-io)
-    # point D: 12 requests of 128K with float8 KV under 33 GiB (dense fits 3 of 8.3 GiB; host pool ~94 GiB)
-    DT_D=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 130816 --batches 12 --steps 6 --warm 3
-          --budget-tokens 2048 --gpu-kv-budget 33GiB --kv-dtype float8_e4m3fn --replay "$TRACE"
-          --name decode_throughput_d --systems dense,pulseinfer,offload-headwise)
+    # the points of bench/points.py (model, requests, budgets, KV dtype, replayed trace, steps, systems): what
+    # bench/predict.py predicts; nothing here may change them (tests/test_bench_points.py)
+    DT_A=(--point A --profile-system pulseinfer --profile-dir "$OUT/profile")
+    DT_B=(--point B)
+    DT_C=(--point C)
+    DT_D=(--point D)
     DENSE=(--model random:llama-3.1-8b --dtype bfloat16 --contexts 4096,32768 --batches 1,8
            --max-kv-tokens 300000 --steps 8 --attention pallas,jnp --layer-loop layerwise,scan
            --engine-prompt 8192 --engine-batch 4)
@@ -101,6 +85,30 @@ else
     SERVE=(--model random:llama-3.1-8b --dtype bfloat16 --concurrency 1,8 --input-len 2048 --output-len 32
            --num-requests 16 --name gpu --gpu-kv-budget 17179869184)
 fi
+# the decode-throughput runs: name, time limit (s), the array of their arguments
+DT_RUNS=("decode_throughput_a ${THROUGHPUT_TIMEOUT:-140} DT_A" "decode_throughput_b ${LONG_TIMEOUT:-55} DT_B"
+         "decode_throughput_c ${POINT_C_TIMEOUT:-60} DT_C" "decode_throughput_d ${POINT_D_TIMEOUT:-50} DT_D")
+run_dt() {  # run_dt NAME TIMEOUT ARRAY
+    local name=$1 limit=$2
+    local -n argv=$3
+    if [ "$MODE" = "--print-args" ]; then
+        printf '%s' "$name"; printf '\t%s' "${argv[@]}" --out "$OUT"; printf '\n'
+        return
+    fi
+    step "$name" "$limit" "$PY" bench/decode_throughput.py "${argv[@]}" --out "$OUT"
+}
+if [ "$MODE" = "--print-args" ]; then
+    for run in "${DT_RUNS[@]}"; do run_dt $run; done
+    exit 0
+fi
+{
+    date -u; nvidia-smi 2>/dev/null || echo "no nvidia-smi"; free -g 2>/dev/null
+    "$PY" -c "import jax, flax, transformers; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'transformers', transformers.__version__)"
+    # the GPU's own target description, for the compile-only check (replaces bench/aot/targets/h200.txtpb)
+    "$PY" -c "from bench.aot.target import device_target_config as c; open('$OUT/h200_target_config.txtpb', 'w').write(c())" \
+        && echo "saved $OUT/h200_target_config.txtpb" || echo "no GPU target config saved (not a GPU?)"
+} > "$OUT/env.txt" 2>&1
+tail -4 "$OUT/env.txt"
 XDIST=()
 if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${TEST_WORKERS:-8}"); fi
 
@@ -111,16 +119,18 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false TAIL=25 step tests "$TEST_TIMEOUT" "$PY" -m 
 [ "$MODE" = "--tests-only" ] && exit 0
 
 step kernels "${KERNEL_TIMEOUT:-80}" "$PY" bench/kernels.py "${SMOKE[@]}" --out "$OUT"
+# the attention's split merge inside its kernel, many programs racing on the arrival counters, 200 calls a case:
+# memory ordering, which interpret mode cannot judge (exit 1 on any disagreement or a counter left set)
+MERGE=(--splits 4,16,32)
+[ "$MODE" = "--smoke" ] && MERGE=(--smoke)
+step merge_stress "${MERGE_TIMEOUT:-60}" "$PY" bench/merge_stress.py "${MERGE[@]}" --out "$OUT"
 IO=(--max-copies 2048 --repeats 3)
 [ "$MODE" = "--smoke" ] && IO=(--smoke)
 step io_sweep "${IO_TIMEOUT:-40}" "$PY" bench/io_sweep.py "${IO[@]}" --out "$OUT"
 if [ "$MODE" = "--smoke" ]; then  # the smoke replays a trace recorded here (same budget and shapes)
     step selection_trace 300 "$PY" bench/selection_trace.py --smoke --no-synthetic --trace-dir "$OUT/traces" --out "$OUT"
 fi
-step decode_throughput_a "${THROUGHPUT_TIMEOUT:-140}" "$PY" bench/decode_throughput.py "${DT_A[@]}" --out "$OUT"
-step decode_throughput_b "${LONG_TIMEOUT:-55}" "$PY" bench/decode_throughput.py "${DT_B[@]}" --out "$OUT"
-step decode_throughput_c "${POINT_C_TIMEOUT:-60}" "$PY" bench/decode_throughput.py "${DT_C[@]}" --out "$OUT"
-step decode_throughput_d "${POINT_D_TIMEOUT:-50}" "$PY" bench/decode_throughput.py "${DT_D[@]}" --out "$OUT"
+for run in "${DT_RUNS[@]}"; do run_dt $run; done
 step dense_decode "${DENSE_TIMEOUT:-30}" "$PY" bench/dense_decode.py "${DENSE[@]}" --out "$OUT"
 step serving "${SERVING_TIMEOUT:-40}" "$PY" bench/serving.py --launch "${SERVE[@]}" --out "$OUT"
 "$PY" bench/tables.py "$OUT"/*.json --out "$OUT/tables.md" || true  # markdown tables for bench/RESULTS.md

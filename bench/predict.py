@@ -2,13 +2,16 @@
 
     ./run.sh gpu-python bench/predict.py [--points A,B] [--h2d 50e9] [--out DIR]
 
-No GPU runs. Each system's decode step at the GPU suite's points (bench/gpu_suite.sh: A = 8 requests of 32K tokens
-under a 16 GiB GPU KV budget, B = 4 of 128K under 33 GiB; random Llama-3.1-8B, bf16, budget 2,048) is built as the
-engine builds it (bench/aot/catalogue.py: pool sizes, the IOAA admission of every request at once as
-Scheduler.admit makes it, the dense requests' step and the offloaded ones' micro-batches), compiled for the
-compile-only H200 and costed (bench/aot/cost.py: HBM bytes, kernel launches, host syncs). Recall per
-sparse layer is the replayed SmolLM2 trace's (bench/results/traces, as the bench replays it: each engine
-layer the trace layer at its relative depth) through the system's slot caches (LRU, selection/slot_table.py).
+No GPU runs. Each system's decode step at the GPU suite's points (bench/points.py, which bench/gpu_suite.sh times:
+A = 8 requests of 32K tokens under a 16 GiB GPU KV budget, B = 4 of 128K under 33 GiB, C = 24 of 32K, D = 12 of 128K
+in float8; random Llama-3.1-8B, bf16, budget 2,048), configured as bench/decode_throughput.py --point configures it
+(the same functions) with every "auto" resolved as a GPU engine resolves it, is built as the engine builds it
+(bench/aot/catalogue.py: pool sizes, the IOAA admission of every request at once as Scheduler.admit makes it, the
+dense requests' step and the offloaded ones' micro-batches), compiled for the compile-only H200 and costed
+(bench/aot/cost.py: HBM bytes, kernel launches, host syncs). Recall per sparse layer is the replayed SmolLM2
+trace's (bench/results/traces, as the bench replays it: each engine layer the trace layer at its relative depth)
+through the system's slot caches (LRU, selection/slot_table.py).
+Each prediction lists its programs with their fingerprints (bench/fingerprint.py), as the measured rows do.
 
 Time model (stated, not measured; each term printed):
   GPU time of a program        bytes / bandwidth + launches x t_launch   (t_launch, t_sync calibrated below)
@@ -56,15 +59,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from bench import points as suite_points  # noqa: E402
 from bench.common import RESULTS, write_result  # noqa: E402
 
-POINTS = {"A": dict(prompt=32768, batch=8, gpu_kv_budget=16 << 30, warm=6, steps=12),
-          "B": dict(prompt=130816, batch=4, gpu_kv_budget=33 << 30, warm=4, steps=8),
-          # memory pressure with many requests: dense holds 3 of 24 (host pool ~90 GiB of the H200 host's 128 GiB)
-          "C": dict(prompt=32768, batch=24, gpu_kv_budget=16 << 30, warm=6, steps=12),
-          # 128K with float8 KV (8.3 GiB per request): dense holds 3 of 12 (host pool ~94 GiB)
-          "D": dict(prompt=130816, batch=12, gpu_kv_budget=33 << 30, warm=4, steps=8, kv_dtype="float8_e4m3fn")}
-TRACE = "smollm2"
+POINTS = {name: p.as_dict() for name, p in suite_points.POINTS.items()}  # (the JSON form)
+TRACE = suite_points.TRACE
 MEASURED = RESULTS / "gpu_h200_run1" / "dense_decode_gpu.json"
 DEFAULT_H2D = 50e9  # pinned host -> H200 over PCIe Gen5 (DESIGN.md: ~50-55 GB/s for large copies)
 T_COPY = 5e-6  # fixed cost of one host-to-device copy (DESIGN.md: ~5-7 us per call)
@@ -83,22 +82,24 @@ CALIBRATION = RESULTS / "h200_calibration.json"
 
 
 # ---- the programs ------------------------------------------------------------------------------
-def _engine_config(system: str, point: dict):
-    from bench.decode_throughput import SYSTEMS
-    from pulseinfer_jax import EngineConfig
+def point_args(point: str):
+    """bench/decode_throughput.py's settings at GPU-suite point `point` (`--point`)."""
+    from bench.decode_throughput import parse_args
 
-    new = point["warm"] + point["steps"] + 2 * point["batch"] + 6  # bench/decode_throughput.run_point's max_new
-    base = dict(block_size=16, budget_tokens=2048, dense_layers=2, max_batch=point["batch"],
-                gpu_kv_budget=point["gpu_kv_budget"], progress=False, prefill_chunk=512,
-                kv_dtype=point.get("kv_dtype", "auto"))
-    cfg = EngineConfig.of(**{**base, **SYSTEMS[system]})
-    if system == "pulseinfer-min-reuse":
-        cfg = cfg.with_settings(slot_cache_blocks=cfg.budget_blocks - cfg.offload.sink_blocks - cfg.window_blocks)
+    return parse_args(["--point", point])
+
+
+def _engine_config(system: str, point: str):
+    """(EngineConfig, backends, tokens each request may generate) of `system` at `point`, as
+    bench/decode_throughput.py --point runs it on a GPU."""
+    from bench.decode_throughput import engine_base, system_config
     from pulseinfer_jax.backends import plan_backends
 
+    a = point_args(point)
+    cfg = system_config(engine_base(a), system)
     r = plan_backends(cfg, "gpu")  # each "auto" as a GPU engine resolves it (its start-up checks assumed to pass)
-    backends = {"attention": "pallas", "layer_loop": r.layer_loop, "host_io": r.host_io or "xla"}
-    return cfg, backends, new
+    backends = {"attention": r.decode_attention, "layer_loop": r.layer_loop, "host_io": r.host_io or "xla"}
+    return cfg, backends, suite_points.max_new_tokens(a.warm, a.steps, int(a.batches))
 
 
 def admission(cfg, model_cfg, prompts: list[int], new: int, h2d: float) -> tuple[list[str], object]:
@@ -177,6 +178,7 @@ class SystemStep:
     backends: dict
     unit_bytes: int  # bytes of one recalled entry (a block of every head, or one head's)
     copies_per_miss: int  # host-to-device copies per recalled entry (0: coalesced, one copy per layer)
+    layout: object = None  # the offloaded requests' catalogue.SparseLayout (None: none offloaded)
 
 
 def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemStep:
@@ -188,8 +190,9 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
     from pulseinfer_jax.backends import plan_backends
 
     point = POINTS[point_name]
-    model_cfg = ModelConfig.from_hf_dict(PRESETS["llama-3.1-8b"], name="llama-3.1-8b")
-    cfg, backends, new = _engine_config(system, point)
+    model_cfg = ModelConfig.from_hf_dict(PRESETS[point["model"].removeprefix("random:")],
+                                         name=point["model"].removeprefix("random:"))
+    cfg, backends, new = _engine_config(system, point_name)
     prompts = [point["prompt"]] * point["batch"]
     placements, sizes = admission(cfg, model_cfg, prompts, new, h2d)
     dense_idx = [i for i, p in enumerate(placements) if p == "dense"]
@@ -199,12 +202,13 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
     if dense_idx:
         es = cat.EngineShapes.of(model_cfg, "bfloat16", cfg.with_settings(mode="dense"), **backends)
         dense_calls = cat.dense_decode(es, [prompts[i] for i in dense_idx], new, num_blocks=nb)
-    unit, copies = 0, 1
+    unit, copies, layout = 0, 1, None
     if off_idx:
         es = cat.EngineShapes.of(model_cfg, "bfloat16", cfg, **backends)
         layout = cat.SparseLayout.of(es, prompts, new, offloaded=off_idx, cap_bytes=cfg.gpu_kv_budget)
         mbs = max(1, min(plan_backends(cfg, "gpu").micro_batches, len(off_idx)))  # as a GPU engine resolves it
-        trace = load_trace(RESULTS / "traces" / f"{TRACE}_{cfg.ablation.selection}_b{cfg.offload.budget_tokens}.npz")
+        trace = load_trace(RESULTS / "traces" / f"{point['replay']}_{cfg.ablation.selection}_b"
+                                              f"{cfg.offload.budget_tokens}.npz")
         per_request = lru_misses(cfg, layout.plan, trace, point)
         if cfg.ablation.placement == "device":  # every block stays on the GPU: nothing is recalled
             per_request = np.zeros_like(per_request)
@@ -227,7 +231,7 @@ def system_step(system: str, point_name: str, h2d: float, shardings) -> SystemSt
         ab = cfg.ablation
         copies = 0 if ab.io == "coalesced" else (c.num_kv_heads if ab.selection == "solohead" else 1)
     return SystemStep(system, point_name, placements, dense_calls, sparse_calls, misses, mbs, cfg, backends, unit,
-                      copies)
+                      copies, layout)
 
 
 def steps_for(target, points: list[str], h2d: float, systems: list[str]) -> list[SystemStep]:
@@ -380,6 +384,19 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
     return out
 
 
+def step_programs(st: SystemStep) -> dict[str, float]:
+    """Program key -> runs per decode step (the step's recall buckets weighted by their layers), those that run."""
+    from pulseinfer_jax.kv.blocks import bucket
+
+    runs: dict[str, float] = {}
+    for c in st.dense:
+        runs[c.program.key] = runs.get(c.program.key, 0.0) + c.count
+    for miss in st.misses:  # (a per-layer program's count covers every layer: 1 / sl of it per layer)
+        for c in st.sparse[bucket(max(1, round(miss))) if miss else 0]:
+            runs[c.program.key] = runs.get(c.program.key, 0.0) + c.count / len(st.misses)
+    return {k: n for k, n in runs.items() if n > 0}
+
+
 def _step_totals(calls: list, cost: dict) -> dict:
     """HBM bytes and kernel launches of a step's GPU programs [(Call, times per step)]."""
     return {"step_hbm_bytes": float(sum(cost[c.program.key]["bytes"] * n for c, n in calls)),
@@ -393,7 +410,7 @@ def main() -> int:
     from bench.decode_throughput import SYSTEMS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--points", default="A,B,C,D")
+    ap.add_argument("--points", default=",".join(POINTS), help="GPU-suite points (bench/points.py)")
     ap.add_argument("--systems", default="", help=f"comma list (default all: {', '.join(SYSTEMS)})")
     ap.add_argument("--h2d", type=float, default=DEFAULT_H2D, help="host-to-device bytes/s (IOAA and the model)")
     ap.add_argument("--gather-rate", type=float, default=None,
@@ -415,6 +432,7 @@ def main() -> int:
     opts = {"points": a.points, "h2d": a.h2d, "systems": ",".join(systems)}
     programs = predict_programs(target, **opts)
     have = json.loads(pathlib.Path(a.reuse).read_text())["programs"] if a.reuse else {}
+    have = {k: r for k, r in have.items() if r.get("fingerprint")}  # (older reports: compiled again)
     todo = [k for k in programs if k not in have]
     rows = check.compile_programs(a.target, "bench.predict:predict_programs", opts, todo, a.workers) if todo else []
     bad = [r for r in rows if r["status"] != "compiled"]
@@ -449,6 +467,8 @@ def main() -> int:
         p["tokens_per_s"] = batch / p["step_s"]
         p["step_s_at_1us"] = predict_step(st, rows, low)["step_s"]
         p["tokens_per_s_at_1us"] = batch / p["step_s_at_1us"]
+        p["programs"] = [{"key": k, "function": programs[k].function, "runs_per_step": n, **rows[k]["fingerprint"]}
+                         for k, n in sorted(step_programs(st).items(), key=lambda kv: -kv[1])]
         host = host_seconds(st.config.ablation.recall, p["placements"]["offload"]) if st.sparse else None
         if host is not None:  # the GPU waits for the driver where it is slower (measured on the CPU machine)
             p.update(host_s=host, host_bound=host > p["step_s"], host_bound_at_1us=host > p["step_s_at_1us"])
@@ -471,7 +491,8 @@ def main() -> int:
               f"{r['bytes'] / 1e9:.1f} GB, {r['launches']} launches")
     path = write_result("h200_predict", {"model": dataclasses.asdict(model), "calibration": cal, "points": POINTS,
                                          "trace": TRACE, "predictions": preds, "ratios": ratios,
-                                         "programs": {k: {"cost": r["cost"], "compile_s": r.get("compile_s")}
+                                         "programs": {k: {"cost": r["cost"], "compile_s": r.get("compile_s"),
+                                                          "fingerprint": r.get("fingerprint")}
                                                       for k, r in rows.items()}}, a.out)
     print(f"wrote {path}")
     return 0

@@ -5,6 +5,11 @@ update the cache's state and write the attention entry lists and the misses' rec
     select_plan(scores, num_blocks, stamp, key, layer, rows, capacity, gpu, host, slots, lengths, ...)
         -> SelectPlanOut
 
+With `middle` (the step's forced middle blocks, [SL, B, S, M] per sparse layer, row and lane) a lane's middle blocks
+are its list's instead of the top-k's, sinks and window staying forced: entries >= 0 are blocks (those outside the
+middle range ignored, repeats once), -1 pads; a lane holding `SCORER` (-2) keeps the scored selection. The engine
+always passes it (`SCORER` everywhere but in a replayed trace's steps), so that a replay runs the same program.
+
 One program per (sequence b, lane s) (lane = KV head for headwise selection, 0 for SoloHead). The contract is
 `pulseinfer_jax.selection.policy.select_blocks` followed by `pulseinfer_jax.selection.slot_plan.layer_plan` in
 "recall" mode, per row and lane (the host reads `info`: each lane's counts and its misses' host rows; `miss_slot`
@@ -19,6 +24,8 @@ or the slots' (C-space), never as an [N, C] compare matrix:
   * selection key: SoloHead normalized_sum = per score head softmax(scale * score) over the valid blocks, summed
     over heads (one pass per head row), x (1 + bonus) for blocks in the slot cache; headwise: lane s's raw row;
     retrieval_head: that head's row;
+  * forced middle blocks (`middle`): marked in the logical map (bit 2 of the wanted marks), then forced like the
+    sinks and window, and the top-k takes exactly the forced blocks where the lane's list holds no `SCORER`;
   * top-k: each valid block gets an int32 rank value (forced blocks INT32_MAX, others the order-preserving bit
     pattern of the clipped key); the k-th largest value is found bit by bit (31 counts over K), ties go to the
     lower index by a prefix count: exactly `select_blocks`' order (NaN = -inf, -0.0 = 0.0);
@@ -50,11 +57,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
-from pulseinfer_jax.pallas_kernels.common import next_pow2, on_platform, triton_params
+from pulseinfer_jax.pallas_kernels.common import next_pow2, on_platform, tile, traced_zero, triton_params
 
 _INT_MIN = -(2**31)
 _INT_MAX = 2**31 - 1
 _BIG = float(jnp.finfo(jnp.float32).max)
+SCORER = -2  # a lane of `middle` holding it keeps the scored selection
 
 
 class SelectPlanOut(NamedTuple):
@@ -111,12 +119,12 @@ def _softmax_share(x: Array, valid: Array, scale: float) -> Array:
 
 
 def _kernel(layer_ref, unit_ref, rhead_ref, n_ref, row_ref, cap_ref, len_ref, spb_ref, spg_ref,
-            scores_ref, gpu_ref, host_ref, slots_ref, stamp_in, key_in, kept_ref, kl_ref, kv_in,
+            scores_ref, gpu_ref, host_ref, slots_ref, stamp_in, key_in, kept_ref, kl_ref, kv_in, mid_ref,
             sel_ref, eu_ref, el_ref, lu_ref, ll_ref, ms_ref, info_ref, stamp_ref, key_ref,
             inv_ref, wm_ref, byst_ref, aux_ref, vict_ref, new_ref, tmp_ref, *kv_out,
             k: int, c: int, n_sel: int, heads: int, table_rows: int, lanes: int, budget: int, sink: int,
             window: int, select: str, scale: float, bonus: float, block_size: int, spare: bool, kept: int,
-            fill: tuple[int, int, int, int] | None, interpret: bool):
+            fill: tuple[int, int, int, int] | None, middle: int, interpret: bool):
     barrier = (lambda: None) if interpret else plt.debug_barrier
     kp, cp, npad = next_pow2(k), next_pow2(c), next_pow2(n_sel)
     ki = jnp.arange(kp, dtype=jnp.int32)
@@ -127,8 +135,9 @@ def _kernel(layer_ref, unit_ref, rhead_ref, n_ref, row_ref, cap_ref, len_ref, sp
     n = jnp.clip(n_ref[0], 0, k)
     cap, length = cap_ref[0], len_ref[0]
     cvalid = ci < c
-    ky = plt.load(key_in.at[srow, pl.ds(0, cp)], mask=cvalid, other=-1)
-    st = plt.load(stamp_in.at[srow, pl.ds(0, cp)], mask=cvalid, other=0)
+    zero = traced_zero()
+    ky = plt.load(key_in.at[srow, tile(cp, zero)], mask=cvalid, other=-1)
+    st = plt.load(stamp_in.at[srow, tile(cp, zero)], mask=cvalid, other=0)
 
     # P0: initialise the maps
     inv_ref[pl.ds(0, kp)] = jnp.full((kp,), -1, jnp.int32)
@@ -139,15 +148,23 @@ def _kernel(layer_ref, unit_ref, rhead_ref, n_ref, row_ref, cap_ref, len_ref, sp
     new_ref[1, pl.ds(0, cp)] = ky
     plt.store(byst_ref.at[jnp.where(cvalid, st, cp)], ci, mask=cvalid)  # stamp -> slot
     barrier()
-    # P1: logical block -> slot
+    # P1: logical block -> slot; the forced middle blocks marked (bit 2)
     cached = cvalid & (ky >= 0) & (ky < k)
     plt.store(inv_ref.at[jnp.where(cached, ky, kp)], ci, mask=cached)
+    scored = True
+    if middle:
+        mi = jnp.arange(next_pow2(middle), dtype=jnp.int32)
+        mrow = (layer * pl.num_programs(0) + pl.program_id(0)) * lanes + s_lane
+        mid = plt.load(mid_ref.at[mrow, tile(next_pow2(middle), zero)], mask=mi < middle, other=-1)
+        scored = jnp.sum((mid == SCORER).astype(jnp.int32)) > 0
+        listed = (mid >= sink) & (mid < n - window) & ~scored
+        plt.store(wm_ref.at[jnp.where(listed, mid, kp)], jnp.full(mi.shape, 2, jnp.int32), mask=listed)
     barrier()
     # P2: select (logical order); the selection list
     valid = ki < n
     if select == "normalized_sum":
         def head(h, acc):
-            x = plt.load(scores_ref.at[h, pl.ds(0, kp)], mask=ki < k, other=-jnp.inf)
+            x = plt.load(scores_ref.at[h, tile(kp, zero)], mask=ki < k, other=-jnp.inf)
             for j in range(kept):  # the always-kept blocks' scores (sinks, window; `with_kept_scores`' rule)
                 lj = kl_ref[jnp.int32(j)]
                 x = jnp.where((lj >= 0) & (ki == lj), kept_ref[h, jnp.int32(j)], x)
@@ -157,15 +174,19 @@ def _kernel(layer_ref, unit_ref, rhead_ref, n_ref, row_ref, cap_ref, len_ref, sp
         if bonus:
             key = jnp.where(inv_ref[pl.ds(0, kp)] >= 0, key * (1.0 + bonus), key)
     elif select == "summed":  # shares summed by the caller (tensor parallelism: over devices)
-        key = plt.load(scores_ref.at[jnp.int32(0), pl.ds(0, kp)], mask=ki < k, other=0.0)
+        key = plt.load(scores_ref.at[jnp.int32(0), tile(kp, zero)], mask=ki < k, other=0.0)
         if bonus:
             key = jnp.where(inv_ref[pl.ds(0, kp)] >= 0, key * (1.0 + bonus), key)
     else:
         row = s_lane if select == "headwise" else jnp.clip(rhead_ref[0], 0, heads - 1)
-        key = plt.load(scores_ref.at[row, pl.ds(0, kp)], mask=ki < k, other=-jnp.inf)
+        key = plt.load(scores_ref.at[row, tile(kp, zero)], mask=ki < k, other=-jnp.inf)
     forced = valid & ((ki < sink) | (ki >= n - window))
+    m = jnp.minimum(budget, n)
+    if middle:  # a replayed lane takes exactly its forced blocks: sinks, window and the listed ones
+        forced = forced | ((wm_ref[pl.ds(0, kp)] & 2) > 0)
+        m = jnp.where(scored, m, jnp.sum(forced.astype(jnp.int32)))
     v = jnp.where(forced, jnp.int32(_INT_MAX), jnp.where(valid, _order_value(key), jnp.int32(_INT_MIN)))
-    selm = _top_mask(v, valid, jnp.minimum(budget, n))
+    selm = _top_mask(v, valid, m)
     spos = jnp.where(selm, jnp.cumsum(selm.astype(jnp.int32)) - 1, npad)
     plt.store(tmp_ref.at[0, spos], ki, mask=selm)
     barrier()
@@ -183,12 +204,12 @@ def _kernel(layer_ref, unit_ref, rhead_ref, n_ref, row_ref, cap_ref, len_ref, sp
     plt.store(wm_ref.at[jnp.where(wanted, sel, kp)], jnp.ones((npad,), jnp.int32), mask=wanted)
     barrier()
     # P3: slots hit now; free slots
-    held = plt.load(wm_ref.at[jnp.where(cached, ky, 0)], mask=cached, other=0) > 0
+    held = (plt.load(wm_ref.at[jnp.where(cached, ky, 0)], mask=cached, other=0) & 1) > 0
     free = cvalid & ~held & (ci < cap)
     aux_ref[pl.ds(0, cp)] = free.astype(jnp.int32) + 2 * held.astype(jnp.int32)
     barrier()
     # P4: in stamp order: free ranks (the victims), untouched slots' new stamps
-    byst = plt.load(byst_ref.at[pl.ds(0, cp)], mask=cvalid, other=0)
+    byst = plt.load(byst_ref.at[tile(cp, zero)], mask=cvalid, other=0)
     a = plt.load(aux_ref.at[byst], mask=cvalid, other=0)
     fb, hb = (a & 1) > 0, (a & 2) > 0
     fr = jnp.cumsum(fb.astype(jnp.int32)) - 1
@@ -245,9 +266,9 @@ def _kernel(layer_ref, unit_ref, rhead_ref, n_ref, row_ref, cap_ref, len_ref, sp
     barrier()
     # P6: the lists and the state row out
     for out, rr in ((sel_ref, 0), (eu_ref, 1), (el_ref, 2), (lu_ref, 3), (ll_ref, 4), (ms_ref, 5), (info_ref, 6)):
-        plt.store(out.at[pl.ds(0, npad)], tmp_ref[rr, pl.ds(0, npad)], mask=jnp.arange(npad) < n_sel)
-    plt.store(stamp_ref.at[srow, pl.ds(0, cp)], new_ref[0, pl.ds(0, cp)], mask=cvalid)
-    plt.store(key_ref.at[srow, pl.ds(0, cp)], new_ref[1, pl.ds(0, cp)], mask=cvalid)
+        plt.store(out.at[tile(npad, zero)], tmp_ref[rr, pl.ds(0, npad)], mask=jnp.arange(npad) < n_sel)
+    plt.store(stamp_ref.at[srow, tile(cp, zero)], new_ref[0, pl.ds(0, cp)], mask=cvalid)
+    plt.store(key_ref.at[srow, tile(cp, zero)], new_ref[1, pl.ds(0, cp)], mask=cvalid)
 
 
 def _copy_fill(kv_in, kv_out, first: Array, src: Array, dst: Array, on: Array, lane: Array,
@@ -285,7 +306,7 @@ def copy_fills(kv: Array, layer: Array | int, dst: Int[Array, "B S"], src: Int[A
     return kv.at[layer, dst, :, :, h].set(kv[layer, src, :, :, h])
 
 
-def _check(scores, num_blocks, stamp, key, rows, gpu, slots, budget, sink, window, select, kept):
+def _check(scores, num_blocks, stamp, key, rows, gpu, slots, budget, sink, window, select, kept, middle=None):
     if scores.ndim != 3:
         raise ValueError(f"scores must be [B, H, K], got shape {scores.shape}")
     b, h, k = scores.shape
@@ -309,6 +330,10 @@ def _check(scores, num_blocks, stamp, key, rows, gpu, slots, budget, sink, windo
         raise ValueError(f"headwise selection needs one slot lane per score head: {lanes} lanes, {h} heads")
     if select != "headwise" and lanes != 1:
         raise ValueError(f"SoloHead selection uses one slot lane, got {lanes}")
+    if middle is not None and (middle.ndim != 4 or middle.shape[1:3] != (b, lanes)
+                               or not 1 <= middle.shape[3] <= budget - sink - window):
+        raise ValueError(f"middle {middle.shape} must be [SL, B, S, M] = [SL, {b}, {lanes}, M], 1 <= M <= "
+                         f"budget - sink - window = {budget - sink - window}")
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "sink", "window", "select", "scale", "bonus", "block_size",
@@ -330,6 +355,7 @@ def select_plan(
     retrieval_head: Int[Array, ""] | int = 0,
     kept: tuple[Float[Array, "B H KK"], Int[Array, "B KK"]] | None = None,
     kv: Array | None = None,
+    middle: Int[Array, "SL B S M"] | None = None,
     *,
     budget: int,
     sink: int,
@@ -349,8 +375,9 @@ def select_plan(
     `kv` (the cache [L, NB, 2, rows, Hkv, hd], with `spare`; aliased, updated in place): the kernel also copies each
     spare fill's block into its slot (layer unit_offset // NB), returned as `kv` (else the caller copies it).
     `spare` = (logical block, GPU block) per
-    row: a miss on that block is filled from it on the GPU (an early entry, `info[..., -2:]`), not recalled."""
-    _check(scores, num_blocks, stamp, key, rows, gpu, slots, budget, sink, window, select, kept)
+    row: a miss on that block is filled from it on the GPU (an early entry, `info[..., -2:]`), not recalled.
+    `middle` ([SL, B, S, M], sparse layer `layer`'s rows read): forced middle blocks per lane (module docstring)."""
+    _check(scores, num_blocks, stamp, key, rows, gpu, slots, budget, sink, window, select, kept, middle)
     b, h, k = scores.shape
     sl, tr, lanes, c = stamp.shape
     kp, cp = next_pow2(k), next_pow2(c)
@@ -371,6 +398,7 @@ def select_plan(
         fill = (nb_, rows_, hkv_, hd_)
         flat_kv = kv.reshape(kv.shape[0] * nb_, -1)  # (a free view: one row per flat unit)
     kept_s, kept_l = kept if kept is not None else (scores, gpu)
+    flat_mid = middle.reshape(-1, middle.shape[3]) if middle is not None else gpu  # [SL * B * S, M] (or a stand-in)
     flat_st, flat_ky = stamp.reshape(-1, c), key.reshape(-1, c)
     row_spec = pl.BlockSpec((1,), lambda i, s: (i,))
     whole1 = pl.BlockSpec((1,), lambda i, s: (0,))
@@ -391,7 +419,8 @@ def select_plan(
         kernel = functools.partial(
             _kernel, k=k, c=c, n_sel=budget, heads=h, table_rows=tr, lanes=lanes, budget=budget, sink=sink,
             window=window, select=select, scale=float(scale), bonus=float(bonus), block_size=block_size,
-            spare=spare is not None, kept=kk, fill=fill, interpret=interp)
+            spare=spare is not None, kept=kk, fill=fill, middle=0 if middle is None else middle.shape[3],
+            interpret=interp)
         return pl.pallas_call(
             kernel,
             grid=(b, lanes),
@@ -403,7 +432,8 @@ def select_plan(
                 state_spec, state_spec,
                 pl.BlockSpec((None, h, max(kk, 1)), lambda i, s: (i, 0, 0)),  # kept scores
                 pl.BlockSpec((None, max(kk, 1)), lambda i, s: (i, 0)),  # kept logical blocks
-                kv_spec],  # the cache (the fill's copy), or a stand-in
+                kv_spec,  # the cache (the fill's copy), or a stand-in
+                pl.BlockSpec(flat_mid.shape, lambda i, s: (0, 0))],  # the forced middle blocks, or a stand-in
             out_specs=[lane_out] * 6 + [pl.BlockSpec((None, None, budget + 4), lambda i, s: (i, s, 0)), state_spec,
                                         state_spec] + [spec for spec, _ in scr] + [kv_spec] * (fill is not None),
             out_shape=[lists] * 6 + [jax.ShapeDtypeStruct((b, lanes, budget + 4), i32),
@@ -416,7 +446,7 @@ def select_plan(
         )(one(layer), one(unit_offset), one(retrieval_head), num_blocks.astype(i32), rows.astype(i32),
           capacity.astype(i32), lengths.astype(i32), spb.astype(i32), spg.astype(i32), scores.astype(jnp.float32),
           gpu.astype(i32), host.astype(i32), slots.astype(i32), flat_st, flat_ky, kept_s.astype(jnp.float32),
-          kept_l.astype(i32), flat_kv)
+          kept_l.astype(i32), flat_kv, flat_mid.astype(i32))
 
     out = on_platform(run, interpret)
     return SelectPlanOut(*out[:7], out[7].reshape(stamp.shape), out[8].reshape(key.shape),
@@ -440,6 +470,7 @@ def select_plan_reference(
     retrieval_head: Int[Array, ""] | int = 0,
     kept: tuple[Float[Array, "B H KK"], Int[Array, "B KK"]] | None = None,
     kv: Array | None = None,
+    middle: Int[Array, "SL B S M"] | None = None,
     *,
     budget: int,
     sink: int,
@@ -451,7 +482,7 @@ def select_plan_reference(
 ) -> SelectPlanOut:
     """Plain jnp, batched over rows and lanes: a sort-based top-k, then the slot plan written with one-hot
     compares over the slots (the literal rules of the module docstring)."""
-    _check(scores, num_blocks, stamp, key, rows, gpu, slots, budget, sink, window, select, kept)
+    _check(scores, num_blocks, stamp, key, rows, gpu, slots, budget, sink, window, select, kept, middle)
     b, h, k = scores.shape
     sl, tr, lanes, c = stamp.shape
     i32 = jnp.int32
@@ -494,6 +525,12 @@ def select_plan_reference(
     selm = jnp.zeros(rank.shape, bool).at[jnp.arange(b)[:, None, None], jnp.arange(lanes)[None, :, None],
                                           order].set(jnp.arange(k) < m)
     selm = selm & valid
+    if middle is not None:  # replayed lanes: sinks, window and the listed middle blocks
+        mid = middle[layer].astype(i32)  # [B, S, M]
+        ok = (mid >= sink) & (mid < n - window)
+        listed = jnp.any((mid[..., None] == ki) & ok[..., None], axis=-2)  # [B, S, K]
+        scored = jnp.any(mid == SCORER, axis=-1, keepdims=True)
+        selm = jnp.where(scored, selm, valid & (forced | listed))
 
     def csum(mask):
         return jnp.cumsum(mask.astype(i32), axis=-1) - 1

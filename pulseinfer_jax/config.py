@@ -81,6 +81,9 @@ class OffloadConfig:
     h2d_bytes_per_s: float | None = option(None, "host-to-device bandwidth IOAA assumes; default measured on a GPU")
     ioaa_slack: float = option(0.8, "fraction of a decode step that recall may take (IOAA)")
     ioaa_step_time_s: float = option(0.02, "decode step time IOAA assumes before it has measured one")
+    attention_split_k: int | None = option(None, "splits of the Pallas decode attention over each block list (merged "
+                                           "inside the kernel); default per call from the list's length and the "
+                                           "batch, 1 to 16", cli=False)
     scoring: BlockScoring = section(BlockScoring)
     ablation: OffloadAblation = section(OffloadAblation)
 
@@ -94,7 +97,7 @@ class OffloadConfig:
                              "leave micro_batches unset, or pick recall='interruptible'")
         for name in ("sink_blocks", "dense_layers"):
             _positive_int(name, getattr(self, name), zero_ok=True)
-        for name in ("slot_cache_blocks", "host_kv_tokens"):
+        for name in ("slot_cache_blocks", "host_kv_tokens", "attention_split_k"):
             _positive_int(name, getattr(self, name), none_ok=True)
         if self.h2d_bytes_per_s is not None and not self.h2d_bytes_per_s > 0:
             raise ValueError(f"h2d_bytes_per_s={self.h2d_bytes_per_s!r} must be > 0")

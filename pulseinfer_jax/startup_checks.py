@@ -116,14 +116,17 @@ def check_scoring(device: jax.Device, dtype=None, scoring: BlockScoring = BlockS
 
 
 def check_select_plan(device: jax.Device, *, interpret: bool = False) -> str | None:
-    """The fused selection + slot plan (SoloHead, resident bonus, the spare block's fill copied inside) over two
-    steps that carry the slot state, bit for bit against `select_plan_reference`."""
-    from pulseinfer_jax.pallas_kernels.select_plan import select_plan, select_plan_reference
+    """The fused selection + slot plan (SoloHead, resident bonus, the spare block's fill copied inside, one row's
+    middle blocks forced as a replayed trace's, the other's scored) over two steps that carry the slot state, bit for
+    bit against `select_plan_reference`."""
+    from pulseinfer_jax.pallas_kernels.select_plan import SCORER, select_plan, select_plan_reference
     from pulseinfer_jax.selection import slot_plan
 
     b, h, k, c, unit, bs = 2, 2, 12, 6, 40, 4
     kw = dict(budget=5, sink=1, window=1, select="normalized_sum", scale=0.3, bonus=0.25, block_size=bs)
     rng = np.random.default_rng(2)
+    middle = np.full((2, b, 1, 3), SCORER, np.int32)  # (the engine always passes it: [SL, B, S, M])
+    middle[1, 1, 0] = (4, 2, -1)
     try:
         with jax.default_device(device):
             stamp, key = slot_plan.init_state(2, 3, 1, c)
@@ -143,9 +146,9 @@ def check_select_plan(device: jax.Device, *, interpret: bool = False) -> str | N
                     np.arange(1, 1 + b * c, dtype=np.int32).reshape(b, c), nb * bs - np.array([0, 1], np.int32),
                     np.int32(unit)))
                 spare = tuple(map(jnp.asarray, spare))
-                want = select_plan_reference(*args, spare, 0, None, jnp.asarray(kv), **kw)
+                want = select_plan_reference(*args, spare, 0, None, jnp.asarray(kv), jnp.asarray(middle), **kw)
                 got = select_plan(*args[:2], jnp.array(args[2]), jnp.array(args[3]), *args[4:], spare, 0, None,
-                                  jnp.asarray(kv), interpret=interpret, **kw)
+                                  jnp.asarray(kv), jnp.asarray(middle), interpret=interpret, **kw)
                 for name, a, w in zip(want._fields, got, want, strict=True):
                     if np.asarray(a).tobytes() != np.asarray(w).tobytes():
                         return f"select_plan's {name} (step {step}) differs from its jnp reference"

@@ -4,8 +4,9 @@ A tiny engine runs on CPU in the GPU's default configurations (layer-wise dense 
 interpret mode; offloaded decode with SoloHead, coalesced recall, two micro-batches, pinned-host I/O) and in the
 others (scan, jnp, headwise, fragmented, sync, eager, numpy I/O, mixture of experts) while jax logs every
 compile; each program of the project it compiled (name and argument types) must be one the catalogue's builders
-produce for the same requests. So a new jitted call in the engine, or a change of its arguments' shapes, fails
-here until the compile check knows it.
+produce for the same requests. Every run preempts a request once (its KV through the swap space and back, dense or
+offloaded), so programs that run only on a preemption are checked too. So a new jitted call in the engine, or a
+change of its arguments' shapes, fails here until the compile check knows it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 from pulseinfer_jax.models.loading import load_model
 
 from bench.aot import catalogue as cat
+from bench.aot.suite import host_io_probe
 from pulseinfer_jax import EngineConfig, SamplingParams
 from pulseinfer_jax.backends import plan_backends
 from pulseinfer_jax.engine.core import Engine
@@ -67,8 +69,17 @@ def engine_compiles(model, config: EngineConfig, prompts: list[int]) -> set:
         rng = np.random.default_rng(0)
         reqs = [eng.make_request(i, rng.integers(1, model.cfg.vocab_size, n).tolist(),
                                  SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for i, n in enumerate(prompts)]
-        for _ in eng.run(reqs):
-            pass
+        eng.ensure_pool(reqs)  # (Engine.run, with the youngest request preempted once every request decodes)
+        for r in reqs:
+            eng.submit(r)
+        while eng.busy:
+            running = eng.scheduler.running
+            if not eng.scheduler.preemptions and len(running) == len(reqs) and min(len(r.output) for r in reqs) > 1:
+                assert eng.scheduler.preempt(max(running, key=lambda r: r.index))
+            for _ in eng.step():
+                pass
+        eng.check_drained()
+        assert eng.scheduler.preempted_swap == 1, "no request went through the swap space"
     finally:
         jax.config.update("jax_log_compiles", old)
         logger.removeHandler(log)
@@ -97,7 +108,8 @@ def shardings(kind: str | None):
 def expected(model, config: EngineConfig, prompts: list[int]) -> set:
     """Every signature the catalogue's builders give for these requests: dense or offloaded decode at each batch
     the engine passes through (the first request alone, then all), every recall and write-back size up to the
-    largest, the prefills (layer by layer for offloaded prompts, with each layer's spill) and the allocations."""
+    largest, the prefills (layer by layer for offloaded prompts, with each layer's spill), a request's swap out and
+    back (a dense request's blocks, or an offloaded one's steady GPU blocks) and the allocations."""
     platform = "cpu"
     r = plan_backends(config, platform, is_moe=model.cfg.is_moe)
     es = cat.EngineShapes.of(model.cfg, model.dtype, config, attention=r.decode_attention, layer_loop=r.layer_loop,
@@ -109,6 +121,8 @@ def expected(model, config: EngineConfig, prompts: list[int]) -> set:
             calls += cat.dense_decode(es, prompts[:k], NEW, num_blocks=nb)
         for n in prompts:
             calls += cat.prefill(es, n, blocks_for(n + NEW, config.block_size), num_blocks=nb)
+            for t in range(n + 1, n + NEW + 1):  # (a dense request's table grows as it decodes)
+                calls += cat.swap_programs(es, nb, blocks_for(t, config.block_size))
         calls += cat.allocations(es, shardings, num_blocks=nb)
     else:
         mbs = config.offload.micro_batches or 1
@@ -125,7 +139,11 @@ def expected(model, config: EngineConfig, prompts: list[int]) -> set:
                 calls.append(cat.Call(cat.refresh_meta_program(es, layout, n * layout.plan.sparse_layers)))
         for n in prompts:
             calls += cat.offloaded_prefill(es, layout, n, shardings=shardings)
+            calls += cat.swap_programs(es, layout.num_gpu_blocks, layout.plan.gpu_blocks(n + NEW), "offload")
         calls += cat.allocations(es, shardings, layout)
+        if es.host_io != "numpy":  # the host transfers' start-up check (once per process off a GPU)
+            calls += host_io_probe(model.cfg.num_kv_heads, model.cfg.head_dim, shardings, es.kv_dtype,
+                                   config.block_size)
     return {c.program.signature for c in calls}
 
 
@@ -169,13 +187,18 @@ def test_catalogue_covers_a_mixture_of_experts_engine():
 
 
 def test_the_check_fails_on_a_program_the_catalogue_lacks(tiny_model):
-    """The comparison has teeth: without the prefill builder's programs, the engine's prefill is reported."""
+    """The comparison has teeth: without the prefill builder's programs, the engine's prefill is reported; without the
+    swap builder's, the preemption's swap out and back."""
     config = EngineConfig.of(progress=False)
     got = engine_compiles(tiny_model, config, PROMPTS)
-    prefill = {s for n in PROMPTS for s in (c.program.signature for c in cat.prefill(
-        cat.EngineShapes.of(tiny_model.cfg, tiny_model.dtype, config, attention="jnp", layer_loop="scan",
-                            platform="cpu"), n, blocks_for(n + NEW, 16),
-        num_blocks=sum(blocks_for(p + NEW, 16) for p in PROMPTS) + 1))}
+    es = cat.EngineShapes.of(tiny_model.cfg, tiny_model.dtype, config, attention="jnp", layer_loop="scan",
+                             platform="cpu")
+    nb = sum(blocks_for(p + NEW, 16) for p in PROMPTS) + 1
+    prefill = {s for n in PROMPTS for s in (c.program.signature for c in cat.prefill(es, n, blocks_for(n + NEW, 16),
+                                                                                     num_blocks=nb))}
+    swap = {c.program.signature for n in range(1, nb) for c in cat.swap_programs(es, nb, n)}
     assert not uncovered(got, expected(tiny_model, config, PROMPTS))
     missing = uncovered(got, expected(tiny_model, config, PROMPTS) - prefill)
     assert any(name.startswith("_prefill") for name, _ in missing), missing
+    missing = uncovered(got, expected(tiny_model, config, PROMPTS) - swap)
+    assert {name for name, _ in missing} == {"_gather", "_scatter"}, missing

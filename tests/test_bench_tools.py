@@ -552,7 +552,7 @@ def test_ioaa_places_the_suite_points_no_slower_than_all_offloaded(point):
     spec = predict.POINTS[point]
     placed = {}
     for system in ("pulseinfer", "pulseinfer-no-ioaa"):
-        cfg, _, new = predict._engine_config(system, spec)
+        cfg, _, new = predict._engine_config(system, point)
         prompts = [spec["prompt"]] * spec["batch"]
         placed[system], _ = predict.admission(cfg, model_cfg, prompts, new, predict.DEFAULT_H2D)
     assert "dense" not in placed["pulseinfer-no-ioaa"] and "offload" in placed["pulseinfer-no-ioaa"]

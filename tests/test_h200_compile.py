@@ -262,8 +262,9 @@ def test_slot_plan_compiles_to_a_few_kernels_without_sorts(compiler):
 @pytest.mark.parametrize("select,rows,lanes", [("normalized_sum", 32, 1), ("headwise", 8, 8)])
 def test_fused_selection_and_plan_is_one_kernel_without_spills(compiler, select, rows, lanes):
     """The selection and slot plan of a sparse layer (pallas_kernels/select_plan.py) at the engine's shape for
-    Llama-3.1-8B at 32K x 8 (2,560 candidates, budget 128, 246 slots, 30 sparse layers): one Triton kernel, no
-    register spills, the state and the cache (the spare fill's block copy) updated in place (no copy of either)."""
+    Llama-3.1-8B at 32K x 8 (2,560 candidates, budget 128, 246 slots, 30 sparse layers), with the forced middle
+    blocks the engine always passes: one Triton kernel, no register spills, the state and the cache (the spare
+    fill's block copy) updated in place (no copy of either)."""
     b, k, n, c, sl, r = 8, 2560, 128, 246, 30, 9
     row, table = spec((b,), I32), spec((b, k), I32)
     state = spec((sl, r, lanes, c), I32)
@@ -271,8 +272,9 @@ def test_fused_selection_and_plan_is_one_kernel_without_spills(compiler, select,
                            bonus=0.25, block_size=16, interpret=False)
     kept = (spec((b, rows, 5), jnp.float32), spec((b, 5), I32)) if select == "normalized_sum" else None
     kv = spec((32, 7711, 2, 16, 8, 128), jnp.bfloat16)  # (the cache: the spare fill's copy, in place)
+    middle = spec((sl, b, lanes, n - 5), I32)
     args = (spec((b, rows, k), jnp.float32), row, state, state, spec((), I32), row, row, table, table,
-            spec((b, c), I32), row, spec((), I32), (row, row), spec((), I32), kept, kv)
+            spec((b, c), I32), row, spec((), I32), (row, row), spec((), I32), kept, kv, middle)
     got = compiler(program("select_plan", "kernel", jax.jit(fn, donate_argnums=(2, 3, 15)), args,
                            pallas=("select_plan",)))
     assert got["status"] == "compiled", got.get("error")

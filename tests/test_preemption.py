@@ -1,10 +1,10 @@
 """KV allocated as requests grow, and preemption when the GPU pool runs out: through host memory (bit for bit), or by
-recomputation when the host has no room."""
+recomputation when the host has no room; offloaded requests through host memory only, resuming bit for bit."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import TINY, doubled
 
 from pulseinfer_jax import Engine, EngineConfig, generate_long
 from pulseinfer_jax.kv.blocks import BlockAllocator
@@ -44,7 +44,8 @@ def _decode(s, reqs, steps=1):
             s.prefill_done(r)
             r.output.append(1)
         for r in s.running:
-            assert len(r.blocks) * s.block_size >= r.seq_len  # the token written this step has its block
+            # the token written this step has its block (an offloaded request's window moves in its own blocks)
+            assert len(r.blocks) * s.block_size >= r.seq_len or r.placement == "offload"
             r.output.append(1)
 
 
@@ -210,3 +211,224 @@ def test_swap_space_moves_a_request_in_chunks_bit_for_bit(monkeypatch, dtype):
     untouched = [b for b in range(1, 24) if b not in new]
     np.testing.assert_array_equal(after[:, untouched], before[:, untouched])
     assert space.used_blocks == 0 and space.swapped_in == space.swapped_out == 1
+
+
+class FakePlacer:
+    """The offload side of a scheduler without a model: every request offloaded with `blocks` GPU blocks."""
+
+    def __init__(self, blocks: int):
+        self.blocks, self.resumed = blocks, []
+
+    def candidate(self, req):
+        from pulseinfer_jax.sched.admission import Candidate
+
+        never = 10**6  # (each request asks for its placement)
+        dense, offloaded = (2, never) if req.mode == "dense" else (never, self.blocks)
+        return Candidate(req.index, dense, offloaded, 0.0)
+
+    def fits_ever(self, req, mode):
+        return None
+
+    def setup(self, req):
+        req.sparse = object()
+
+    def prefill_blocks(self, req):
+        return []
+
+    def release(self, req):
+        pass
+
+    def preempted(self, req):
+        pass
+
+    def resume(self, req, old_blocks):
+        self.resumed.append((req.index, list(old_blocks), list(req.blocks)))
+
+
+def test_an_offloaded_request_is_preempted_only_through_host_memory():
+    """A dense request out of blocks preempts the youngest running request: an offloaded one goes to host memory whole
+    and comes back in as many blocks (its placer told which took which); without room there it keeps running and the
+    next youngest, here the dense request itself, goes instead."""
+    for room, victim in ((100, 1), (0, 0)):
+        alloc = BlockAllocator(1 + 6)
+        mover, placer = FakeMover(room), FakePlacer(3)
+        s = Scheduler(alloc, block_size=4, max_batch=8, mode="auto", placer=placer, mover=mover)
+        dense, off = _req(0, 7), _req(1, 7)
+        dense.mode, off.mode = "dense", "offload"
+        for r in (dense, off):
+            s.add(r)
+        _decode(s, [dense, off])
+        assert (dense.placement, off.placement, alloc.num_free) == ("dense", "offload", 1)
+        before = list(off.blocks)
+        _decode(s, [dense, off], steps=5)  # the dense request takes the last free block, then needs a fourth
+        if victim == 1:
+            assert off.status is Status.PREEMPTED and dense.status is Status.RUNNING and 1 in mover.held
+            assert s.preempted_swap == 1 and len(dense.blocks) == 4
+            s.finish(dense, "length")
+            assert s.admit() == [off] and off.status is Status.RUNNING and len(off.blocks) == 3
+            assert placer.resumed == [(1, before, off.blocks)] and 1 not in mover.held
+        else:  # no room in host memory: the offloaded request runs on, the dense one is recomputed later
+            assert off.status is Status.RUNNING and off.blocks == before and dense.status is Status.PREEMPTED
+            assert dense.recompute and s.preempted_recompute == 1 and s.preempted_swap == 0
+        alloc.check_integrity()
+
+
+def test_a_preempted_offloaded_requests_block_roles_move_with_its_kv_and_a_cancelled_one_frees_all():
+    """OffloadPlacer under the scheduler: a preempted offloaded request gives its slot-cache row back and keeps its host
+    rows; resumed in other blocks, each role (window and sink blocks, spare, the block leaving the window, slots,
+    packs) is at the block that took its KV; cancelled while preempted, it frees its host rows and row once."""
+    import jax
+    from pulseinfer_jax.host_offload.host_pool import HostKVPool
+    from pulseinfer_jax.host_offload.placement import SparsePlan
+
+    from pulseinfer_jax.sched.placer import OffloadPlacer
+
+    plan = SparsePlan(num_layers=4, dense_layers=2, block_size=4, num_kv_heads=2, sink_blocks=1, window_blocks=2,
+                      budget_blocks=6, slot_blocks=4, selection="solohead", placement="host")
+    pool = HostKVPool(num_rows=64, first_layer=2, num_layers=4, block_size=4, num_kv_heads=2, head_dim=8,
+                      dtype=np.float32, device=jax.devices()[0], io="numpy")
+    alloc = BlockAllocator(1 + 60)
+    placer = OffloadPlacer(plan, alloc, pool, 4)
+    mover = FakeMover(100)
+    s = Scheduler(alloc, block_size=4, max_batch=8, mode="offload", placer=placer, mover=mover)
+    a, b = _req(0, 30, 10), _req(1, 30, 10)
+    for r in (a, b):
+        s.add(r)
+    assert s.admit() == [a, b]
+    for r in (a, b):
+        r.sparse.prefill_done(len(r.prompt))  # (the engine's offloaded prefill does this)
+        s.prefill_done(r)
+        r.output.append(1)
+        r.sparse.slot_fresh = False
+    for _ in range(6):  # decoding: the window moves on, blocks leave it (the last one's GPU block the spare)
+        for r in (a, b):
+            r.sparse.advance(r.seq_len)
+            r.output.append(1)
+    old, before = list(b.blocks), b.sparse
+    rows, slot_row = list(before.host_rows), before.slot_row
+    assert before.leaving is not None and before.spare
+    assert s.preempt(b) and placer._slot_rows_free == [slot_row] and pool.allocator.num_free == 64 - 1 - 2 * 10
+    s.finish(a, "length")  # a's blocks free up: b lands back in blocks a held
+    assert s.admit() == [b] and b.status is Status.RUNNING and set(b.blocks) - set(old)
+    to = dict(zip(old, b.blocks, strict=True))
+    now = b.sparse
+    assert now.gpu_of == {j: to[g] for j, g in before.gpu_of.items()}
+    assert now.gpu_arr.tolist() == [to[g] if g >= 0 else -1 for g in before.gpu_arr.tolist()]
+    assert (now.spare, now.leaving) == ([to[g] for g in before.spare], (before.leaving[0], to[before.leaving[1]]))
+    assert (now.slot_blocks, now.packs) == ([to[g] for g in before.slot_blocks], [to[g] for g in before.packs])
+    assert now.slot_block_arr.tolist() == now.slot_blocks and now.owned_gpu_blocks() == sorted(b.blocks)
+    assert (now.host_rows, now.num_blocks, now.tokens, now.counters) == (rows, before.num_blocks, before.tokens,
+                                                                         before.counters)
+    units = before.dense_units(now.num_blocks, 61).tolist()  # (flat units: layer * NB + block)
+    assert now.dense_units(now.num_blocks, 61).tolist() == [[u // 61 * 61 + to[u % 61] for u in r] for r in units]
+    assert s.preempt(b)
+    s.finish(b, "abort")  # cancelled while preempted
+    assert mover.held == {} and alloc.num_free == alloc.capacity and pool.allocator.num_free == 63
+    assert sorted(placer._slot_rows_free) == [0, 1] and placer._parked == set()
+    alloc.check_integrity()
+    pool.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def tiny4_bf16():
+    """tiny4 (conftest) in bfloat16: its KV "auto" is bfloat16."""
+    from pulseinfer_jax.models.loading import load_model
+
+    return doubled(load_model(TINY / "llama31", dtype="bfloat16"), "tiny4-bf16")
+
+
+def _offloaded(model, prompts: list[list[int]], config: EngineConfig, new: int, before_step=None):
+    """Greedy decode of `prompts` in `config`'s engine, step by step as Engine.run does, with `before_step(k, engine,
+    requests)` called before engine step k (None: nothing). Returns (engine, requests)."""
+    eng = Engine(model, config)
+    reqs = [eng.make_request(i, p, SamplingParams(max_new_tokens=new, ignore_eos=True)) for i, p in enumerate(prompts)]
+    eng.ensure_pool(reqs)
+    for r in reqs:
+        eng.submit(r)
+    while eng.busy:
+        if before_step is not None:
+            before_step(eng.steps, eng, reqs)
+        for _ in eng.step():
+            pass
+    return eng, reqs
+
+
+OFFLOAD = dict(block_size=4, max_batch=4, prefill_chunk=32, key_chunk=32, window_tokens=8, sink_blocks=1,
+               mode="offload", budget_tokens=24, dense_layers=2)
+
+
+def _prompts(model, lengths=(61, 38, 47)):
+    rng = np.random.default_rng(5)
+    return [rng.integers(3, model.cfg.vocab_size, int(k)).tolist() for k in lengths]
+
+
+def _check_preempted_run(eng, reqs, alone, moved):
+    """The preempted run `eng` gave the unpreempted run's tokens, its requests really moved, and nothing leaked."""
+    assert [r.output for r in reqs] == [r.output for r in alone]
+    assert any(before != after for _, before, after in moved)  # (KV really changed blocks)
+    assert eng.scheduler.preempted_swap == sum(r.preemptions for r in reqs) == len(moved)
+    assert eng.scheduler.preempted_recompute == 0
+    assert eng.swap.swapped_in == eng.swap.swapped_out == len(moved)
+    eng.check_drained()  # every GPU block, host row and swap block free, the allocators consistent
+    assert eng.scheduler.placer._parked == set() and not eng._slots_out
+
+
+def _back(out: dict, reqs, moved: list) -> None:
+    """The preempted requests in `out` (index -> its blocks then) that are back (running, or done in the step they
+    came back in), moved to `moved` as (index, blocks before, blocks now)."""
+    for i in [i for i in out if reqs[i].status is not Status.PREEMPTED]:
+        moved.append((i, out.pop(i), list(reqs[i].blocks)))
+
+
+def _preempt(eng, r, out: dict) -> None:
+    out[r.index] = list(r.blocks)
+    assert eng.scheduler.preempt(r) and r.status is Status.PREEMPTED and r.blocks == []
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "float8_e4m3fn"])
+def test_preempted_offloaded_requests_give_the_unpreempted_tokens_bit_for_bit(tiny4_bf16, kv_dtype):
+    """Offloaded requests (sparse selection: 3 of up to 17 middle blocks a step, recall one step ahead; bfloat16 or
+    float8 KV) preempted before most steps, one or two at a time, each back in the same step in the blocks and
+    slot-cache row another left: each resumes with its slot caches, the recalls it had in flight, its key bounds and
+    its window as they were, and gives the unpreempted run's tokens; nothing is left over. (Back in the same step,
+    every decode batch is the unpreempted run's: XLA:CPU rounds a one-row bfloat16 batch differently from a larger
+    one, so a longer absence is checked on float32, below.)"""
+    config = EngineConfig.of(**OFFLOAD, kv_dtype=kv_dtype)
+    prompts = _prompts(tiny4_bf16)
+    _, alone = _offloaded(tiny4_bf16, prompts, config, 20)
+    # (every prompt is longer than the 24-token budget: each step selects, and recalls what its slots lack)
+    assert min(map(len, prompts)) > 24 and all(r.sparse.counters.recalled_blocks for r in alone)
+    moved, out = [], {}
+
+    def churn(k, eng, reqs):
+        _back(out, reqs, moved)
+        for i in [[1, 2], [0], [2]][k % 3]:
+            if reqs[i].status is Status.RUNNING:
+                _preempt(eng, reqs[i], out)
+
+    eng, reqs = _offloaded(tiny4_bf16, prompts, config, 20, churn)
+    _back(out, reqs, moved)
+    _check_preempted_run(eng, reqs, alone, moved)
+    assert len({i for i, _, _ in moved}) == 3 and len(moved) >= 20
+
+
+def test_an_offloaded_request_out_for_several_steps_resumes_bit_for_bit(tiny4):
+    """An offloaded request (float8 KV) preempted for 4 steps while the others decode on (the batch capped at them),
+    then back in the blocks of one preempted as it returns: its tokens, and everyone's, are the unpreempted run's."""
+    config = EngineConfig.of(**OFFLOAD, kv_dtype="float8_e4m3fn")
+    prompts = _prompts(tiny4)
+    _, alone = _offloaded(tiny4, prompts, config, 20)
+    moved, out, waited = [], {}, []
+
+    def hold(k, eng, reqs):
+        _back(out, reqs, moved)
+        waited.extend(i for i in out if 10 < k < 15)
+        eng.scheduler.max_batch = 2 if 10 <= k < 15 else config.max_batch
+        if k in (10, 15):  # request 0 out; back, in blocks request 1 leaves then
+            _preempt(eng, reqs[0 if k == 10 else 1], out)
+
+    eng, reqs = _offloaded(tiny4, prompts, config, 20, hold)
+    _back(out, reqs, moved)
+    _check_preempted_run(eng, reqs, alone, moved)
+    assert waited == [0] * 4 and len(moved) == 2
+    assert set(moved[0][2]) - set(moved[0][1])  # (request 0 is back in blocks request 1 held)

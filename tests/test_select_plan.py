@@ -2,22 +2,25 @@
 reference bit for bit, and the reference against the contract it fuses: `policy.select_blocks` followed by
 `slot_plan.layer_plan` in "recall" mode (selections equal up to exact float ties, plans equal bit for bit), over
 steps that carry the slot state: shuffled table rows, a padding row, ties, NaN / inf scores, NaN past each
-sequence's blocks, lengths at block boundaries, budgets above the block count, the spare-block fill."""
+sequence's blocks, lengths at block boundaries, budgets above the block count, the spare-block fill, and forced
+middle blocks (a replayed trace's: lanes listing blocks, repeats, sinks / window / blocks past the end, nothing at
+all, beside lanes that keep the scored selection)."""
 
 import zlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pulseinfer_jax.pallas_kernels.select_plan import select_plan, select_plan_reference
+from pulseinfer_jax.pallas_kernels.select_plan import SCORER, select_plan, select_plan_reference
 
 from pulseinfer_jax.selection import slot_plan
 from pulseinfer_jax.selection.kept_blocks import kept_logical, with_kept_scores
-from pulseinfer_jax.selection.policy import resident_mask, select_blocks, summed_shares
+from pulseinfer_jax.selection.policy import resident_mask, select_blocks, summed_shares, with_middle
 from pulseinfer_jax.selection.slot_plan import SlotStep
 
 B, H, K, C, N, SL, R, BS = 4, 4, 37, 14, 6, 2, 6, 4  # (N: not a power of two)
 SINK, WINDOW, SCALE, UNIT = 1, 2, 0.3, 100
+M = N - SINK - WINDOW  # forced middle blocks a lane may list
 
 
 def _seed(*case) -> int:
@@ -55,6 +58,19 @@ def _step(rng, it, ties):
     return scores, nb, rows, cap, gpu, host, slots, lengths, spare
 
 
+def _middle(rng, lanes):
+    """Forced middle blocks [SL, B, lanes, M]: per lane the scored selection (SCORER anywhere), nothing (-1 only), or
+    blocks anywhere in [-1, K + 2) (the middle range's, sinks, window, past the row's end, repeats)."""
+    mid = rng.integers(-1, K + 2, (SL, B, lanes, M)).astype(np.int32)
+    kind = rng.integers(0, 4, (SL, B, lanes))
+    mid[kind == 0] = -1
+    at = rng.integers(0, M, (SL, B, lanes))
+    for idx in zip(*np.nonzero(kind == 1), strict=True):
+        mid[idx + (at[idx],)] = SCORER
+    mid[..., 1][kind == 2] = mid[..., 0][kind == 2]  # a repeat
+    return mid
+
+
 def _args(stamp, key, layer, st, with_spare, with_kept=False):
     """The kernel's positional arguments; `with_kept`: the always-kept blocks' own scores (normalized_sum)."""
     scores, nb, rows, cap, gpu, host, slots, lengths, spare = (jnp.asarray(a) if not isinstance(a, tuple) else
@@ -77,11 +93,15 @@ CASES = [("normalized_sum", 1, False, True), ("normalized_sum", 1, True, False),
          ("headwise", H, False, True), ("headwise", H, True, True)]
 
 
-@pytest.mark.parametrize("select,lanes,ties,spare", CASES + [("summed", 1, True, True)])
-def test_kernel_matches_reference_bit_for_bit(select, lanes, ties, spare):
-    rng = np.random.default_rng(_seed(select, ties, spare))
+MIDDLE = [("normalized_sum", 1, False, True), ("headwise", H, True, True), ("retrieval_head", 1, True, False)]
+
+
+@pytest.mark.parametrize("select,lanes,ties,spare,middle", [c + (False,) for c in CASES]
+                         + [("summed", 1, True, True, False)] + [c + (True,) for c in MIDDLE])
+def test_kernel_matches_reference_bit_for_bit(select, lanes, ties, spare, middle):
+    rng = np.random.default_rng(_seed(select, ties, spare, middle))
     stamp, key = slot_plan.init_state(SL, R, lanes, C)
-    fills = 0
+    fills = replayed = hits = 0
     for it in range(8):
         args = _args(stamp, key, it % SL, _step(rng, it, ties), spare, select == "normalized_sum")
         # with the spare fill: the cache too (the fill copies blocks of layer UNIT // NB = 1; NaN-poisoned elsewhere)
@@ -90,9 +110,10 @@ def test_kernel_matches_reference_bit_for_bit(select, lanes, ties, spare):
             kv = np.full((2, UNIT, 2, BS, lanes if select == "headwise" else 2, 8), np.nan, np.float32)
             kv[1] = rng.normal(size=kv[1].shape)
             kv = jnp.asarray(kv)
-        ref = select_plan_reference(*args, kv, **_kw(select))
+        mid = jnp.asarray(_middle(rng, lanes)) if middle else None
+        ref = select_plan_reference(*args, kv, mid, **_kw(select))
         got = select_plan(*args[:2], jnp.array(stamp), jnp.array(key), *args[4:], None if kv is None else
-                          jnp.array(kv), interpret=True, **_kw(select))
+                          jnp.array(kv), mid, interpret=True, **_kw(select))
         for name, a, b in zip(ref._fields, got, ref, strict=True):
             if b is None:
                 assert a is None
@@ -106,9 +127,29 @@ def test_kernel_matches_reference_bit_for_bit(select, lanes, ties, spare):
                 have = kv_got[1, dst] if select != "headwise" else kv_got[1, dst, :, :, s_]
                 np.testing.assert_array_equal(have, want)
                 fills += 1
+        if middle:  # the replayed lanes took their listed blocks (none of them scored), the others their own
+            forced = _forced(np.asarray(args[1]), np.asarray(mid)[it % SL])
+            sel = np.asarray(ref.sel)
+            for (b_, s_), want in forced.items():
+                assert set(sel[b_, s_]) - {-1} == want, (it, b_, s_)
+            replayed += len(forced)
+        hits += int(np.asarray(ref.info)[..., -4].sum())
         stamp, key = ref.stamp, ref.key
-    assert int(np.asarray(ref.info)[..., -4].sum()) > 0  # the state carried: hits happen
+    assert hits > 0  # the state carried: hits happen
     assert fills > 0 or not spare
+    assert replayed > 0 or not middle
+
+
+def _forced(nb, mid):
+    """(row, lane) -> the blocks a replayed lane selects: its sinks, window and listed middle blocks."""
+    out = {}
+    for b, s in np.ndindex(*mid.shape[:2]):
+        if (mid[b, s] == SCORER).any():
+            continue
+        n = int(nb[b])
+        kept = {j for j in range(n) if j < SINK or j >= n - WINDOW}
+        out[(b, s)] = kept | {int(j) for j in mid[b, s] if SINK <= j < n - WINDOW}
+    return out
 
 
 def _same_up_to_ties(got, want, sel_key):
@@ -122,16 +163,19 @@ def _same_up_to_ties(got, want, sel_key):
                 np.testing.assert_allclose(sel_key[b, s, x], sel_key[b, s, y], rtol=1e-5)
 
 
-@pytest.mark.parametrize("select,lanes,ties,spare", CASES)
-def test_reference_is_select_blocks_then_layer_plan(select, lanes, ties, spare):
-    rng = np.random.default_rng(1 + _seed(select, ties, spare))
+@pytest.mark.parametrize("select,lanes,ties,spare,middle", [c + (False,) for c in CASES]
+                         + [c + (True,) for c in CASES])
+def test_reference_is_select_blocks_then_layer_plan(select, lanes, ties, spare, middle):
+    """... and with forced middle blocks, `select_blocks` then `policy.with_middle` (the jnp path's rule)."""
+    rng = np.random.default_rng(1 + _seed(select, ties, spare, middle))
     stamp, key = slot_plan.init_state(SL, R, lanes, C)
     for it in range(8):
         st = _step(rng, it, ties)
         args = _args(stamp, key, it % SL, st, spare, select == "normalized_sum")
         scores, nb, rows, cap, gpu, host, slots, lengths, spare_a = args[0], args[1], *args[5:11], args[12]
         layer = args[4]
-        ref = select_plan_reference(*args, **_kw(select))
+        mid = jnp.asarray(_middle(rng, lanes)) if middle else None
+        ref = select_plan_reference(*args, None, mid, **_kw(select))
         norm = select == "normalized_sum"
         if norm:  # the contract scores the kept blocks by `with_kept_scores` first
             scores = with_kept_scores(scores, *args[14])
@@ -140,6 +184,8 @@ def test_reference_is_select_blocks_then_layer_plan(select, lanes, ties, spare):
                             solohead="normalized_sum" if norm else "retrieval_head", retrieval_head=2,
                             score_scale=SCALE, resident=resident_mask(key[layer, rows, 0], K) if norm else None,
                             resident_bonus=0.25 if norm else 0.0)
+        if middle:
+            sel = with_middle(sel, mid[layer], nb, SINK, WINDOW)
         if norm:  # the summed shares the selection ranks (tie check)
             x = np.nan_to_num(np.asarray(scores) * SCALE, nan=-np.inf, posinf=np.finfo(np.float32).max)
             x = np.where(np.arange(K) < np.asarray(nb)[:, None, None], x, -np.inf)

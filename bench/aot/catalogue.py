@@ -8,6 +8,7 @@ Each builder mirrors one path of the engine and returns `Call`s (program, runs p
     blocks leaving the window), at a given recall size per layer;
   - `offloaded_prefill`: an offloaded prompt's layer-segmented prefill and the spill of each layer (write-back, key
     bounds, copies);
+  - `swap_programs`: a preempted request's GPU blocks out to the swap space and back (dense or offloaded);
   - `allocations`, `probes`: the zero-filled pools and the engine's start-up probes.
 Host-built inputs come from the same functions the engine uses (`pulseinfer_jax.runner.sparse_inputs`, `offload`,
 `SparseKV`), so shapes cannot drift; `tests/test_aot_catalogue.py` checks on CPU that a tiny engine compiles
@@ -17,6 +18,7 @@ nothing the catalogue lacks. Arguments are `Spec`s: building a catalogue needs n
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Any
@@ -192,15 +194,21 @@ def dense_decode(es: EngineShapes, lengths: list[int], max_new_tokens: int, *, n
 
 
 def swap_programs(es: EngineShapes, num_blocks: int, request_blocks: int, group: str = "dense") -> list[Call]:
-    """A preempted dense request's swap (host_offload/swap.py): its `request_blocks` gathered from a cache of
-    `num_blocks` (then copied to host memory) and scattered back on resumption, a chunk of at most
-    `swap.CHUNK_BLOCKS` blocks per program, at the width the swap space buckets it to. Counts are per preemption and
-    chunk, not per step."""
-    n = bucket(min(request_blocks, swap.CHUNK_BLOCKS))
+    """A preempted request's swap (host_offload/swap.py): its `request_blocks` (a dense request's table, an
+    offloaded one's steady GPU blocks: `SparsePlan.gpu_blocks`) gathered from a cache of `num_blocks` (then copied to
+    host memory) and scattered back on resumption, in chunks of at most `swap.CHUNK_BLOCKS` blocks, one program each
+    at the width the swap space buckets the chunk to (the last chunk's may be narrower). Counts are programs per
+    preemption, not per step. (An offloaded request's recalls in flight land first, `sparse_layer.land`: one of
+    `sparse_decode`'s programs.)"""
+    c = swap.CHUNK_BLOCKS
+    widths = collections.Counter(bucket(min(c, request_blocks - i)) for i in range(0, request_blocks, c))
     kv = es.kv(num_blocks)
-    data = spec((kv.shape[0], n, *kv.shape[2:]), kv.dtype)
-    return [Call(es.program("_gather", group, swap._gather, (kv, _vec(n)))),
-            Call(es.program("_scatter", group, swap._scatter, (kv, _vec(n), data)))]
+    calls = []
+    for n, chunks in sorted(widths.items(), reverse=True):
+        data = spec((kv.shape[0], n, *kv.shape[2:]), kv.dtype)
+        calls += [Call(es.program("_gather", group, swap._gather, (kv, _vec(n))), chunks),
+                  Call(es.program("_scatter", group, swap._scatter, (kv, _vec(n), data)), chunks)]
+    return calls
 
 
 def prefill(es: EngineShapes, prompt_tokens: int, table_blocks: int, *, num_blocks: int | None = None,

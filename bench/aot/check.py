@@ -5,12 +5,12 @@
 
 Per program: lowering and compile time, the kernels XLA made of it (thunk sequence: grid, threads, shared memory;
 `ptxas -v`: registers, spills, stack), its static cost (cost.py: HBM bytes, launches, CUDA graphs, host
-transfers) and any launch-limit violation (threads x registers over the block's registers, shared memory over the
-opt-in maximum, a grid dimension too large). Exits 1 if a program fails to compile, a planted program compiles,
-or a program the engine runs by default has a violation or a register spill; other programs' violations are
-reported. Run it through `./run.sh compile-gpu`, which provides the environment (jax's CUDA plugin, ptxas,
-JAX_PLATFORMS=cpu). It proves the programs compile and fit the target's limits; not their speed, their results
-on a device, or launch-time faults.
+transfers), its fingerprint (bench/fingerprint.py) and any launch-limit violation (threads x registers over the
+block's registers, shared memory over the opt-in maximum, a grid dimension too large). Exits 1 if a program fails to
+compile, a planted program compiles, or a program the engine runs by default has a violation or a register spill;
+other programs' violations are reported. Run it through `./run.sh compile-gpu`, which provides the environment
+(jax's CUDA plugin, ptxas, JAX_PLATFORMS=cpu). It proves the programs compile and fit the target's limits; not their
+speed, their results on a device, or launch-time faults.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from bench.aot.cost import program_cost
 from bench.aot.ptxas import PtxasRecorder
 from bench.aot.target import CompileTarget, GpuLimits, use_cpu_backend
 from bench.aot.thunks import LAUNCH_KINDS, Thunk, load
+from bench.fingerprint import fingerprint, portable_locations
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results" / "h200_compile.json"
 
@@ -117,7 +118,7 @@ def compile_one(target: CompileTarget, recorder: PtxasRecorder, prog, work: path
     mem = compiled.memory_analysis()
     memory = {k: getattr(mem, f"{k}_size_in_bytes", 0) for k in ("argument", "output", "alias", "temp")}
     row.update(status="compiled", lower_s=round(t1 - t0, 3), compile_s=round(t2 - t1, 3),
-               cost=cost.as_dict(), violations=violations, memory=memory,
+               cost=cost.as_dict(), violations=violations, memory=memory, fingerprint=fingerprint(hlo_text),
                pallas=sorted(found),
                max_registers=max((k.registers or 0 for k in kernels), default=0),
                max_shared_memory=max((k.shared_memory for k in kernels), default=0),
@@ -160,6 +161,7 @@ def _worker(args: tuple) -> list[dict]:
     """One worker process: its own target, ptxas recorder and programs; compiles programs `keys`."""
     target_path, builder, options, keys, work = args
     use_cpu_backend()
+    portable_locations()  # (fingerprints as a checkout at any path, or the GPU bench, makes them)
     target = CompileTarget.load(target_path)
     work = pathlib.Path(work)
     recorder = PtxasRecorder(pathlib.Path(tempfile.mkdtemp(dir=work)))

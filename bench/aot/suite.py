@@ -212,6 +212,14 @@ def ablation_points(suite: Suite, *, shardings, hbm: int, quick: bool = False) -
     for es in (engine("llama-3.1-8b", ctx, EngineConfig()), f8):
         per = blocks_for(ctx + NEW_TOKENS, es.config.block_size)
         suite.add(f"preemption/swap-{jnp.dtype(es.kv_dtype).name}/{ctx}", cat.swap_programs(es, b * per + 1, per))
+    # a preempted offloaded request's swap (its steady GPU blocks; bfloat16 and float8 KV), in the offloaded
+    # batch's cache
+    off = EngineConfig.of(mode="offload", max_batch=max(BATCHES), budget_tokens=budget)
+    for es in (engine("llama-3.1-8b", ctx, off), ablation("llama-3.1-8b", ctx, off.with_settings(
+            kv_dtype="float8_e4m3fn"))):
+        layout = offload_layout(es, [ctx] * b, hbm)
+        suite.add(f"preemption/swap-offload-{jnp.dtype(es.kv_dtype).name}/{ctx}x{b}",
+                  cat.swap_programs(es, layout.num_gpu_blocks, layout.plan.gpu_blocks(ctx + NEW_TOKENS), "offload"))
     for loop, att in (("scan", "pallas"), ("scan", "jnp"), ("layerwise", "jnp")):
         es = ablation("llama-3.1-8b", ctx, EngineConfig(), attention=att, layer_loop=loop)
         suite.add(f"ablation/dense-{loop}-{att}/{ctx}x{b}", cat.dense_decode(es, [ctx] * b, NEW_TOKENS))
@@ -276,7 +284,8 @@ def kernel_cases(suite: Suite, quick: bool = False) -> None:
                     state = spec((32, b + 1, lanes, cap), I32)
                     row, table = spec((b,), I32), spec((b, kc), I32)
                     args = (spec((b, rows, kc), jnp.float32), row, state, state, spec((), I32), row, row, table,
-                            table, spec((b, cap), I32), row, spec((), I32), (row, row))
+                            table, spec((b, cap), I32), row, spec((), I32), (row, row), spec((), I32), None, None,
+                            spec((32, b, lanes, budget - 5), I32))  # (the forced middle blocks: always passed)
                     _kernel(suite, "select_plan", select_plan.select_plan, args,
                             f"{select} budget {budget} ctx {ctx} B {b}", default=select == "normalized_sum",
                             budget=budget, sink=1, window=4, select=select, scale=0.088, bonus=0.25, block_size=bs)
@@ -359,21 +368,25 @@ def probes(suite: Suite, *, shardings) -> None:
         calls.append(Call(program("grouped_matmul", "probe", grouped_matmul.grouped_matmul,
                                   (x, spec(shape, BF16), tiles), {"tile_m": 16, "expert_axis": axis})))
     for hd, hkv in ((128, 8), (128, 4), (64, 3)):  # the models' block shapes: Llama / Qwen3-14B, Qwen3-30B, SmolLM2
-        calls += _host_io_probe(hkv, hd, shardings)
+        calls += host_io_probe(hkv, hd, shardings)
     suite.add("probes", calls)
 
 
-def _host_io_probe(hkv: int, hd: int, shardings) -> list[Call]:
+def host_io_probe(hkv: int, hd: int, shardings, dtype=BF16, block_size: int = 16) -> list[Call]:
+    """host_pool.probe_host_io's programs for blocks of `hkv` heads of `hd`, `block_size` tokens in `dtype` (the
+    cache's storage dtype: float8's bytes take their scale rows)."""
     from pulseinfer_jax.host_offload import numpy_io, xla_io
 
     host, dev = shardings("pinned_host"), shardings("device")
     write, stage_blocks, stage_units, fragment, write_units = xla_io.transfers(host, dev, 1)
-    pool = spec((1, 4, 2, 16, hkv, hd), BF16, "pinned_host")
-    kv = spec((2, 4, 2, 16, hkv, hd), BF16)
+    rows = kv_quant.block_rows(block_size, hd, dtype)
+    pool = spec((1, 4, 2, rows, hkv, hd), dtype, "pinned_host")
+    kv = spec((2, 4, 2, rows, hkv, hd), dtype)
     v2, h = spec((2,), I32), "pinned_host"
     return [Call(program("write_back", "probe", write, (pool, kv, v2, v2, spec((), I32)))),
-            Call(program("stage_blocks_outer", "probe", stage_blocks,
-                         (pool, spec((), I32, h), spec((2,), I32, PLACED)))),
+            # two blocks, then one at a time (a reused staging buffer must not show)
+            *(Call(program("stage_blocks_outer", "probe", stage_blocks,
+                           (pool, spec((), I32, h), spec((n,), I32, PLACED)))) for n in (2, 1)),
             Call(program("stage_units_outer", "probe", stage_units,
                          (pool, spec((), I32, h), spec((2, 2), I32, PLACED)))),
             Call(program("fragment", "probe", fragment, (pool, spec((), I32), spec((1,), I32), spec((1,), I32)))),

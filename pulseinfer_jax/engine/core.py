@@ -36,6 +36,7 @@ from pulseinfer_jax.request import Request, SamplingParams, Status, TokenEvent
 from pulseinfer_jax.runner.dense import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
 from pulseinfer_jax.runner.offloaded_prefill import SegmentedPrefiller, chunk_size
 from pulseinfer_jax.runner.sampling import greedy_sample, sample
+from pulseinfer_jax.runner.sparse_decoder import SavedSlots
 from pulseinfer_jax.runner.sparse_inputs import PlacedRows
 from pulseinfer_jax.sched.admission import IOAAConfig
 from pulseinfer_jax.sched.placer import OffloadPlacer
@@ -93,7 +94,8 @@ class Engine:
         self._layer_ids: list[jax.Array] | None = None
         self._bars: dict = {}
         self.host_pool = None  # host_offload.HostKVPool (modes offload / auto)
-        self.swap: SwapSpace | None = None  # preempted dense requests' KV in host memory (ensure_pool sizes it)
+        self.swap: SwapSpace | None = None  # preempted requests' KV in host memory (ensure_pool sizes it)
+        self._slots_out: dict[int, SavedSlots] = {}  # preempted offloaded requests' slot-cache state
         self.sparse = None  # sparse_decoder.SparseDecoder
         self.prefiller = None  # offloaded_prefill.SegmentedPrefiller (offloaded prompts)
         self._segments: dict[int, object] = {}  # request index -> its offloaded_prefill.SegmentedPrefill
@@ -231,6 +233,7 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks)
         self._segments = {}
         self.swap = SwapSpace(self._swap_blocks(num_blocks))
+        self._slots_out = {}
         if plan is None:
             self.scheduler = Scheduler(self.allocator, bs, cfg.max_batch, mover=self)
             return
@@ -256,17 +259,27 @@ class Engine:
 
     # ---- preemption: the scheduler's KVMover -------------------------------------------------------
     def swap_out(self, req: Request) -> bool:
-        """Copy a preempted dense request's KV to host memory; False when the swap space has no room for it."""
+        """Copy a preempted request's GPU blocks (every layer: an offloaded request's resident, slot and dense-layer
+        blocks alike) to host memory; False when the swap space has no room for them. An offloaded request's
+        recalls issued ahead land first and its slot-cache state is kept beside its KV (its host rows and key bounds
+        stay in place), so that it resumes exactly where it stopped."""
         if self.swap is None or not self.swap.can_hold(len(req.blocks)):
             return False
+        if req.sparse is not None:
+            self.kv, self._slots_out[req.index] = self.sparse.preempt(self.kv, req.sparse)
         self.swap.swap_out(self.kv, req.blocks, req.index)
         return True
 
     def swap_in(self, req: Request, blocks: list[int]) -> None:
+        """A preempted request's KV into `blocks` (an offloaded one's sparse state names them already, with its
+        slot-cache table row: its slot caches go there)."""
         self.kv = self.swap.swap_in(self.kv, blocks, req.index)
+        if req.sparse is not None:
+            self.sparse.resume(req.sparse, self._slots_out.pop(req.index))
 
     def drop(self, req: Request) -> None:
         self.swap.drop(req.index)
+        self._slots_out.pop(req.index, None)
 
     def _ensure_offload(self, plan, rows: int, num_blocks: int) -> None:
         from pulseinfer_jax.host_offload.host_pool import HostKVPool

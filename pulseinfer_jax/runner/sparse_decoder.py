@@ -65,6 +65,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Int
 
 from pulseinfer_jax.backends import ResolvedBackends
 from pulseinfer_jax.config import OffloadConfig
@@ -115,6 +116,7 @@ class SparseDecoder:
         # as resolved for the device: the scoring (its key-bounds dtype), the attention, the batch split
         self.scoring: BlockScoring = backends.scoring
         self.attention: str = backends.sparse_attention
+        self.split_k: int | None = offload.attention_split_k  # (the Pallas attention's splits; None: per call)
         self.micro_batches: int = backends.micro_batches
         # one weight pytree per layer, made on first use: by `split_weights` (the engine's, shared with its
         # layer-wise dense step) or split here
@@ -171,6 +173,7 @@ class SparseDecoder:
         self.steps_logged = 0
         # recall="ahead": per sparse layer, the recall issued for its next call (None: nothing in flight)
         self._pending: list[Pending | None] = [None] * plan.sparse_layers
+        self._scored: dict[tuple, jax.Array] = {}  # per shape, the device `scored_middle` (no copy per step)
 
     @property
     def layer_params(self) -> list[dict]:
@@ -340,8 +343,7 @@ class SparseDecoder:
         bp = mb.tokens.shape[0]
         rows, dense = (jax.tree.map(jnp.asarray, t) for t in (mb.rows, mb.dense))
         step = self._step_inputs(sparse, mb.tables, bp, spare=True)
-        spec = SelectSpec.of(p, ab.solohead, self.attention, self.scoring, coarse=mb.coarse,
-                             override=step.override is not None)
+        spec = SelectSpec.of(p, ab.solohead, self.attention, self.scoring, coarse=mb.coarse)
         fan = self._fan()
         copies0, bytes0 = self.pool.h2d_copies, self.pool.h2d_bytes
         late = 0  # recalls not landed yet when their layer was dispatched (the GPU waits for them)
@@ -361,7 +363,8 @@ class SparseDecoder:
             if layer < p.dense_layers:
                 kv, x, self.arrivals = sparse_layer.dense_layer(
                     model, lp, kv, x, rows.positions, dense.write[layer], dense.ids[layer], dense.lens, placed,
-                    None if placed is None else self._dense_offsets[layer], self.arrivals, attention=self.attention)
+                    None if placed is None else self._dense_offsets[layer], self.arrivals, attention=self.attention,
+                    split_k=self.split_k)
                 continue
             sl = layer - p.dense_layers
             landing, ready, w = self._take_landing(sl)
@@ -369,7 +372,7 @@ class SparseDecoder:
             waited += w
             kv, self.bounds, x, self.slot_state, plan, sel, self.arrivals = sparse_layer.ahead_layer(
                 model, lp, kv, x, self.bounds, self.slot_state, rows, step, self._layer_refs[sl], landing, placed,
-                self.arrivals, spec=spec, attention=self.attention, fan=fan)
+                self.arrivals, spec=spec, attention=self.attention, fan=fan, split_k=self.split_k)
             plans.append((sl, plan, sel))
         out = sparse_layer.logits(model, head, x)
         for sl, plan, sel in plans:  # the GPU is still on the later layers while these are read
@@ -460,8 +463,7 @@ class SparseDecoder:
             late_rows = np.zeros(bp, bool)
             late_rows[: len(first)] = first
             late_rows = jax.device_put(late_rows, self.replicated)
-        spec = SelectSpec.of(p, ab.solohead, self.attention, self.scoring, coarse=mb.coarse,
-                             override=step.override is not None)
+        spec = SelectSpec.of(p, ab.solohead, self.attention, self.scoring, coarse=mb.coarse)
 
         head = head_params(params)  # embed / logits read no layer weights: do not pass them
         x = sparse_layer.embed(model, head, jnp.asarray(mb.tokens))
@@ -471,15 +473,15 @@ class SparseDecoder:
             if layer < p.dense_layers:
                 self.kv, x, self.arrivals = sparse_layer.dense_layer(
                     model, lp, self.kv, x, rows.positions, dense.write[layer], dense.ids[layer], dense.lens,
-                    arrivals=self.arrivals, attention=self.attention)
+                    arrivals=self.arrivals, attention=self.attention, split_k=self.split_k)
                 continue
             sl = layer - p.dense_layers
             self.kv, self.bounds, q, self.slot_state, plan, sel = sparse_layer.sparse_pre(
                 model, lp, self.kv, x, self.bounds, self.slot_state, rows, step, self._layer_refs[sl], spec=spec)
             # eager: the attention over the early entries is queued before the plan is read, so that the GPU works on
             # it while the host reads the plan and issues the recall (one more call on layers with nothing to recall)
-            early = sparse_layer.attend(q, self.kv, plan.early, attention=self.attention) if ab.recall == "eager" \
-                else None
+            early = sparse_layer.attend(q, self.kv, plan.early, attention=self.attention, split_k=self.split_k) \
+                if ab.recall == "eager" else None
             yield "select", plan.info, None
             info = self._read_plan(np.asarray(plan.info), sparse)
             self.selector.observe(sl, sparse, lengths, sel, info.hits, info.misses)
@@ -495,21 +497,27 @@ class SparseDecoder:
                     yield "recall", staging, q
                 self.kv, x = sparse_layer.land_attend_finish(model, lp, x, q, self.kv, lid, plan, staging, early,
                                                              late_rows, attention=self.attention, width=width,
-                                                             fan=fan)
+                                                             fan=fan, split_k=self.split_k)
                 continue
             if early is None:
-                early = sparse_layer.attend(q, self.kv, plan.early, attention=self.attention)
+                early = sparse_layer.attend(q, self.kv, plan.early, attention=self.attention, split_k=self.split_k)
             yield "recall", staging, early[0]
             self.kv, x = sparse_layer.land_attend_finish(model, lp, x, q, self.kv, lid, plan, staging, early,
-                                                         late_rows, attention=self.attention, width=width, fan=fan)
+                                                         late_rows, attention=self.attention, width=width, fan=fan,
+                                                         split_k=self.split_k)
         outs[key] = sparse_layer.logits(model, head, x)
 
     def _step_inputs(self, sparse: list[SparseKV], tables: StepTables, bp: int, spare: bool = False) -> SlotStep:
         """The device plan's per-step inputs (`slot_plan.layer_plan`'s `step`, sparse_inputs.slot_step_inputs) on the
         device; the padding rows use the slot table's last row (see _prepare_slots)."""
         stamp = self.slot_state[0]
-        step = slot_step_inputs(sparse, tables, bp, stamp.shape[1], stamp.shape[3],
-                                self.selector.override(sparse, tables.lengths, bp), spare=spare)
+        override = self.selector.override(sparse, tables.lengths, bp)
+        step = slot_step_inputs(sparse, tables, bp, stamp.shape[1], stamp.shape[3], override, spare=spare)
+        if override is None:  # the scorer's selection: one device array per shape, not a copy per step
+            shape = step.override.shape
+            if shape not in self._scored:
+                self._scored[shape] = jax.device_put(step.override, self.replicated)
+            step = dataclasses.replace(step, override=self._scored[shape])
         return step.on(self.replicated)
 
     def _prepare_slots(self, sparse: list[SparseKV]) -> None:
@@ -543,6 +551,26 @@ class SparseDecoder:
             new = tuple(n.at[:, :have].set(o) for n, o in zip(new, self.slot_state, strict=True))
         self.slot_state = tuple(jax.device_put(a, self.replicated) for a in new)
 
+    # ---- preemption ----------------------------------------------------------------------------
+    def preempt(self, kv: jax.Array, s: SparseKV) -> tuple[jax.Array, SavedSlots]:
+        """Before a running request's GPU blocks are copied out: every recall issued ahead lands (some land in its
+        slots, and would land in another owner's blocks later), then its row of the slot-cache table is read to the
+        host. Its next step then plans against the slot caches it had, holding what they held, as it would have
+        unpreempted (a recall landed here is one its next call would have landed first). Returns (kv, the row)."""
+        kv = self.land_pending(kv)
+        stamp, key = (np.asarray(a)[:, s.slot_row].copy() for a in self.slot_state)  # (whole: no slicing program)
+        return kv, SavedSlots(stamp, key)
+
+    def resume(self, s: SparseKV, saved: SavedSlots) -> None:
+        """A preempted request's slot-cache state (`preempt`) written into its table row, which may be another one
+        now: the whole table goes up again, placed as before (no program compiled for it)."""
+        self._ensure_slot_rows(s.slot_row + 2)
+        stamp, key = (np.array(a) for a in self.slot_state)
+        if saved.stamp.shape != stamp[:, s.slot_row].shape:
+            raise ValueError(f"request {s.owner}: saved slot caches of shape {saved.stamp.shape}, the table's rows "
+                             f"are {stamp[:, s.slot_row].shape}; resume it in the engine that preempted it")
+        stamp[:, s.slot_row], key[:, s.slot_row] = saved.stamp, saved.key
+        self.slot_state = tuple(jax.device_put(a, self.replicated) for a in (stamp, key))
 
     def _read_plan(self, info: np.ndarray, sparse: list[SparseKV]) -> PlanInfo:
         """The plan's host part (`slot_plan.LayerPlan.info`, [bp, S, N + 4]) unpacked; counts each request's reuse."""
@@ -585,6 +613,13 @@ class SparseDecoder:
             c.recall_bytes += int(units_per_row[b]) * unit
             c.last_step_recall_bytes += int(units_per_row[b]) * unit
         return staging
+
+
+class SavedSlots(NamedTuple):
+    """A preempted request's row of the slot-cache table (slot_plan.py's state), on the host until it resumes."""
+
+    stamp: Int[np.ndarray, "SL S C"]  # recency rank of each slot
+    key: Int[np.ndarray, "SL S C"]  # logical block each slot holds, -1 = free
 
 
 class Pending(NamedTuple):

@@ -31,6 +31,7 @@ from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 from pulseinfer_jax.kv.blocks import blocks_for, bucket
 from pulseinfer_jax.kv.cache import bucket_blocks
 from pulseinfer_jax.pallas_kernels.block_scoring import KeyAppend
+from pulseinfer_jax.pallas_kernels.select_plan import SCORER
 from pulseinfer_jax.selection.policy import BlockScoring
 from pulseinfer_jax.selection.slot_plan import SlotStep
 
@@ -128,11 +129,9 @@ class SelectSpec:
     scoring: BlockScoring
     coarse: int = 0  # two-level scoring's kept groups (0 = off; sparse_inputs.micro_batch_inputs decides per step)
     plan_mode: str = "recall"  # slot_plan.layer_plan's mode
-    override: bool = False  # middle blocks come from the step's replayed trace (SlotStep.override)
 
     @staticmethod
-    def of(plan: SparsePlan, solohead: str, attention: str, scoring: BlockScoring, *, coarse: int = 0,
-           override: bool = False) -> SelectSpec:
+    def of(plan: SparsePlan, solohead: str, attention: str, scoring: BlockScoring, *, coarse: int = 0) -> SelectSpec:
         """The spec of `plan`'s requests: offloaded requests plan recalls; device-placed ones keep the slot caches
         only for the resident bonus's bookkeeping (or not at all)."""
         if plan.placement == "host":
@@ -140,7 +139,7 @@ class SelectSpec:
         else:
             plan_mode = "bookkeep" if scoring.favours_resident(plan.selection, solohead) else "none"
         return SelectSpec(plan.budget_blocks, plan.sink_blocks, plan.window_blocks, plan.selection, solohead,
-                          attention, scoring, coarse, plan_mode, override)
+                          attention, scoring, coarse, plan_mode)
 
     @property
     def per_head(self) -> bool:
@@ -157,8 +156,9 @@ class SelectSpec:
     @property
     def fused(self) -> bool:
         """Selection and slot plan in one kernel (`pallas_kernels.select_plan`): the Pallas backend's recall plans
-        (the replayed traces' override and the device placements' bookkeeping keep the jnp path)."""
-        return self.attention == "pallas" and self.plan_mode == "recall" and not self.override
+        (the device placements' bookkeeping keeps the jnp path). A replayed trace's selections are data
+        (`SlotStep.override`), not another program."""
+        return self.attention == "pallas" and self.plan_mode == "recall"
 
     @property
     def select(self) -> str:
@@ -309,8 +309,9 @@ def slot_step_inputs(sparse: list[SparseKV], tables: StepTables, bp: int, table_
                      override: np.ndarray | None = None, spare: bool = False) -> SlotStep:
     """The device slot plan's per-step inputs (`slot_plan.layer_plan`'s `step`) for a slot table of `table_rows`
     rows (the last is the padding rows' own) and `capacity` slots per lane; `override`: the middle blocks a
-    replayed trace selects instead ([sparse layers, bp, lanes, M], -1 padded); `spare`: the blocks that left the
-    window and still sit in the spare GPU block (step-ahead recall)."""
+    replayed trace selects instead ([sparse layers, bp, lanes, M], -1 padded), else `scored_middle` (the scorer's
+    selection, the same shapes: one program either way); `spare`: the blocks that left the window and still sit in
+    the spare GPU block (step-ahead recall)."""
     spares = None
     if spare:
         spares = (np.full(bp, -1, np.int32), np.full(bp, -1, np.int32))
@@ -323,4 +324,12 @@ def slot_step_inputs(sparse: list[SparseKV], tables: StepTables, bp: int, table_
     cap[: len(sparse)] = [s.slot_capacity for s in sparse]
     lengths = np.zeros(bp, np.int32)
     lengths[: len(sparse)] = tables.lengths
+    if override is None:
+        override = scored_middle(sparse[0].plan, bp)
     return SlotStep(r, cap, tables.gpu, tables.host, tables.slots, lengths, override, spares)
+
+
+def scored_middle(plan: SparsePlan, bp: int) -> np.ndarray:
+    """`SlotStep.override` of a step that keeps the scorer's selection: every lane `SCORER` ([sparse layers, bp,
+    lanes, middle blocks], a read-only view; the decoder keeps one device copy per shape)."""
+    return np.broadcast_to(np.int32(SCORER), (plan.sparse_layers, bp, plan.lanes, plan.middle_blocks))

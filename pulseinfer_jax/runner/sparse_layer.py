@@ -52,7 +52,14 @@ from pulseinfer_jax.runner.sparse_inputs import (
 )
 from pulseinfer_jax.selection import slot_plan
 from pulseinfer_jax.selection.kept_blocks import kept_logical, with_kept_scores
-from pulseinfer_jax.selection.policy import BlockScoring, resident_mask, select_blocks, summed_shares, top_groups
+from pulseinfer_jax.selection.policy import (
+    BlockScoring,
+    resident_mask,
+    select_blocks,
+    summed_shares,
+    top_groups,
+    with_middle,
+)
 from pulseinfer_jax.selection.slot_plan import LayerPlan, SlotStep
 
 Partial = tuple[Array, Array, Array]  # (o [B, Hq, hd], m [B, Hq] f32, l [B, Hq] f32), see pallas_kernels/merge.py
@@ -62,20 +69,22 @@ def _flat(kv: Array) -> Array:
     return kv.reshape(kv.shape[0] * kv.shape[1], *kv.shape[2:])
 
 
-def _attend(attention: str, q: Array, kv: Array, ids: Array, lens: Array) -> Partial:
+def _attend(attention: str, q: Array, kv: Array, ids: Array, lens: Array, split_k: int | None = None) -> Partial:
+    """`split_k`: the kernel's splits (None: its own choice per call); the jnp path has none."""
     if attention == "pallas":  # (per device on its heads under tensor parallelism)
-        return tp_kernels.decode_attention(sparse_decode_attention, q, _flat(kv), ids, lens)
+        return tp_kernels.decode_attention(sparse_decode_attention, q, _flat(kv), ids, lens, split_k=split_k)
     return sparse_decode_attention_reference(q, _flat(kv), ids, lens)
 
 
 def _attend_counted(attention: str, q: Array, kv: Array, ids: Array, lens: Array,
-                    arrivals: Int[Array, " N"] | None) -> tuple[Partial, Array | None]:
+                    arrivals: Int[Array, " N"] | None, split_k: int | None = None) -> tuple[Partial, Array | None]:
     """`_attend` with the kernel's split-merge counters handed in and back (`sparse_decode_attention`'s `arrivals`:
     the driver keeps one buffer, all 0 between calls, so that no memset runs per call); None: the kernel zeroes
     its own. The jnp path does not read them."""
     if arrivals is None or attention != "pallas":
-        return _attend(attention, q, kv, ids, lens), arrivals
-    *partial, arrivals = tp_kernels.decode_attention(sparse_decode_attention, q, _flat(kv), ids, lens, arrivals)
+        return _attend(attention, q, kv, ids, lens, split_k), arrivals
+    *partial, arrivals = tp_kernels.decode_attention(sparse_decode_attention, q, _flat(kv), ids, lens, arrivals,
+                                                     split_k=split_k)
     return tuple(partial), arrivals
 
 
@@ -106,7 +115,7 @@ def logits(model: Transformer, params: dict, x: Float[Array, "B 1 D"]) -> Float[
     return model.logits(params, x[:, 0])
 
 
-@functools.partial(jax.jit, static_argnames=("model", "attention"), donate_argnames=("kv", "arrivals"))
+@functools.partial(jax.jit, static_argnames=("model", "attention", "split_k"), donate_argnames=("kv", "arrivals"))
 def dense_layer(
     model: Transformer,
     lp: dict,
@@ -121,10 +130,12 @@ def dense_layer(
     arrivals: Int[Array, " N"] | None = None,
     *,
     attention: str,
+    split_k: int | None = None,
 ) -> tuple[Array, Float[Array, "Bt 1 D"], Array | None]:
     """A whole dense layer: write the new token, attend over every listed unit (all of the sequence), MLP. With
     `placed`, x's rows past B are dense-placed requests (this layer's units from `unit_offset`), in the same call.
-    `arrivals`: the attention kernel's split-merge counters (`_attend_counted`). Returns (kv, x, arrivals)."""
+    `arrivals`: the attention kernel's split-merge counters (`_attend_counted`; `split_k` its splits). Returns (kv, x,
+    arrivals)."""
     if placed is not None:
         ids_d, write_d = _placed_units(placed, unit_offset, tokens_per_block(kv))
         positions, write_unit = _rows(positions, placed.positions), _rows(write_unit, write_d)
@@ -132,7 +143,7 @@ def dense_layer(
         ids = _rows(*(jnp.pad(a, ((0, 0), (0, 0), (0, width - a.shape[2])), constant_values=-1) for a in (ids, ids_d)))
         lens = _rows(*(jnp.pad(a, ((0, 0), (0, 0), (0, width - a.shape[2]))) for a in (lens, placed.lens)))
     kv, q = _qkv_and_write(model, lp, kv, x, positions, write_unit)
-    (o, _, _), arrivals = _attend_counted(attention, q, kv, ids, lens, arrivals)
+    (o, _, _), arrivals = _attend_counted(attention, q, kv, ids, lens, arrivals, split_k)
     return kv, model.layer_finish(lp, x, o[:, None]), arrivals
 
 
@@ -190,7 +201,7 @@ def sparse_pre(
     return _select_and_plan(model, lp, kv, x, bounds, slot_state, rows, step, layer, spec=spec)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "spec", "attention", "fan"),
+@functools.partial(jax.jit, static_argnames=("model", "spec", "attention", "fan", "split_k"),
                    donate_argnames=("kv", "bounds", "slot_state", "arrivals"))
 def ahead_layer(
     model: Transformer,
@@ -209,6 +220,7 @@ def ahead_layer(
     spec: SelectSpec,
     attention: str,
     fan: int = 1,
+    split_k: int | None = None,
 ) -> tuple[Array, ScoringBounds, Float[Array, "Bt 1 D"], tuple[Array, Array], LayerPlan, Int[Array, "B S N"],
            Array | None]:
     """A whole sparse layer with its recall one step ahead (`recall="ahead"`), in one call that never waits on the
@@ -218,8 +230,8 @@ def ahead_layer(
     plan's other misses are not attended now: the caller recalls them after dispatching the step, for this layer's
     next call. With `placed`, x's rows past the offloaded ones are dense-placed requests: projected, written and
     finished with them (one pass over the weights), each attending its whole block table. `arrivals`: the attention
-    kernel's split-merge counters (`_attend_counted`). Returns (kv, key bounds, x, slot state, plan, selection,
-    arrivals)."""
+    kernel's split-merge counters (`_attend_counted`; `split_k` its splits). Returns (kv, key bounds, x, slot state,
+    plan, selection, arrivals)."""
     if landing is not None:
         kv = _land(kv, layer.unit_offset // kv.shape[1], landing.misses, landing.info, landing.staging, fan)
         if attention != "pallas":  # (XLA:CPU fused the landing into the token write's flat view and then copied the
@@ -227,7 +239,7 @@ def ahead_layer(
     if placed is None:
         kv, bounds, q, slot_state, plan, sel = _select_and_plan(model, lp, kv, x, bounds, slot_state, rows, step,
                                                                 layer, spec=spec)
-        (o, _, _), arrivals = _attend_counted(attention, q, kv, plan.early[0], plan.early[1], arrivals)
+        (o, _, _), arrivals = _attend_counted(attention, q, kv, plan.early[0], plan.early[1], arrivals, split_k)
     else:
         b = rows.positions.shape[0]
         ids_d, write_d = _placed_units(placed, layer.unit_offset, tokens_per_block(kv))
@@ -235,8 +247,8 @@ def ahead_layer(
                                    _rows(_window_unit(rows, layer), write_d))
         q = q_all[:b]
         kv, bounds, slot_state, plan, sel = _plan(model, kv, q, bounds, slot_state, rows, step, layer, spec=spec)
-        (o, _, _), arrivals = _attend_counted(attention, q, kv, plan.early[0], plan.early[1], arrivals)
-        (o_d, _, _), arrivals = _attend_counted(attention, q_all[b:], kv, ids_d, placed.lens, arrivals)
+        (o, _, _), arrivals = _attend_counted(attention, q, kv, plan.early[0], plan.early[1], arrivals, split_k)
+        (o_d, _, _), arrivals = _attend_counted(attention, q_all[b:], kv, ids_d, placed.lens, arrivals, split_k)
         o = _rows(o, o_d)
     # (the fill is done: not an output, so its per-lane halves are never materialised)
     return (kv, bounds, model.layer_finish(lp, x, o[:, None]), slot_state, dataclasses.replace(plan, fill=None), sel,
@@ -267,9 +279,9 @@ def _select_and_plan(
     `step.rows`, see slot_plan.py) get the resident-block bonus. Then the slot-cache plan of the selection
     (`slot_plan.layer_plan`, `spec.plan_mode`), which updates the slot state. With `spec.fused` (the Pallas backend's
     recall plans) selection and plan run as one kernel (`pallas_kernels.select_plan`, the same rules).
-    With `spec.override` (the throughput
-    bench's replayed selections), the middle blocks selected are `step.override[layer.index]` ([B, S, M], -1 padded)
-    instead of the scorer's; sinks and window stay the scorer's.
+    `step.override[layer.index]` ([B, S, M]) forces each lane's middle blocks (the throughput bench's replayed
+    selections; sinks and window stay the scorer's), or keeps the scorer's where it holds `SCORER`
+    (`policy.with_middle`): data, so a replayed step runs the same programs as the engine's own.
     With `spec.coarse` > 0 (two-level scoring, `BlockScoring.coarse_group`) the groups are scored first from their
     bounds (coarse rows `layer.coarse_offset + rows.candidates.groups`, -1 = none) and only the best `spec.coarse`
     groups' blocks from their own (`two_level_scores`); else the coarse inputs are not read.
@@ -343,8 +355,8 @@ def _plan(
         out = tp_kernels.replicated(
             select_plan, scores, cands.num_blocks, stamp, key, layer.index, step.rows, step.capacity, step.gpu,
             step.host, step.slots, step.lengths, layer.unit_offset, step.spare, layer.retrieval_head, None,
-            kv if in_kernel_fill else None, budget=spec.budget, sink=spec.sink, window=spec.window, select=select,
-            scale=scale, bonus=scoring.resident_bonus if spec.favours_resident else 0.0,
+            kv if in_kernel_fill else None, step.override, budget=spec.budget, sink=spec.sink, window=spec.window,
+            select=select, scale=scale, bonus=scoring.resident_bonus if spec.favours_resident else 0.0,
             block_size=tokens_per_block(kv))
         stamp, key, sel = out.stamp, out.key, out.sel
         plan = slot_plan.fused_layer_plan(out, step.spare is not None)  # (no fill left when the kernel copied it)
@@ -357,9 +369,9 @@ def _plan(
                             window_blocks=spec.window, mode=spec.mode, solohead=spec.solohead,
                             retrieval_head=layer.retrieval_head, score_scale=scale, resident=resident,
                             resident_bonus=scoring.resident_bonus)
-        if spec.override:
-            sel = _with_middle(sel, jax.lax.dynamic_index_in_dim(step.override, layer.index, 0, keepdims=False),
-                               cands.num_blocks, spec.sink, spec.window)
+        if step.override is not None:
+            sel = with_middle(sel, jax.lax.dynamic_index_in_dim(step.override, layer.index, 0, keepdims=False),
+                              cands.num_blocks, spec.sink, spec.window)
         stamp, key, plan = slot_plan.layer_plan(stamp, key, layer.index, sel, step, layer.unit_offset,
                                                 block_size=tokens_per_block(kv), sink=spec.sink, window=spec.window,
                                                 mode=spec.plan_mode)
@@ -368,30 +380,22 @@ def _plan(
     return kv, bounds, (stamp, key), plan, sel
 
 
-def _with_middle(sel: Int[Array, "B S N"], middle: Int[Array, "B S M"], num_blocks: Int[Array, " B"], sink: int,
-                 window: int) -> Int[Array, "B S N"]:
-    """`sel`'s sinks and window with the middle blocks `middle` (-1 padded) instead of its own, sorted."""
-    n = num_blocks[:, None, None]
-    fixed = jnp.where((sel >= 0) & ((sel < sink) | (sel >= n - window)), sel, -1)
-    both = jnp.concatenate([fixed, middle.astype(sel.dtype)], axis=-1)
-    both = jnp.sort(jnp.where(both >= 0, both, jnp.iinfo(jnp.int32).max), axis=-1)[..., : sel.shape[-1]]
-    return jnp.where(both == jnp.iinfo(jnp.int32).max, -1, both).astype(sel.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("attention",))
+@functools.partial(jax.jit, static_argnames=("attention", "split_k"))
 def attend(
     q: Float[Array, "B Hq hd"],
     kv: Float[Array, "L NB 2 rows Hkv hd"],
     entries: tuple[Int[Array, "B S K"], Int[Array, "B S K"]],
     *,
     attention: str,
+    split_k: int | None = None,
 ) -> Partial:
     """Partial attention (o, m, l) over the listed flat units: `entries` = (unit ids (-1 = padding), valid tokens),
-    a list of a layer's plan (slot_plan.layer_plan)."""
-    return _attend(attention, q, kv, entries[0], entries[1])
+    a list of a layer's plan (slot_plan.layer_plan); `split_k`: the kernel's splits (None: its choice)."""
+    return _attend(attention, q, kv, entries[0], entries[1], split_k)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "attention", "width", "fan"), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("model", "attention", "width", "fan", "split_k"),
+                   donate_argnames=("kv",))
 def land_attend_finish(
     model: Transformer,
     lp: dict,
@@ -407,6 +411,7 @@ def land_attend_finish(
     attention: str,
     width: int,
     fan: int = 1,
+    split_k: int | None = None,
 ) -> tuple[Array, Float[Array, "B 1 D"]]:
     """The rest of a sparse layer, in one call, from its plan (`slot_plan.layer_plan`, on the device): land the
     recall `staging` (if given) in its slots of `layer`, attend over the late entries (the misses, the first `width`
@@ -417,17 +422,18 @@ def land_attend_finish(
     `staging` holds whole blocks [n, 2, bs, Hkv, hd] (SoloHead, coalesced), or (block, head) units [n, 2, bs, hd]:
     unit i is miss i // `fan`, head i % `fan` (SoloHead, fragmented: fan = Hkv) or the miss's lane (headwise,
     fan = 1). Rows past the misses are padding: they land in the null block 0. `late_rows` (recall ahead's first step
-    of a request): only these rows attend their misses now. Returns (kv, x)."""
+    of a request): only these rows attend their misses now. `split_k`: the kernel's splits (None: its choice).
+    Returns (kv, x)."""
     if staging is not None:
         kv = _land(kv, layer, plan.misses, plan.info, staging, fan)
     if early is None:
-        early = _attend(attention, q, kv, plan.early[0], plan.early[1])
+        early = _attend(attention, q, kv, plan.early[0], plan.early[1], split_k)
     parts = [early]
     if width:
         ids, lens = (a[..., :width] for a in plan.late)
         if late_rows is not None:  # the other rows attend their misses from the next step (recall ahead's schedule)
             lens = jnp.where(late_rows[:, None, None], lens, 0)
-        parts.append(_attend(attention, q, kv, ids, lens))
+        parts.append(_attend(attention, q, kv, ids, lens, split_k))
     o = parts[0][0] if len(parts) == 1 else merge_attention_partials(parts)[0]
     return kv, model.layer_finish(lp, x, o[:, None])
 

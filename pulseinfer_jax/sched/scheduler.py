@@ -2,13 +2,16 @@
 
 A dense request's KV is allocated as it grows: admission gives it the blocks its prompt and first generated token
 need, and before each decode step every running dense request gets the block its next token's KV goes to
-(`reserve_decode`). When the GPU pool runs out, the youngest running dense request (highest index) is preempted: its
+(`reserve_decode`). When the GPU pool runs out, the youngest running request (highest index) is preempted: its
 blocks' KV is copied to host memory whole (`KVMover.swap_out`, host_offload/swap.py) and the blocks are freed; it
 waits at the head of the queue and, once its blocks fit again, lands back bit for bit and resumes. Only when the
-host has no room for it is its KV dropped and recomputed on resumption (its prompt and output so far prefilled
-again): the last resort, never lost or half-copied KV. Preempted requests resume in index order before anything new
-is admitted. In mode "dense" admission leaves `watermark` blocks free for the running requests' growth; in modes
-"offload" and "auto" IOAA weighs a dense request at what it grows to and counts that growth as taken. A dense
+host has no room for a dense request is its KV dropped and recomputed on resumption (its prompt and output so far
+prefilled again): the last resort, never lost or half-copied KV. An offloaded request is preempted only through
+host memory (without room there the next youngest is taken instead): its steady GPU blocks go whole, its host rows
+and key bounds stay where they are, and on resumption the placer points its sparse state at the blocks its KV landed
+in (`Placer.resume`), so it decodes on exactly as it would have. Preempted requests resume in index order before
+anything new is admitted. In mode "dense" admission leaves `watermark` blocks free for the running requests' growth;
+in modes "offload" and "auto" IOAA weighs a dense request at what it grows to and counts that growth as taken. A dense
 request's output is capped at what the whole pool holds (`max_new_tokens`, finish reason "length"), so a request
 never fails for KV it might need later. An offloaded request reserves its steady GPU footprint (its slot caches and
 window: it does not grow) plus the few blocks its layer-by-layer prefill needs beyond its own, given back when the
@@ -35,14 +38,16 @@ from pulseinfer_jax.sched.admission import Candidate, CostModel, IOAAConfig, Rec
 
 
 class KVMover(Protocol):
-    """How preemption moves a dense request's GPU KV (supplied by the engine, which owns the cache)."""
+    """How preemption moves a running request's GPU KV (supplied by the engine, which owns the cache)."""
 
     def swap_out(self, req: Request) -> bool:
-        """Copy the KV of `req.blocks` to host memory; False (nothing copied) when the host has no room for it."""
+        """Copy the KV of `req.blocks` (an offloaded request: and its slot caches' state) to host memory; False
+        (nothing copied) when the host has no room for it."""
         ...
 
     def swap_in(self, req: Request, blocks: list[int]) -> None:
-        """Write `req`'s host copy into `blocks` (as many as it swapped out, in table order) and forget the copy."""
+        """Write `req`'s host copy into `blocks` (as many as it swapped out, in table order; an offloaded request's
+        sparse state already names them) and forget the copy."""
         ...
 
     def drop(self, req: Request) -> None:
@@ -72,6 +77,16 @@ class Placer(Protocol):
 
     def release(self, req: Request) -> None:
         """Finished offloaded request: free its host rows (GPU blocks are freed by the scheduler)."""
+        ...
+
+    def preempted(self, req: Request) -> None:
+        """A running offloaded request swapped out (its GPU blocks about to be freed): give back what only a
+        decoding request holds (its row of the slot-cache table); its host rows stay."""
+        ...
+
+    def resume(self, req: Request, old_blocks: list[int]) -> None:
+        """A preempted offloaded request lands back: req.blocks[i] takes the KV of old_blocks[i]; its sparse state
+        is made to name the new blocks (and a slot-cache table row)."""
         ...
 
 
@@ -105,7 +120,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.preempted_swap = 0  # preemptions whose KV went to host memory
         self.preempted_recompute = 0  # preemptions whose KV was dropped (recomputed on resumption)
-        self._swapped: dict[int, int] = {}  # request index -> blocks its host copy holds
+        self._swapped: dict[int, list[int]] = {}  # request index -> the blocks its host copy came from, in order
         self._footprint: dict[int, int] = {}  # dense request index -> the blocks IOAA weighed it at (what it grows to)
 
     def blocks_needed(self, req: Request) -> int:
@@ -153,7 +168,7 @@ class Scheduler:
     # ---- growth and preemption -------------------------------------------------------------------
     def reserve_decode(self) -> None:
         """Before a decode step: each running dense request (oldest first) gets the block its next token's KV goes to;
-        when the pool is out, the youngest running dense request is preempted (possibly the one that asked)."""
+        when the pool is out, the youngest running request that can go is preempted (possibly the one that asked)."""
         for r in sorted(self._dense_running(), key=lambda r: r.index):
             while r.status is Status.RUNNING:
                 need = blocks_for(r.seq_len, self.block_size) - len(r.blocks)
@@ -162,21 +177,33 @@ class Scheduler:
                 if self.allocator.num_free >= need:
                     r.blocks += self.allocator.allocate(need, owner=r.index)
                     break
-                self.preempt(max(self._dense_running(), key=lambda x: x.index))
+                self._preempt_youngest()
 
     def _dense_running(self) -> list[Request]:
         return [r for r in self.running if r.placement != "offload"]
 
-    def preempt(self, req: Request) -> None:
-        """Take a running dense request's blocks back: its KV to host memory (or, without room there, dropped to be
-        recomputed); it waits at the head of the queue, behind older preempted requests."""
-        if req.status is not Status.RUNNING or req.placement == "offload":
-            raise ValueError(f"request {req.index} is {req.status.value} ({req.placement}); only running dense "
-                             "requests are preempted")
+    def _preempt_youngest(self) -> None:
+        """Preempt the youngest running request that can go (an offloaded one only with room in host memory; a dense
+        one always can, so the dense request asking for a block goes at the latest)."""
+        for victim in sorted(self.running, key=lambda x: x.index, reverse=True):
+            if self.preempt(victim):
+                return
+
+    def preempt(self, req: Request) -> bool:
+        """Take a running request's blocks back: its KV to host memory (a dense one without room there: dropped to be
+        recomputed); it waits at the head of the queue, behind older preempted requests. An offloaded request goes
+        only to host memory (recomputing it would prefill its whole context again, layer by layer): without room
+        there it keeps running and this returns False."""
+        if req.status is not Status.RUNNING:
+            raise ValueError(f"request {req.index} is {req.status.value}; only running requests are preempted")
         swapped = self.mover is not None and self.mover.swap_out(req)
+        if not swapped and req.placement == "offload":
+            return False
         if swapped:
             self.preempted_swap += 1
-            self._swapped[req.index] = len(req.blocks)
+            self._swapped[req.index] = list(req.blocks)
+            if req.placement == "offload":
+                self.placer.preempted(req)
         else:
             self.preempted_recompute += 1
             req.recompute, req.prefilled = True, 0
@@ -190,17 +217,24 @@ class Scheduler:
             self.waiting.popleft()
         for r in sorted([*head, req], key=lambda r: r.index, reverse=True):
             self.waiting.appendleft(r)
+        return True
 
     def _resume(self) -> list[Request]:
         """Preempted requests at the head of the queue, oldest first, back into the batch while their blocks fit: a
-        swapped one lands back and decodes on, a recomputed one prefills its context again."""
+        swapped one lands back and decodes on (an offloaded one in as many blocks as it left: it does not grow), a
+        recomputed one prefills its context again."""
         back = []
         while self.waiting and self.waiting[0].status is Status.PREEMPTED:
             req = self.waiting[0]
             if len(self.prefilling) + len(self.running) >= self.max_batch:
                 break
-            need = self.blocks_needed(req) if req.recompute else max(blocks_for(req.seq_len, self.block_size),
-                                                                     self._swapped[req.index])
+            held = 0 if req.recompute else len(self._swapped[req.index])
+            if req.recompute:
+                need = self.blocks_needed(req)
+            elif req.placement == "offload":
+                need = held
+            else:
+                need = max(blocks_for(req.seq_len, self.block_size), held)
             if need > self.allocator.num_free:
                 break
             self.waiting.popleft()
@@ -209,10 +243,12 @@ class Scheduler:
                 req.status = Status.PREFILLING
                 self.prefilling.append(req)
             else:
-                held = self._swapped.pop(req.index)
+                old = self._swapped.pop(req.index)
                 req.blocks = self.allocator.allocate(held, owner=req.index)
+                if req.placement == "offload":
+                    self.placer.resume(req, old)
                 self.mover.swap_in(req, req.blocks)
-                req.blocks += self.allocator.allocate(max(0, need - held), owner=req.index)
+                req.blocks += self.allocator.allocate(need - held, owner=req.index)
                 req.status = Status.RUNNING
                 self.running.append(req)
             back.append(req)

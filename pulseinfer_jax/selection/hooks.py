@@ -26,7 +26,8 @@ class Selector:
 
     def override(self, sparse: list[SparseKV], lengths: np.ndarray, bp: int) -> np.ndarray | None:
         """Middle blocks to select instead of the scorer's for a micro-batch padded to `bp` rows ([sparse layers, bp,
-        lanes, middle blocks], -1 padded; the device keeps its own sinks and window), or None: the scorer's."""
+        lanes, middle blocks] int32, -1 padded; a lane holding `select_plan.SCORER` keeps the scorer's; the device
+        keeps its own sinks and window), or None: the scorer's. Either way the step runs the same programs."""
         return None
 
     def observe(self, sparse_layer: int, sparse: list[SparseKV], lengths: list[int], sel: jax.Array,

@@ -13,6 +13,9 @@ Selection contract (`select_blocks`), per sequence b with n = num_blocks_total[b
     always selected and count toward the budget; the remaining budget - sink - window slots go to the
     highest-scoring middle blocks; on equal scores the lower logical index wins (NaN counts as -inf).
   - output int32 [B, S, budget_blocks], each row sorted ascending and padded with -1.
+Forced middle blocks (`with_middle`: a replayed trace's, per layer, row and lane): a lane's middle blocks are its
+list's instead (entries >= 0 in the middle range, each once; -1 pads), or the scored ones where the list holds
+`SCORER`; the engine passes such a list every step, so that a replay runs the same programs.
 Modes: "headwise" (S = number of score heads, an independent top-k per KV head: Quest's per-head baseline, one small
 transfer per (block, head)) and "solohead" (S = 1: one shared set for all heads, so a layer's recall is whole blocks
 in one contiguous transfer).
@@ -44,6 +47,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pulseinfer_jax.kv.blocks import bucket
 from pulseinfer_jax.options import check_choices, option
+from pulseinfer_jax.pallas_kernels.select_plan import SCORER
 
 Mode = Literal["headwise", "solohead"]
 SoloHead = Literal["normalized_sum", "retrieval_head"]
@@ -337,6 +341,22 @@ def _select_blocks(
         head = jnp.clip(jnp.asarray(retrieval_head, jnp.int32), 0, h - 1)
         key = lax.dynamic_index_in_dim(scores, head, axis=1, keepdims=False)  # [B, K]
     return _top_blocks(key, n, budget, sink, window)[:, None, :]
+
+
+def with_middle(sel: Int[Array, "B S N"], middle: Int[Array, "B S M"], num_blocks: Int[Array, " B"], sink: int,
+                window: int) -> Int[Array, "B S N"]:
+    """`select_blocks`' selection `sel` with each lane's middle blocks replaced by `middle`'s (module docstring):
+    its sinks and window, then the listed blocks of the middle range (sinks <= j < n - window), each once, sorted and
+    -1 padded; lanes whose list holds `SCORER` keep `sel`. Two sorts of a lane's N + M entries."""
+    big = jnp.iinfo(jnp.int32).max
+    n = num_blocks[:, None, None]
+    fixed = jnp.where((sel >= 0) & ((sel < sink) | (sel >= n - window)), sel, big)
+    mid = middle.astype(jnp.int32)
+    mid = jnp.sort(jnp.where((mid >= sink) & (mid < n - window), mid, big), axis=-1)
+    mid = jnp.where(mid == jnp.pad(mid, ((0, 0), (0, 0), (1, 0)), constant_values=-1)[..., :-1], big, mid)  # repeats
+    both = jnp.sort(jnp.concatenate([fixed.astype(jnp.int32), mid], axis=-1), axis=-1)[..., : sel.shape[-1]]
+    replaced = jnp.where(both == big, -1, both).astype(sel.dtype)
+    return jnp.where(jnp.any(middle == SCORER, axis=-1, keepdims=True), sel, replaced)
 
 
 def coarse_groups_kept(budget_blocks: int, sink_blocks: int, window_blocks: int, group: int, keep: float) -> int:
