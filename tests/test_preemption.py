@@ -133,6 +133,7 @@ def tiny():
     return load_model(TINY / "llama31")
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("kv_dtype", ["auto", "float8_e4m3fn"])
 def test_preempted_dense_requests_give_the_unpreempted_tokens_bit_for_bit(tiny, kv_dtype):
     rng = np.random.default_rng(0)
@@ -385,6 +386,7 @@ def _preempt(eng, r, out: dict) -> None:
     assert eng.scheduler.preempt(r) and r.status is Status.PREEMPTED and r.blocks == []
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("kv_dtype", ["auto", "float8_e4m3fn"])
 def test_preempted_offloaded_requests_give_the_unpreempted_tokens_bit_for_bit(tiny4_bf16, kv_dtype):
     """Offloaded requests (sparse selection: 3 of up to 17 middle blocks a step, recall one step ahead; bfloat16 or
