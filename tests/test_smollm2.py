@@ -35,7 +35,6 @@ def test_last_prompt_logits(smollm2, name):
     assert np.argsort(-ours)[:5].tolist() == top[:5]
 
 
-@pytest.mark.smoke
 def test_greedy_matches_transformers_gguf(smollm2):
     """Both golden prompts decode together (continuous batching) and match token for token and in text."""
     gp = GOLD["prompts"]
@@ -56,7 +55,6 @@ def test_chat_prompt_text_path(smollm2):
     assert r.stats["prompt_tokens"] == len(g["prompt_token_ids"])
 
 
-@pytest.mark.smoke
 def test_offload_full_budget_equals_dense(smollm2, monkeypatch):
     """SmolLM2 (30 layers, 2 dense): a ~700-token prompt over 44 blocks, offloaded with a budget covering it
     all, decodes exactly as dense (tokens; logits within 1e-5 of their scale) while recalling from the host."""
