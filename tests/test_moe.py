@@ -240,9 +240,10 @@ def test_qwen3_moe_configs():
         ModelConfig.from_hf_dict({k: v for k, v in _moe_cfg().items() if k != "moe_intermediate_size"})
 
 
-def test_grouped_pallas_is_probed_on_a_gpu_and_falls_back_to_jnp(monkeypatch):
-    """moe_strategy="grouped-pallas" on a GPU compiles the kernel once at engine start; if that fails the engine warns
-    and runs the jnp tile loop (emulated: on_gpu forced, probe scripted). Off a GPU, and for dense models, no probe."""
+def test_grouped_pallas_is_probed_on_a_gpu_and_refused_when_it_fails(monkeypatch):
+    """moe_strategy="grouped-pallas" on a GPU compiles the kernel once at engine start; chosen explicitly, a kernel that
+    fails is an error naming the option, never a silent fallback (emulated: on_gpu forced, probe scripted). Off a GPU,
+    and for dense models, no probe."""
     from pulseinfer_jax.models import moe
 
     from pulseinfer_jax import EngineConfig
@@ -269,10 +270,10 @@ def test_grouped_pallas_is_probed_on_a_gpu_and_falls_back_to_jnp(monkeypatch):
     gpu = types.SimpleNamespace(platform="gpu")
     assert resolve_backends(cfg, gpu, model).moe.grouped_kernel == "pallas" and calls == [model.dtype]
     monkeypatch.setattr(moe, "probe_grouped_kernel", lambda d, t: "NotImplementedError: Triton said no")
-    with pytest.warns(RuntimeWarning, match="Triton said no"):
-        r = resolve_backends(cfg, gpu, model)
-    assert r.moe == MoEOptions("grouped", "jnp", "gpu") and r.moe_strategy == "grouped"
-    assert any("Triton said no" in why and "jnp tile loop" in why for why in r.reasons)
+    from pulseinfer_jax.backends import FastPathError
+
+    with pytest.raises(FastPathError, match="moe_strategy='grouped-pallas' failed its start-up check .*Triton said no"):
+        resolve_backends(cfg, gpu, model)
     calls.clear()
     monkeypatch.setattr(moe, "probe_grouped_kernel", probe)
     dense = resolve_backends(cfg, gpu, load_model(TINY / "llama31"))  # a dense model has no expert layers to probe
