@@ -43,12 +43,13 @@ class Isolated:
     of a program)."""
 
     CALLS = ("ahead_layer", "dense_layer", "embed", "logits", "sparse_pre", "attend", "land_attend_finish", "land")
+    STEP_CALLS = ("ahead_step", "land_step")  # (runner/sparse_step.py: the one-program step)
 
     def __enter__(self):
         import jax
         from pulseinfer_jax.host_offload.host_pool import HostKVPool
 
-        from pulseinfer_jax.runner import sparse_layer
+        from pulseinfer_jax.runner import sparse_layer, sparse_step
 
         def waiting(fn):
             def call(*args, **kwargs):
@@ -61,6 +62,7 @@ class Isolated:
             return recall
 
         self._saved = [(sparse_layer, n, getattr(sparse_layer, n)) for n in self.CALLS]
+        self._saved += [(sparse_step, n, getattr(sparse_step, n)) for n in self.STEP_CALLS]
         self._saved.append((HostKVPool, "_submit", HostKVPool._submit))
         for owner, name, fn in self._saved[:-1]:
             setattr(owner, name, waiting(fn))
@@ -80,17 +82,19 @@ class Breakdown:
 
     TARGETS = (("sparse_layer", ("sparse_pre", "attend", "land_attend_finish", "ahead_layer", "dense_layer", "embed",
                                  "logits")),
-               ("SparseDecoder", ("decode", "_issue_recall", "_read_plan", "_step_inputs", "_prepare_slots",
-                                  "_refresh_meta")),
-               ("HostKVPool", ("gather_blocks", "stage_blocks", "write_back")))
+               ("sparse_step", ("ahead_step", "land_step")),
+               ("SparseDecoder", ("decode", "_issue_recall", "_issue_step_recall", "_read_plan", "_step_inputs",
+                                  "_prepare_slots", "_refresh_meta")),
+               ("HostKVPool", ("gather_blocks", "stage_blocks", "recall_step", "write_back")))
 
     def __init__(self):
         from pulseinfer_jax.host_offload.host_pool import HostKVPool
 
-        from pulseinfer_jax.runner import sparse_layer
+        from pulseinfer_jax.runner import sparse_layer, sparse_step
         from pulseinfer_jax.runner.sparse_decoder import SparseDecoder
 
-        owners = {"sparse_layer": sparse_layer, "SparseDecoder": SparseDecoder, "HostKVPool": HostKVPool}
+        owners = {"sparse_layer": sparse_layer, "sparse_step": sparse_step, "SparseDecoder": SparseDecoder,
+                  "HostKVPool": HostKVPool}
         self.sites = [(owners[o], o, n) for o, names in self.TARGETS for n in names]
         self.cpu_s: dict[str, float] = {}
         self.calls: dict[str, int] = {}

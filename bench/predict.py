@@ -32,16 +32,18 @@ Time model (stated, not measured; each term printed):
   a sparse layer, k micro-batches max(GPU time of all k [+ k XLA gathers], one micro-batch's chain, pre + sync + k x
                                   recall + land): their recalls share one host gather and one link, so they run one
                                   after the other
-  recall="ahead" (one micro-batch)  one call per sparse layer, no sync on the critical path; each layer's recall is
-                                  issued once its plan is read (while the GPU runs the later layers) and lands in
-                                  that layer's next call: step = max(GPU time of the step [+ its XLA gathers], the
-                                  step's recalls one after the other)
+  recall="ahead" (one micro-batch)  the step is ONE program (sparse_step.ahead_step), no sync on its critical path;
+                                  the step's plan is read once, every layer's misses gathered and copied as one
+                                  recall that lands in the next step's program: step = max(GPU time of the step [+
+                                  its XLA gather], that recall); the per-head baseline (io="fragmented") keeps one
+                                  call per sparse layer, each layer's copies one after the other
 Every prediction is made twice: at the calibrated t_launch and at T_LAUNCH_LOW (1 us: launches from a command buffer
 or CUDA graph may cost that little), so that what depends on the launch cost shows.
 The host gather rate (`--gather-rate`) defaults to bench/host_gather.py's measurement on the CPU machine (2 cores):
 the GPU host's is not measured, and the output names where the rate came from. The driver's host time per step
-(bench/host_overhead.py on the CPU machine, HOST_TIME_FILES) is reported beside each offloaded prediction
-(`host_s`, `host_bound`): the GPU numbers assume the host keeps up.
+(bench/host_overhead.py on the CPU machine, HOST_TIME_FILES) is a floor of each offloaded step: tokens/s = batch /
+max(GPU step, host step), the GPU step holding its recall's floor (`gpu_tokens_per_s`: the GPU side alone; the dense
+system's driver time is not measured, so its figures are the GPU's).
 Calibration (`calibrate`): bench/dense_decode.py's measured configuration (scan + jnp attention, its KV pool and
 tables, 8 steps each ending in a host sync) compiled at the six rows of bench/results/gpu_h200_run1; t_launch and
 t_sync fitted by least squares of measured - bytes / bandwidth on (launches, 1).
@@ -327,6 +329,8 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
         out.update(step_s=dense_s, sparse_s=0.0, recall_bytes=0.0, **_step_totals(gpu_calls, cost))
         return out
     cfg = st.config
+    if cfg.ablation.recall == "ahead" and not st.copies_per_miss:
+        return _predict_one_program(st, cost, m, out, gpu_calls)
     per_layer_fn = {"sparse_pre", "attend", "land_attend_finish", "ahead_layer", "stage_blocks_outer",
                     "stage_units_outer", "fragment"}
     sl = len(st.misses)
@@ -351,13 +355,8 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
         hold = 0.0  # seconds of the recall the GPU waits through (the XLA host gather: see the module docstring)
         if st.copies_per_miss:  # one copy per unit straight from the pool: no host gather
             recall = nbytes / m.h2d + miss * st.copies_per_miss * m.t_copy if miss else 0.0
-        elif st.backends["host_io"] == "numpy":  # numpy gather, PJRT's bounce copy, one copy
-            recall = nbytes / m.numpy_gather_rate + nbytes / m.copy_rate + nbytes / m.h2d + m.t_copy if miss else 0.0
-        elif st.backends["host_io"] == "numpy-pinned":  # numpy gather into pinned staging, one copy from it
-            recall = nbytes / m.staging_gather_rate + nbytes / m.h2d + m.t_copy if miss else 0.0
-        else:  # an XLA host gather into one pinned staging buffer, then one copy
-            hold = nbytes / m.gather_rate
-            recall = hold + nbytes / m.h2d + m.t_copy if miss else 0.0
+        else:
+            recall, hold = _recall_seconds(st, m, nbytes)
         recall_bytes += nbytes * k
         host_s += host * k
         held_s += hold * k
@@ -384,6 +383,43 @@ def predict_step(st: SystemStep, rows: dict, m: Model) -> dict:
     return out
 
 
+def _recall_seconds(st: SystemStep, m: Model, nbytes: float) -> tuple[float, float]:
+    """(seconds of one coalesced recall of `nbytes`: gather + copy, of them the seconds the GPU is held by an XLA
+    host gather)."""
+    if not nbytes:
+        return 0.0, 0.0
+    io = st.backends["host_io"]
+    if io == "numpy":  # numpy gather, PJRT's bounce copy, one copy
+        return nbytes / m.numpy_gather_rate + nbytes / m.copy_rate + nbytes / m.h2d + m.t_copy, 0.0
+    if io == "numpy-pinned":  # numpy gather into pinned staging, one copy from it
+        return nbytes / m.staging_gather_rate + nbytes / m.h2d + m.t_copy, 0.0
+    hold = nbytes / m.gather_rate  # an XLA host gather into one pinned staging buffer, then one copy
+    return hold + nbytes / m.h2d + m.t_copy, hold
+
+
+def _predict_one_program(st: SystemStep, cost: dict, m: Model, out: dict, gpu_calls: list) -> dict:
+    """Recall ahead as the engine runs it: the step is one program (sparse_step.ahead_step) whose every layer lands
+    `bucket(max misses of a layer)` entries of the previous step's recall; the step's misses of every layer are one
+    gather and one copy, landing a step later: step = max(GPU time of the step [+ its XLA gather], that recall)."""
+    from pulseinfer_jax.kv.blocks import bucket
+
+    worst = max(st.misses)
+    calls = st.sparse[bucket(max(1, round(worst))) if worst else 0]
+    gpu_calls += [(c, c.count) for c in calls if c.program.group != "host_io"]
+    step_s = sum(m.gpu(cost[c.program.key], c.count) for c in calls if c.program.group != "host_io")
+    recall_bytes = float(sum(st.misses)) * st.unit_bytes
+    recall_s, hold = _recall_seconds(st, m, recall_bytes)
+    sparse_s = step_s + hold
+    out.update(gpu_held_by_gather_s=hold, recall_chain_s=recall_s, recall_bound=recall_s > sparse_s)
+    out.update(_step_totals(gpu_calls, cost))
+    sparse_s = max(sparse_s, recall_s)
+    sl = len(st.misses)
+    out.update(sparse_s=sparse_s, step_s=out["dense_s"] + sparse_s, recall_bytes=recall_bytes,
+               recall_s_per_layer=recall_bytes / sl / m.h2d, plan_syncs=0, micro_batches=st.micro_batches,
+               misses_per_layer_mean=float(np.mean(st.misses)))
+    return out
+
+
 def step_programs(st: SystemStep) -> dict[str, float]:
     """Program key -> runs per decode step (the step's recall buckets weighted by their layers), those that run."""
     from pulseinfer_jax.kv.blocks import bucket
@@ -391,6 +427,11 @@ def step_programs(st: SystemStep) -> dict[str, float]:
     runs: dict[str, float] = {}
     for c in st.dense:
         runs[c.program.key] = runs.get(c.program.key, 0.0) + c.count
+    if st.config.ablation.recall == "ahead" and not st.copies_per_miss and st.misses:  # one program per step
+        worst = max(st.misses)
+        for c in st.sparse[bucket(max(1, round(worst))) if worst else 0]:
+            runs[c.program.key] = runs.get(c.program.key, 0.0) + c.count
+        return {k: n for k, n in runs.items() if n > 0}
     for miss in st.misses:  # (a per-layer program's count covers every layer: 1 / sl of it per layer)
         for c in st.sparse[bucket(max(1, round(miss))) if miss else 0]:
             runs[c.program.key] = runs.get(c.program.key, 0.0) + c.count / len(st.misses)
@@ -464,14 +505,17 @@ def main() -> int:
     for st in steps_for(target, a.points.split(","), a.h2d, systems):
         p = predict_step(st, rows, model)
         batch = p["placements"]["dense"] + p["placements"]["offload"]
-        p["tokens_per_s"] = batch / p["step_s"]
         p["step_s_at_1us"] = predict_step(st, rows, low)["step_s"]
-        p["tokens_per_s_at_1us"] = batch / p["step_s_at_1us"]
         p["programs"] = [{"key": k, "function": programs[k].function, "runs_per_step": n, **rows[k]["fingerprint"]}
                          for k, n in sorted(step_programs(st).items(), key=lambda kv: -kv[1])]
         host = host_seconds(st.config.ablation.recall, p["placements"]["offload"]) if st.sparse else None
-        if host is not None:  # the GPU waits for the driver where it is slower (measured on the CPU machine)
+        if host is not None:  # the driver's own time per step (measured on the CPU machine): a floor of the step
             p.update(host_s=host, host_bound=host > p["step_s"], host_bound_at_1us=host > p["step_s_at_1us"])
+        # tokens/s = batch / max(GPU step (its recall floor inside), host step): the headline; the GPU side alone too
+        for suffix in ("", "_at_1us"):
+            gpu = p[f"step_s{suffix}"]
+            p[f"gpu_tokens_per_s{suffix}"] = batch / gpu
+            p[f"tokens_per_s{suffix}"] = batch / max(gpu, host or 0.0)
         preds.append(p)
         print(f"{p['point']} {p['system']:26s} {p['placements']} step {p['step_s'] * 1e3:8.2f} ms "
               f"({p['tokens_per_s']:7.1f} tok/s; at 1 us launches {p['step_s_at_1us'] * 1e3:8.2f} ms, "

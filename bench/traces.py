@@ -62,6 +62,8 @@ class RecordingSelector(Selector):
     """Records every selection the engine plans (middle blocks per lane) and the slot-cache hits and misses per
     layer; `trace(requests)` assembles them. Selects nothing itself: the engine decodes as it would."""
 
+    records_selection = True
+
     def __init__(self):
         self.recorded_steps: dict[int, int] = {}  # request owner -> decode steps done
         self.records: dict[tuple[int, int, int], tuple[list[list[int]], int, int]] = {}
@@ -140,6 +142,7 @@ class ReplaySelector(Selector):
 
     def __init__(self, trace: Trace, record: RecordingSelector | None = None):
         self.trace_in, self.record = trace, record
+        self.records_selection = record is not None
         self.replayed_steps: dict[int, int] = {}
         self.maps: dict[int, BlockMap] = {}
 

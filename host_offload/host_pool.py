@@ -57,9 +57,10 @@ NULL_ROW = 0
 HOST_IO = {"xla": XlaHostIO, "numpy": NumpyHostIO, "numpy-pinned": PinnedNumpyHostIO}
 
 
-def _pad_pow2(*vectors: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Pad index vectors with the null row / 0 to the next power of two (bounded number of compiled shapes)."""
-    width = bucket(len(vectors[0]))
+def _pad_pow2(*vectors: np.ndarray, at_least: int = 0) -> tuple[np.ndarray, ...]:
+    """Pad index vectors with the null row / 0 to the next power of two of their length (or of `at_least`, if more):
+    a bounded number of compiled shapes."""
+    width = bucket(max(len(vectors[0]), at_least))
     out = np.zeros((len(vectors), width), np.int32)  # (np.pad costs ~10x this per call: it runs every layer)
     for o, v in zip(out, vectors, strict=True):
         o[: len(v)] = v
@@ -214,6 +215,24 @@ class HostKVPool:
         self.h2d_bytes += len(rows) * self.unit_bytes
         r, h = _pad_pow2(rows, heads)
         return self._submit(self.io.staging_job(self.pool, layer, r, h))
+
+    def recall_step(self, layers: np.ndarray, rows: np.ndarray, heads: np.ndarray | None = None, *,
+                    at_least: int = 0) -> Recall:
+        """A whole decode step's recall at once: entry i is row `rows[i]` of pool layer `layers[i]` (whole blocks; with
+        `heads`, the (block, head) unit of head `heads[i]`), gathered into ONE staging buffer of a power of two entries
+        (at least `at_least`; padding: the null row of layer 0) and sent up in ONE host-to-device copy; started
+        (counted now) as a `Recall`, on the recall thread where `recalls_off_thread`."""
+        if len(rows) and (np.min(rows) <= NULL_ROW or np.max(rows) >= self.num_rows):
+            raise ValueError(f"recall_step: rows {np.min(rows)}..{np.max(rows)} outside the pool's rows "
+                             f"[1, {self.num_rows})")
+        self.h2d_copies += 1
+        self.h2d_bytes += len(rows) * (self.layer_block_bytes if heads is None else self.unit_bytes)
+        vectors = (layers, rows) if heads is None else (layers, rows, heads)
+        index = _pad_pow2(*vectors, at_least=at_least)
+        if self.io.host_gather:
+            return self._submit(self.io.staging_job(self.pool, *index))
+        self.sync()
+        return Recall(made=self.io.to_device(self.io.stage_rows(self.pool, *index)))
 
     def _submit(self, stage) -> Recall:
         """`stage` (a backend's staging job: it sees the write-backs queued until it was made) and its copy to the

@@ -100,17 +100,22 @@ class NumpyHostIO:
     def stage_units(self, pool: np.ndarray, layer: int, rows: np.ndarray, heads: np.ndarray) -> np.ndarray:
         return self.staging_job(pool, layer, rows, heads)()
 
-    def staging_job(self, pool: np.ndarray, layer: int, rows: np.ndarray, heads: np.ndarray | None = None):
+    def staging_job(self, pool: np.ndarray, layer: int | np.ndarray, rows: np.ndarray, heads: np.ndarray | None = None):
         """`stage_blocks` (or, with `heads`, `stage_units`) to run later, on another thread: it sees the write-backs
-        queued until now and none queued after (it takes them off the queue now and lands them first)."""
+        queued until now and none queued after (it takes them off the queue now and lands them first). `layer`: one
+        pool layer, or one per entry (a whole step's recall: entry i from pool layer layer[i])."""
         writes = self.take_writes()
+        if np.ndim(layer) == 0:
+            src, at = (lambda: pool[layer]), rows
+        else:
+            src, at = (lambda: flat_rows(pool)), np.asarray(layer, np.int64) * pool.shape[1] + rows
 
         def job() -> np.ndarray:
             with self._lock:
                 self.land(writes)
                 if heads is None:
-                    return self._gather_blocks(pool[layer], rows)
-                return pool[layer][rows, :, :, heads]  # [n, 2, bs, hd], a fresh contiguous array
+                    return self._gather_blocks(src(), at)
+                return src()[at, :, :, heads]  # [n, 2, bs, hd], a fresh contiguous array
         return job
 
     def _gather_blocks(self, layer: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -138,6 +143,13 @@ class NumpyHostIO:
             units += [jnp.zeros(pool.shape[2:4] + pool.shape[5:], pool.dtype, device=self.unit_dev)] * (
                 len(rows) - count)
         return jnp.stack(units)
+
+
+def flat_rows(pool: Float[np.ndarray, "Ls R 2 bs Hkv hd"]) -> Float[np.ndarray, "LsR 2 bs Hkv hd"]:
+    """The pool's rows of every layer as one axis (pool layer l, row r at l * R + r): a view, never a copy."""
+    if not pool.flags.c_contiguous:
+        raise ValueError("the host pool must be one C-contiguous array (a flat view of its rows would copy it)")
+    return pool.reshape(-1, *pool.shape[2:])
 
 
 @jax.jit

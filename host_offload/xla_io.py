@@ -103,6 +103,15 @@ class XlaHostIO:
         """One host-to-device copy (per device, of its heads, under tensor parallelism)."""
         return self._up[5 if staging.ndim == 5 else 1](staging)
 
+    def stage_rows(self, pool: Array, layers: np.ndarray, rows: np.ndarray,
+                   heads: np.ndarray | None = None) -> Float[Array, "n 2 bs Hkv hd"] | Float[Array, "n 2 bs hd"]:
+        """Entry i = row rows[i] of pool layer layers[i] (with `heads`: its (block, head) unit): a whole step's recall
+        in one host gather (index vectors numpy, put on the host by the call)."""
+        blocks, units = row_transfers(self.host_scalar, self.mesh)
+        if heads is None:
+            return blocks(pool, np.stack([layers, rows]))
+        return units(pool, np.stack([layers, rows, heads]))
+
     def fragment_units(self, pool: Array, layer: int, rows: np.ndarray, heads: np.ndarray,
                        count: int) -> Float[Array, "n 2 bs hd"]:
         """rows / heads: [n] padded past `count` with the null row's unit (copied too: a known trip count)."""
@@ -127,6 +136,41 @@ def _copy_up(how: str, dev: jax.sharding.Sharding):
     if how == "device_put":
         return functools.partial(jax.device_put, device=dev)
     return jax.jit(lambda staging: staging, out_shardings=dev)
+
+
+@functools.cache
+def row_transfers(host: jax.sharding.Sharding, mesh: jax.sharding.Mesh | None = None) -> tuple:
+    """The jitted host gathers of a whole step's recall (`XlaHostIO.stage_rows`): (blocks, units), entry i from pool
+    layer index[0, i], row index[1, i] (units: head index[2, i]), into one staging buffer in pinned host memory. Under a
+    tensor-parallel `mesh` the blocks' gather runs per device on its own KV heads (the units' is single-device only)."""
+    on_host = jax.memory.Space.Host
+
+    @compute_on(compute_type="device_host", out_memory_spaces=on_host)
+    @jax.jit
+    def stage_rows(pool: Array, index: Int[Array, "2 n"]) -> Array:
+        return pool.at[index[0], index[1]].get(mode="clip")  # [n, 2, bs, Hkv, hd]
+
+    @compute_on(compute_type="device_host", out_memory_spaces=on_host)
+    @jax.jit
+    def stage_row_units(pool: Array, index: Int[Array, "3 n"]) -> Array:
+        return pool.at[index[0], index[1], :, :, index[2]].get(mode="clip")  # [n, 2, bs, hd]
+
+    def outer(fn):  # (every operand in the host memory space, as transfers' stage_blocks_outer)
+        return lambda pool, index: fn(*(jax.device_put(a, on_host) for a in (pool, index)))
+
+    if mesh is None:
+        return (jax.jit(outer(stage_rows), in_shardings=(host, host), out_shardings=host),
+                jax.jit(outer(stage_row_units), in_shardings=(host, host), out_shardings=host))
+    pool_s = NamedSharding(mesh, split_spec(6, 4), memory_kind=HOST_KIND)
+    staging_s = NamedSharding(mesh, split_spec(5, 3), memory_kind=HOST_KIND)
+    blocks = jax.shard_map(outer(stage_rows), mesh=mesh, in_specs=(split_spec(6, 4), P()),
+                           out_specs=split_spec(5, 3), check_vma=False)
+
+    def single_device_only(*_):
+        raise ValueError("per-(block, head) host transfers (headwise selection's I/O) run on one device only; use "
+                         "selection='solohead' under tensor parallelism")
+
+    return jax.jit(blocks, in_shardings=(pool_s, host), out_shardings=staging_s), single_device_only
 
 
 @functools.cache

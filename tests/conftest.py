@@ -24,15 +24,14 @@ def record_sampled_logits(monkeypatch) -> dict:
     from pulseinfer_jax import Engine
 
     seen: dict = {}
-    orig = Engine._sample
 
     def spy(self, logits, reqs):
         arr = np.asarray(logits)
         for i, r in enumerate(reqs):
             seen[(r.index, len(r.output))] = arr[i]
-        return orig(self, logits, reqs)
 
-    monkeypatch.setattr(Engine, "_sample", spy)
+    monkeypatch.setattr(Engine, "keep_logits", True)
+    monkeypatch.setattr(Engine, "observe_logits", spy)
     return seen
 
 

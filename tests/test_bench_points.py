@@ -19,7 +19,7 @@ from bench.fingerprint import ExecutedPrograms, fingerprint, match, normalise, p
 from bench.traces import ReplaySelector, Trace, load_trace
 from pulseinfer_jax import Engine, EngineConfig, SamplingParams
 from pulseinfer_jax.backends import plan_backends
-from pulseinfer_jax.runner import sparse_layer
+from pulseinfer_jax.runner import sparse_step
 from pulseinfer_jax.runner.sparse_inputs import micro_batch_inputs, slot_step_inputs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -135,15 +135,15 @@ def test_replayed_steps_pass_the_engines_own_program_arguments(monkeypatch, sele
     cfg = EngineConfig.of(mode="offload", budget_tokens=64, window_tokens=16, dense_layers=1, max_batch=2,
                           selection=selection, progress=False)
     seen: dict[str, set] = {}
-    real = sparse_layer.ahead_layer
+    real = sparse_step.ahead_step
 
     def run(tag, selector):
         def spy(*args, **kw):
-            avals = tuple((tuple(np.shape(x)), str(x.dtype)) for x in jax.tree.leaves(args[7]))
-            seen.setdefault(tag, set()).add((kw["spec"], jax.tree.structure(args[7]), avals))
+            avals = tuple((tuple(np.shape(x)), str(x.dtype)) for x in jax.tree.leaves(args[10]))
+            seen.setdefault(tag, set()).add((kw["spec"], jax.tree.structure(args[10]), avals))
             return real(*args, **kw)
 
-        monkeypatch.setattr(sparse_layer, "ahead_layer", spy)
+        monkeypatch.setattr(sparse_step, "ahead_step", spy)
         eng = Engine(dataclasses.replace(model), cfg, selector=selector)
         rng = np.random.default_rng(1)
         reqs = [eng.make_request(i, rng.integers(3, model.cfg.vocab_size, n).tolist(),

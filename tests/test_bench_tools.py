@@ -372,10 +372,13 @@ def test_host_overhead_isolated_waits_for_each_call_and_recall_and_restores_them
 
     pool = HostKVPool(num_rows=4, first_layer=1, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
                       dtype=jnp.float32, device=jax.devices()[0], io="numpy-pinned")
-    saved = (sparse_layer.ahead_layer, sparse_layer.logits, HostKVPool._submit)
+    from pulseinfer_jax.runner import sparse_step
+
+    saved = (sparse_layer.ahead_layer, sparse_layer.logits, HostKVPool._submit, sparse_step.ahead_step)
     seen = []
     with Isolated():
         assert sparse_layer.ahead_layer is not saved[0] and HostKVPool._submit is not saved[2]
+        assert sparse_step.ahead_step is not saved[3]
         gate = threading.Event()
         pool._thread = RecallThread()
         pool._thread.submit(lambda: gate.wait(5))  # (a job the thread is held on: the recall waits behind it)
@@ -384,7 +387,7 @@ def test_host_overhead_isolated_waits_for_each_call_and_recall_and_restores_them
         seen.append(recall.gathered())  # already gathered and copied when recall_blocks returned
         staging, waited = recall.result()
     assert seen == [True] and waited == 0.0 and staging.shape == (2, 2, 4, 2, 8) and staging.is_ready()
-    assert (sparse_layer.ahead_layer, sparse_layer.logits, HostKVPool._submit) == saved  # restored
+    assert (sparse_layer.ahead_layer, sparse_layer.logits, HostKVPool._submit, sparse_step.ahead_step) == saved
 
 
 def test_moe_ffn_bench_times_every_strategy(tmp_path, monkeypatch):

@@ -113,6 +113,33 @@ def test_recalls_started_ahead_move_what_the_gathers_move(io):
         np.testing.assert_array_equal(pool.read(1, rows[0]), kv2[2, 5])  # the thread goes on after an error
 
 
+@pytest.mark.parametrize("io", ["xla", "numpy", "numpy-pinned"])
+@pytest.mark.parametrize("units", [False, True])
+def test_a_step_recall_gathers_every_layers_rows_in_one_copy(io, units):
+    """`recall_step`: a whole decode step's misses of every pool layer (entry i: row rows[i] of layer layers[i]; with
+    heads, its (block, head) unit) in ONE staging buffer, in order, padded with the null row to a power of two of at
+    least `at_least` entries; ONE copy counted, with the real entries' bytes; a row outside the pool refused."""
+    pool = _pool(io=io)
+    kv = _kv(3)
+    rows = pool.allocate(4, owner=1)
+    pool.write_back(jnp.asarray(kv), [4, 2, 7, 8], rows)  # pool layer l holds cache layer l + 1
+    layers = np.array([0, 0, 2, 1, 2], np.int32)
+    at = np.array([rows[0], rows[3], rows[1], rows[2], rows[0]], np.int32)
+    blocks = np.array([4, 8, 2, 7, 4])
+    heads = np.array([1, 0, 0, 1, 1], np.int32) if units else None
+    recall = pool.recall_step(layers, at, heads, at_least=11)
+    assert (pool.h2d_copies, pool.h2d_bytes) == (1, 5 * (pool.unit_bytes if units else pool.layer_block_bytes))
+    got = np.asarray(recall.result()[0])
+    assert got.shape[0] == 16  # bucket(max(5, 11))
+    want = kv[layers + 1, blocks]
+    if units:
+        want = want[np.arange(5), :, :, heads]
+    np.testing.assert_array_equal(got[:5], want)
+    assert not got[5:].any()  # the null row (never written)
+    with pytest.raises(ValueError, match="outside the pool's rows"):
+        pool.recall_step(np.zeros(1, np.int32), np.array([pool.num_rows], np.int32))
+
+
 def test_pinned_staging_ring_reuses_buffers_only_after_their_copies():
     """"numpy-pinned": whole blocks are gathered into pinned staging buffers from a ring per shape, each copied to the
     device without a second host copy; a buffer comes round again only after its copy finished (a copy in flight makes

@@ -817,25 +817,25 @@ def test_auto_kernels_fall_back_on_a_gpu_that_rejects_them(tiny4, monkeypatch, e
         assert got[0].token_ids == want[0].token_ids
 
 
-def test_the_jnp_layer_calls_never_copy_the_cache(tiny4, monkeypatch):
-    """Recall ahead's sparse layer call on the jnp path updates the donated cache in place: no compiled program (one
+def test_the_jnp_step_program_never_copies_the_cache(tiny4, monkeypatch):
+    """Recall ahead's one-program step on the jnp path updates the donated cache in place: no compiled program (one
     request or two, with and without a landing, float32 and float8 bounds) copies the whole cache. XLA:CPU did, twice
-    a call, where the appended key's read fused into each of its readers and where a landing fused into the token
+    a layer, where the appended key's read fused into each of its readers and where a landing fused into the token
     write (the CPU offloaded decode step took 1.6x its time)."""
     import jax
 
-    from pulseinfer_jax.runner import sparse_layer
+    from pulseinfer_jax.runner import sparse_step
 
-    real, calls = sparse_layer.ahead_layer, {}
+    real, calls = sparse_step.ahead_step, {}
 
     def spy(model, *args, **kw):
-        landing = args[8]
-        key = (args[2].shape[0], None if landing is None else landing.staging.shape[0])
+        landing = args[10]
+        key = (args[6].shape[0], None if landing is None else landing.staging.shape[0])
         if key not in calls:  # shapes only: the call donates its buffers
             calls[key] = (model, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args), kw)
         return real(model, *args, **kw)
 
-    monkeypatch.setattr(sparse_layer, "ahead_layer", spy)
+    monkeypatch.setattr(sparse_step, "ahead_step", spy)
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(61, 38))
     for bounds in ("kv", "float8_e4m3fn"):
         kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
@@ -843,6 +843,6 @@ def test_the_jnp_layer_calls_never_copy_the_cache(tiny4, monkeypatch):
     assert {b for b, _ in calls} == {1, 2} and any(n is not None for _, n in calls), sorted(calls, key=str)
     for key, (model, args, kw) in calls.items():
         hlo = real.lower(model, *args, **kw).compile().as_text()
-        cache = "f32[" + ",".join(map(str, args[1].shape)) + "]"
+        cache = "f32[" + ",".join(map(str, args[2].shape)) + "]"
         copies = [line for line in hlo.splitlines() if f"= {cache}" in line and " copy(" in line]
         assert not copies, (key, copies)

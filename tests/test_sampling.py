@@ -5,23 +5,22 @@ import numpy as np
 import pytest
 
 from pulseinfer_jax.request import SamplingParams
-from pulseinfer_jax.runner.sampling import greedy_sample, sample
+from pulseinfer_jax.runner.sampling import SamplingRows, sample_tokens
 
 
 def _sample_many(logits, temp, k, p, n=200, seed=0):
     b = logits.shape[0]
     out = []
     for step in range(n):
-        out.append(np.asarray(sample(jnp.asarray(logits), jnp.full((b,), temp, jnp.float32),
-                                     jnp.full((b,), k, jnp.int32), jnp.full((b,), p, jnp.float32),
-                                     jnp.uint32(seed), jnp.arange(b, dtype=jnp.int32),
-                                     jnp.full((b,), step, jnp.int32))))
+        rows = SamplingRows(np.full(b, temp, np.float32), np.full(b, k, np.int32), np.full(b, p, np.float32),
+                            np.arange(b, dtype=np.int32), np.full(b, step, np.int32), np.uint32(seed))
+        out.append(np.asarray(sample_tokens(jnp.asarray(logits), rows)))
     return np.stack(out)
 
 
 def test_greedy_and_temperature_zero_rows():
     logits = np.random.default_rng(0).standard_normal((3, 50)).astype(np.float32)
-    assert (np.asarray(greedy_sample(jnp.asarray(logits))) == logits.argmax(-1)).all()
+    assert (np.asarray(sample_tokens(jnp.asarray(logits), None)) == logits.argmax(-1)).all()
     draws = _sample_many(logits, 0.0, 0, 1.0, n=3)
     assert (draws == logits.argmax(-1)).all()
 
@@ -53,3 +52,24 @@ def test_sampling_is_seeded_and_row_independent():
 def test_bad_sampling_values(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)
+
+
+def test_batch_sampling_places_requests_among_padding_rows():
+    """A step's rows: requests at their rows (offloaded rows, padding, then dense-placed rows), the others greedy;
+    an all-greedy batch needs no sampling inputs at all."""
+    from pulseinfer_jax.runner.sampling import BatchSampling
+
+    greedy, hot = SamplingParams(), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+    assert BatchSampling((greedy, greedy), (0, 1), (3, 4), 7).rows([0, 4], 6) is None
+    rows = BatchSampling((hot, greedy), (11, 12), (3, 4), 7).rows([1, 4], 6)
+    np.testing.assert_array_equal(rows.temperature, np.array([0, 0.8, 0, 0, 0, 0], np.float32))
+    np.testing.assert_array_equal(rows.top_k, [0, 5, 0, 0, 0, 0])
+    np.testing.assert_array_equal(rows.streams, [0, 11, 0, 0, 12, 0])
+    np.testing.assert_array_equal(rows.steps, [0, 3, 0, 0, 4, 0])
+    logits = np.random.default_rng(1).standard_normal((6, 40)).astype(np.float32)
+    got = np.asarray(sample_tokens(jnp.asarray(logits), rows))
+    keep = [0, 2, 3, 4, 5]  # greedy and padding rows: the argmax
+    np.testing.assert_array_equal(got[keep], logits.argmax(-1)[keep])
+    # the same request at another row of another batch draws the same token (its stream and step, not its row)
+    alone = BatchSampling((hot,), (11,), (3,), 7).rows([0], 1)
+    assert int(np.asarray(sample_tokens(jnp.asarray(logits[1:2]), alone))[0]) == int(got[1])

@@ -3,7 +3,8 @@
 Each builder mirrors one path of the engine and returns `Call`s (program, runs per decode step):
   - `dense_decode`: engine._decode_dense + dense.decode_step(_layerwise) + sampling;
   - `prefill`: engine._prefill_compute over a whole prompt, chunk by chunk;
-  - `sparse_decode`: sparse_decoder.SparseDecoder.decode (per micro-batch: embed, dense layers, per sparse layer
+  - `sparse_decode`: sparse_decoder.SparseDecoder.decode (recall ahead: the step as one program,
+    sparse_step.ahead_step; same-layer schedules, per micro-batch: embed, dense layers, per sparse layer
     sparse_pre / attend / land_attend_finish, logits; the recall's host programs; write-back and key bounds of the
     blocks leaving the window), at a given recall size per layer;
   - `offloaded_prefill`: an offloaded prompt's layer-segmented prefill and the spill of each layer (write-back, key
@@ -36,7 +37,7 @@ from pulseinfer_jax.config import EngineConfig
 from pulseinfer_jax.kv.blocks import blocks_for, bucket
 from pulseinfer_jax.kv.cache import bucket_blocks
 from pulseinfer_jax.kv.quant import block_rows, resolve_kv_dtype, storage_dtype
-from pulseinfer_jax.runner import dense, sampling, sparse_layer
+from pulseinfer_jax.runner import dense, sampling, sparse_layer, sparse_step
 from pulseinfer_jax.runner.offloaded_prefill import chunk_plan, chunk_size
 from pulseinfer_jax.runner.sparse_inputs import (
     KeyBounds,
@@ -156,12 +157,12 @@ def sample_calls(es: EngineShapes, batch: int, greedy: bool = True) -> list[Call
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (es.head_params, es.x(batch)), is_leaf=_is_spec)
     out = jax.eval_shape(lambda h, x: es.model.logits(h, x[:, 0]), *x)
     logits = spec(out.shape, out.dtype)
-    if greedy:
-        return [Call(es.program("greedy_sample", "sampling", sampling.greedy_sample, (logits,)))]
-    f32 = jnp.float32
-    args = (logits, spec((batch,), f32), _vec(batch), spec((batch,), f32), spec((), jnp.uint32), _vec(batch),
-            _vec(batch))
-    return [Call(es.program("sample", "sampling", sampling.sample, args))]
+    rows = None
+    if not greedy:
+        f32 = jnp.float32
+        rows = sampling.SamplingRows(spec((batch,), f32), _vec(batch), spec((batch,), f32), _vec(batch), _vec(batch),
+                                     spec((), jnp.uint32))
+    return [Call(es.program("sample_tokens", "sampling", sampling.sample_tokens, (logits, rows)))]
 
 
 def dense_decode(es: EngineShapes, lengths: list[int], max_new_tokens: int, *, num_blocks: int | None = None,
@@ -368,10 +369,16 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
             add(call.program, 0.0)
         if recall:  # (`land_pending`: before a request's first step, or before a finished request's blocks are freed)
             fan = c.num_kv_heads if (cfg.ablation.io == "fragmented" and plan.selection == "solohead") else 1
-            staging = _recall_calls(es, layout, recall, lambda p, n: None, host_s, dev_s, sl_n, group)
-            landing = _landing(layout, len(reqs), staging)
-            add(es.program("land", group, sparse_layer.land, (es.kv(layout.num_gpu_blocks), _scalar(), landing),
-                           {"fan": fan}), 0.0)
+            if _one_program(cfg):
+                staging = _step_recall_calls(es, layout, recall, lambda p, n: None, host_s, group)
+                add(es.program("land_step", group, sparse_step.land_step,
+                               (es.kv(layout.num_gpu_blocks), _step_landing(layout, len(reqs), staging)),
+                               {"dense_layers": plan.dense_layers, "width": bucket(recall), "fan": 1}), 0.0)
+            else:
+                staging = _recall_calls(es, layout, recall, lambda p, n: None, host_s, dev_s, sl_n, group)
+                landing = _landing(layout, len(reqs), staging)
+                add(es.program("land", group, sparse_layer.land, (es.kv(layout.num_gpu_blocks), _scalar(), landing),
+                               {"fan": fan}), 0.0)
     k = max(1, min(micro_batches, len(reqs)))
     bounds = np.linspace(0, len(reqs), k + 1).astype(int)
     groups = [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
@@ -398,15 +405,42 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         middle = np.clip(n_blk - plan.sink_blocks - plan.window_blocks, 0, None)
         listed = n_blk if sc.scores_kept(plan.selection, cfg.ablation.solohead) else middle  # (sinks, window too)
         scored = ((SCORING[0], float(listed.sum()) / (bp * kc)),)  # candidates that are blocks, not padding
-        add(es.program("embed", group, sparse_layer.embed, (model, es.head_params, _vec(bp + bd))), 1)
         dense = specs_of(mb.dense)
+        select = SelectSpec.of(plan, cfg.ablation.solohead, es.attention, sc, coarse=mb.coarse)
+        if _one_program(cfg):  # the whole step, sampling included, as one program; its recall lands in the next one
+            step = specs_of(slot_step_inputs(members, mb.tables, bp, slots[0].shape[1], slots[0].shape[3],
+                                             spare=True))
+            landing, width = None, 0
+            if recall:
+                width = bucket(recall)
+                landing = _step_landing(layout, len(members),
+                                        _step_recall_calls(es, layout, recall, add, host_s, group))
+            per_row = min(float(recall) / len(members), plan.budget_blocks * plan.lanes) if recall else 0.0
+            early_frac = len(members) * (plan.budget_blocks * plan.lanes - per_row) / (bp * plan.budget_blocks
+                                                                                         * plan.lanes)
+            # one attention kernel name for the dense layers' and the sparse layers' calls: their valid fractions
+            # weighted by the entries each lists, so that the step's attention bytes add up
+            dense_entries = plan.dense_layers * bp * kc
+            sparse_entries = sl_n * bp * plan.lanes * plan.budget_blocks
+            attn_valid = ((dense_valid[0][1] * dense_entries + early_frac * sparse_entries)
+                          / (dense_entries + sparse_entries))
+            host_rows = layout.pool.shape[1]
+            group_rows = host_rows // sc.coarse_group if sc.coarse_group > 1 else 1
+            refs = sparse_step.StepRefs(tuple(SparseLayerRefs.of(plan, i, host_rows, layout.num_gpu_blocks,
+                                                                 group_rows) for i in range(sl_n)))
+            add(es.program("ahead_step", group, sparse_step.ahead_step, (
+                model, es.head_params, (es.layer_params,) * c.num_layers, kv, layout.bounds, slots,
+                layout.arrivals(bp + bd), _vec(bp + bd), rows_spec, dense, step, landing, placed_rows, None),
+                {"refs": refs, "spec": select, "attention": es.attention, "fan": 1, "width": width},
+                pallas=SCORING + ATTENTION, valid=scored + ((ATTENTION[0], attn_valid),)), 1)
+            continue
+        add(es.program("embed", group, sparse_layer.embed, (model, es.head_params, _vec(bp + bd))), 1)
         for d in range(plan.dense_layers):
             add(es.program("dense_layer", group, sparse_layer.dense_layer,
                            (model, es.layer_params, kv, x, rows_spec.positions, dense.write[d], dense.ids[d],
                             dense.lens, placed_rows, _scalar() if placed else None, layout.arrivals(bp + bd)),
                            {"attention": es.attention},
                            pallas=ATTENTION, valid=dense_valid), 1)
-        select = SelectSpec.of(plan, cfg.ablation.solohead, es.attention, sc, coarse=mb.coarse)
         fan = c.num_kv_heads if (cfg.ablation.io == "fragmented" and plan.selection == "solohead") else 1
         if cfg.ablation.recall == "ahead":  # one call per sparse layer; the recall lands in the next step's call
             step = specs_of(slot_step_inputs(members, mb.tables, bp, slots[0].shape[1], slots[0].shape[3],
@@ -463,8 +497,39 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         add(p, per_step)
     if sc.coarse_group > 1:
         add(refresh_coarse_program(es, layout, n_exit, group), per_step)
+    if _one_program(cfg):  # (sampled inside the step)
+        return list(calls.values())
     # the sparse logits come back to the host unpadded: sampled at exactly len(reqs) rows (and the placed ones)
     return list(calls.values()) + sample_calls(es, len(reqs) + len(placed or ()))
+
+
+def _one_program(cfg: EngineConfig) -> bool:
+    """Whether the engine runs a recall-ahead step as one program (SparseDecoder.decode: all but the per-head
+    baseline's fragmented copies)."""
+    return cfg.ablation.recall == "ahead" and cfg.ablation.io == "coalesced"
+
+
+def _step_landing(layout: SparseLayout, rows: int, staging: Spec) -> sparse_step.StepLanding:
+    """A step recall's landing for `rows` requests (bucketed): its staging, each layer's offset, the step's plan."""
+    plan = layout.plan
+    b, n, sl_n = bucket(rows), plan.budget_blocks, plan.sparse_layers
+    return sparse_step.StepLanding(staging, _vec(sl_n), spec((sl_n, b, plan.lanes, n), I32),
+                                   spec((sl_n, b, plan.lanes, n + 4), I32))
+
+
+def _step_recall_calls(es: EngineShapes, layout: SparseLayout, recall: int, add, host_s, group: str) -> Spec:
+    """The host program of a step's recall (`HostKVPool.recall_step`: every sparse layer's `recall` misses in one
+    staging buffer, each layer's window `bucket(recall)` inside it), added once; returns that staging."""
+    plan, c = layout.plan, es.model.cfg
+    bs, dt = es.kv_rows, es.kv_dtype
+    solo = plan.selection == "solohead"
+    n = bucket(plan.sparse_layers * recall - recall + bucket(recall))  # (SparseDecoder._issue_step_recall)
+    if es.host_io == "xla":
+        blocks, units = xla_io.row_transfers(host_s)
+        add(es.program("<lambda>", "host_io", blocks if solo else units,
+                       (layout.pool, spec((2 if solo else 3, n), I32, PLACED)),
+                       tag="stage_rows" if solo else "stage_row_units"), 1)
+    return spec((n, 2, bs, c.num_kv_heads, c.head_dim) if solo else (n, 2, bs, c.head_dim), dt)
 
 
 def _landing(layout: SparseLayout, rows: int, staging: Spec) -> Landing:

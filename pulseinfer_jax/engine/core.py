@@ -35,7 +35,7 @@ from pulseinfer_jax.parallel.layout import DeviceLayout
 from pulseinfer_jax.request import Request, SamplingParams, Status, TokenEvent
 from pulseinfer_jax.runner.dense import decode_step, decode_step_layerwise, prefill_step, prefill_step_layerwise
 from pulseinfer_jax.runner.offloaded_prefill import SegmentedPrefiller, chunk_size
-from pulseinfer_jax.runner.sampling import greedy_sample, sample
+from pulseinfer_jax.runner.sampling import BatchSampling, sample_tokens
 from pulseinfer_jax.runner.sparse_decoder import SavedSlots
 from pulseinfer_jax.runner.sparse_inputs import PlacedRows
 from pulseinfer_jax.sched.admission import IOAAConfig
@@ -60,6 +60,8 @@ class Sampled(NamedTuple):
 
 
 class Engine:
+    keep_logits = False  # parity checks: each sampled row's logits to `observe_logits` (one more read per step)
+
     def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig(), device: jax.Device | None = None,
                  selector: Selector | None = None):
         self.model = model
@@ -466,11 +468,13 @@ class Engine:
             if joined:
                 placed = PlacedRows.of([r.blocks for r in dense], [r.seq_len - 1 for r in dense],
                                        self.config.block_size)
-            self.kv, logits = self.sparse.decode(self.kv, [r.sparse for r in sparse], [r.output[-1] for r in sparse],
-                                                 [r.seq_len for r in sparse], placed,
-                                                 [r.output[-1] for r in dense] if joined else [])
             rows = sparse + dense if joined else sparse
-            out.append(Sampled(rows, self._sample(jnp.asarray(logits), rows)))
+            self.kv, tokens, logits = self.sparse.decode(
+                self.kv, [r.sparse for r in sparse], [r.output[-1] for r in sparse], [r.seq_len for r in sparse],
+                placed, [r.output[-1] for r in dense] if joined else [], self._sampling(rows), self.keep_logits)
+            if logits is not None:
+                self.observe_logits(logits, rows)
+            out.append(Sampled(rows, [int(t) for t in tokens]))
             est = self.scheduler.estimator
             est.observe_step_time(time.perf_counter() - t0)
             for r in sparse:
@@ -506,20 +510,21 @@ class Engine:
         return decode_step_layerwise(self.transformer, model.params, self.layer_params, self.layer_ids, self.kv,
                                      *args, attention=self.decode_attention)
 
+    def _sampling(self, reqs: list[Request]) -> BatchSampling:
+        """Each request's sampling in `reqs`' order (its stream: the request's index, or the client's seed)."""
+        return BatchSampling(tuple(r.sampling for r in reqs),
+                             tuple(r.index if r.stream is None else r.stream for r in reqs),
+                             tuple(len(r.output) for r in reqs), self.seed)
+
+    def observe_logits(self, logits: np.ndarray, reqs: list[Request]) -> None:
+        """Where `keep_logits`: the logits each request of `reqs` samples its next token from ([len(reqs), V], in
+        order). Parity checks override it; the engine's own steps never read logits back."""
+
     def _sample(self, logits: jax.Array, reqs: list[Request]) -> list[int]:
-        if all(r.sampling.greedy for r in reqs):
-            out = greedy_sample(logits)
-        else:
-            b = logits.shape[0]
-            pad = b - len(reqs)
-            sp = [r.sampling for r in reqs]
-            temps = np.array([s.temperature for s in sp] + [0.0] * pad, np.float32)
-            top_k = np.array([s.top_k for s in sp] + [0] * pad, np.int32)
-            top_p = np.array([s.top_p for s in sp] + [1.0] * pad, np.float32)
-            ids = np.array([r.index if r.stream is None else r.stream for r in reqs] + [0] * pad, np.int32)
-            steps = np.array([len(r.output) for r in reqs] + [0] * pad, np.int32)
-            out = sample(logits, temps, top_k, top_p, jnp.uint32(self.seed), ids, steps)
-        return [int(t) for t in np.asarray(out)[: len(reqs)]]
+        if self.keep_logits:
+            self.observe_logits(np.asarray(logits)[: len(reqs)], reqs)
+        rows = self._sampling(reqs).rows(range(len(reqs)), logits.shape[0])
+        return [int(t) for t in np.asarray(sample_tokens(logits, rows))[: len(reqs)]]
 
     # ---- postprocess ---------------------------------------------------------------------------
     def _postprocess(self, outputs: list[Sampled]) -> Iterator[TokenEvent]:

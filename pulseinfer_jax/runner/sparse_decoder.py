@@ -5,14 +5,16 @@ One decode step of the sparse requests (`SparseDecoder.decode`):
   0. bookkeeping (host): each request's newest block becomes resident; a block that left the recent window
      is written back to its host row (async device->host copy) and gets its key metadata (`refresh_meta`):
      both are dispatched before any selection of this step, so the step can select and recall it.
-  recall ahead (`recall="ahead"`, the default): the batch runs as one, and each sparse layer is ONE call that
-     never waits on the host (`sparse_layer.ahead_layer`): it lands the recall that layer issued last step, writes
-     the token, scores, selects and plans against the slot caches, copies a miss on the block that just left the
-     window from its spare GPU block, attends over the resident blocks, the hits and that copy, and finishes the
-     layer. The other misses are not attended in this step: once every layer is dispatched the driver reads each
-     layer's plan as the GPU gets past it and issues that layer's recall (one host gather, one copy; with the numpy
-     pool both on the pool's recall thread, so the driver only hands over the rows), which lands in the layer's
-     next call, a whole step later (the driver waits there only if that gather is still running: `recall_wait_s`).
+  recall ahead (`recall="ahead"`, the default): the batch runs as one, and the whole step is ONE program that never
+     waits on the host (`sparse_step.ahead_step`): embed, the dense layers, then each sparse layer lands the blocks
+     the previous step's recall brought for it, writes the token, scores, selects and plans against the slot caches,
+     copies a miss on the block that just left the window from its spare GPU block, attends over the resident
+     blocks, the hits and that copy, and finishes the layer; then logits and sampling (only token ids come back).
+     The other misses are not attended in this step: the driver reads the step's plan once (every layer's) and
+     issues ONE recall of every layer's misses (one host gather into one staging buffer, one copy; with the numpy
+     pool on the pool's recall thread, so the driver only hands over the rows), which lands in the next step's
+     program (the driver waits there only if that gather is still running: `recall_wait_s`). The per-head
+     baseline's fragmented copies (`io="fragmented"`) keep one call per sparse layer and one recall per layer.
      A request's first decode step has nothing prefetched: that step runs the same-layer schedule below (after
      landing the recalls in flight), as do the ablations. Recalls in flight also land before a finished request's
      blocks are freed (`land_pending`).
@@ -76,7 +78,8 @@ from pulseinfer_jax.host_offload.recall_thread import Recall
 from pulseinfer_jax.kv.blocks import bucket
 from pulseinfer_jax.models.transformer import Transformer, head_params, split_layers
 from pulseinfer_jax.parallel.layout import DeviceLayout
-from pulseinfer_jax.runner import sparse_layer
+from pulseinfer_jax.runner import sparse_layer, sparse_step
+from pulseinfer_jax.runner.sampling import BatchSampling, sample_tokens
 from pulseinfer_jax.runner.sparse_inputs import (
     KeyBounds,
     Landing,
@@ -155,6 +158,10 @@ class SparseDecoder:
         self._layer_refs = [jax.device_put(SparseLayerRefs.of(plan, sl, pool.num_rows, num_gpu_blocks,
                                                               self._group_rows, heads[sl]), rep)
                             for sl in range(plan.sparse_layers)]
+        # the same as constants of the one-program step
+        self._step_refs = sparse_step.StepRefs(tuple(
+            SparseLayerRefs.of(plan, sl, pool.num_rows, num_gpu_blocks, self._group_rows, heads[sl])
+            for sl in range(plan.sparse_layers)))
         self._layer_ids = [jax.device_put(np.int32(layer), rep) for layer in range(plan.num_layers)]
         # each dense layer's first flat unit (layer * NB): where dense-placed rows' blocks sit in that layer
         self._dense_offsets = [jax.device_put(np.int32(layer * num_gpu_blocks), rep)
@@ -173,6 +180,8 @@ class SparseDecoder:
         self.steps_logged = 0
         # recall="ahead": per sparse layer, the recall issued for its next call (None: nothing in flight)
         self._pending: list[Pending | None] = [None] * plan.sparse_layers
+        # the one-program step (runner/sparse_step.py): the whole step's recall, landed by the next step's program
+        self._step_pending: StepPending | None = None
         self._scored: dict[tuple, jax.Array] = {}  # per shape, the device `scored_middle` (no copy per step)
 
     @property
@@ -280,10 +289,14 @@ class SparseDecoder:
         return self.ablation.recall == "ahead" and not any(s.slot_fresh for s in sparse)
 
     def decode(self, kv: jax.Array, sparse: list[SparseKV], tokens: list[int], lengths: list[int],
-               placed: PlacedRows | None = None, placed_tokens: list[int] = ()) -> tuple[jax.Array, np.ndarray]:
+               placed: PlacedRows | None = None, placed_tokens: list[int] = (),
+               sampling: BatchSampling | None = None, keep_logits: bool = False
+               ) -> tuple[jax.Array, np.ndarray, np.ndarray | None]:
         """One decode step: the token tokens[i] sits at position lengths[i] - 1 of request sparse[i]. With `placed`
         (only where `joins_dense`), dense-placed requests decode in the same layer pass, their tokens
-        `placed_tokens`. Returns (kv, logits [len(sparse) + len(placed_tokens), V] numpy, offloaded rows first)."""
+        `placed_tokens`. `sampling`: each row's, offloaded rows first (None: greedy). Returns (kv, the sampled token
+        ids [len(sparse) + len(placed_tokens)] numpy, offloaded rows first, and with `keep_logits` their logits
+        [rows, V] (parity checks; else None))."""
         if placed is not None and not self.joins_dense(sparse):
             raise ValueError("dense-placed requests join only a step with every recall ahead (see joins_dense)")
         self.selector.begin_step(sparse, lengths)
@@ -308,7 +321,11 @@ class SparseDecoder:
         if self.ablation.recall == "ahead":
             if not fresh.any():
                 self._prepare_slots(sparse)
-                return self._decode_ahead(kv, sparse, tokens, lengths, placed, list(placed_tokens))
+                if self.ablation.io == "fragmented":  # (the per-head baseline's copies: one per layer and unit)
+                    return self._decode_ahead_layerwise(kv, sparse, tokens, lengths, placed, list(placed_tokens),
+                                                        sampling, keep_logits)
+                return self._decode_ahead(kv, sparse, tokens, lengths, placed, list(placed_tokens), sampling,
+                                          keep_logits)
             kv = self.land_pending(kv)
             first = fresh
         self._prepare_slots(sparse)
@@ -327,17 +344,100 @@ class SparseDecoder:
                               "h2d_bytes": self.pool.h2d_bytes - bytes0,
                               "recall_wait_s": waited})
         self.steps_logged += 1
-        logits = np.concatenate([np.asarray(outs[i])[: len(g)] for i, g in enumerate(groups)])
+        logits = jnp.concatenate([outs[i][: len(g)] for i, g in enumerate(groups)])
         self.selector.end_step(sparse)
-        return kv, logits
+        n = len(sparse)
+        rows = None if sampling is None else sampling.rows(range(n), n)
+        return kv, np.asarray(sample_tokens(logits, rows)), np.asarray(logits) if keep_logits else None
 
     def _decode_ahead(self, kv: jax.Array, sparse: list[SparseKV], tokens: list[int], lengths: list[int],
-                      placed: PlacedRows | None = None, placed_tokens: list[int] = ()
-                      ) -> tuple[jax.Array, np.ndarray]:
-        """A step with every recall one step ahead (`recall="ahead"`): one call per sparse layer, dispatched without a
-        stop (each lands the recall its layer issued last step); then, while the GPU runs the step, each layer's plan
-        is read as it is ready and its misses recalled for the next step. `placed`: dense-placed rows after the
-        offloaded ones in every call (one pass over the weights)."""
+                      placed: PlacedRows | None, placed_tokens: list[int], sampling: BatchSampling | None,
+                      keep_logits: bool = False) -> tuple[jax.Array, np.ndarray, np.ndarray | None]:
+        """A step with every recall one step ahead (`recall="ahead"`) as ONE program (`sparse_step.ahead_step`: every
+        layer, logits and sampling; the previous step's recall lands inside it); then the step's plan is read once
+        and every layer's misses go to the host pool as one recall, landed by the next step. `placed`: dense-placed
+        rows after the offloaded ones (one pass over the weights). Returns (kv, token ids, logits or None)."""
+        p, ab, model = self.plan, self.ablation, self.model
+        mb = micro_batch_inputs(p, self.scoring, ab.solohead, self.nb, sparse, tokens, lengths)
+        bp = mb.tokens.shape[0]
+        rows, dense = (jax.tree.map(jnp.asarray, t) for t in (mb.rows, mb.dense))
+        step = self._step_inputs(sparse, mb.tables, bp, spare=True)
+        spec = SelectSpec.of(p, ab.solohead, self.attention, self.scoring, coarse=mb.coarse)
+        copies0, bytes0 = self.pool.h2d_copies, self.pool.h2d_bytes
+        all_tokens, at = mb.tokens, list(range(len(sparse)))
+        if placed is not None:
+            extra = np.zeros(placed.positions.shape[0], np.int32)
+            extra[: len(placed_tokens)] = placed_tokens
+            all_tokens = np.concatenate([mb.tokens, extra])
+            at += [bp + i for i in range(len(placed_tokens))]
+            placed = jax.device_put(placed, self.replicated)
+        self._ensure_arrivals(len(all_tokens))
+        landing, width, ready, waited = self._take_step_landing()
+        rows_sampling = None if sampling is None else sampling.rows(at, len(all_tokens))
+        kv, self.bounds, self.slot_state, self.arrivals, out, plan, logits = sparse_step.ahead_step(
+            model, head_params(self.params), tuple(self.layer_params), kv, self.bounds, self.slot_state,
+            self.arrivals, jnp.asarray(all_tokens), rows, dense, step, landing, placed, rows_sampling,
+            refs=self._step_refs, spec=spec, attention=self.attention, fan=1, split_k=self.split_k, width=width,
+            with_logits=keep_logits, with_sel=self.selector.records_selection)
+        out.copy_to_host_async()
+        self._issue_step_recall(plan, sparse, lengths)
+        self.step_log.append({"batch": len(sparse), "micro_batches": 1, "h2d_copies": self.pool.h2d_copies - copies0,
+                              "h2d_bytes": self.pool.h2d_bytes - bytes0, "recall_wait_s": waited,
+                              "late_recalls": int(not ready), "dense_rows": len(placed_tokens)})
+        self.steps_logged += 1
+        self.selector.end_step(sparse)
+        return kv, np.asarray(out)[at], None if logits is None else np.asarray(logits)[at]
+
+    def _take_step_landing(self) -> tuple[sparse_step.StepLanding | None, int, bool, float]:
+        """The step recall issued last step, taken off: (its StepLanding or None, its per-layer window, whether its
+        staging already sat on the device, seconds waited here for the recall thread's gather)."""
+        pending, self._step_pending = self._step_pending, None
+        if pending is None:
+            return None, 0, True, 0.0
+        ready = pending.recall.ready()
+        staging, waited = pending.recall.result()
+        landing = sparse_step.StepLanding(staging, jax.device_put(pending.offsets, self.replicated), pending.misses,
+                                          pending.info)
+        return landing, pending.width, ready, waited
+
+    def _issue_step_recall(self, plan: sparse_step.StepPlan, sparse: list[SparseKV], lengths: list[int]) -> None:
+        """The step's plan read once (every sparse layer's), its misses recalled as one gather and one copy
+        (`HostKVPool.recall_step`), pending for the next step's program; counts reuse and recall per request."""
+        info = np.asarray(plan.info)  # [SL, bp, S, M]: the one read of the step's plan
+        sel = np.asarray(plan.sel) if self.selector.records_selection else None
+        parts = []
+        for sl in range(info.shape[0]):
+            pi = self._read_plan(info[sl], sparse)
+            self.selector.observe(sl, sparse, lengths, None if sel is None else sel[sl], pi.hits, pi.misses)
+            parts.append(pi)
+        counts = np.array([pi.count for pi in parts], np.int64)
+        total = int(counts.sum())
+        solo = self.plan.selection == "solohead"
+        unit = self.pool.layer_block_bytes if solo else self.pool.unit_bytes
+        per_row = np.sum([pi.misses for pi in parts], axis=0).astype(np.int64)
+        for b, s in enumerate(sparse):
+            c = s.counters
+            c.recalled_blocks += int(per_row[b])
+            c.recall_transfers += int(per_row[b] > 0)  # (the step's one copy carried the request's blocks)
+            c.recall_bytes += int(per_row[b]) * unit
+            c.last_step_recall_bytes += int(per_row[b]) * unit
+        if not total:
+            return
+        layers = np.repeat(np.arange(len(parts), dtype=np.int32), counts)
+        rows = np.concatenate([pi.rows for pi in parts]).astype(np.int32)
+        offsets = (np.cumsum(counts) - counts).astype(np.int32)
+        width = bucket(int(counts.max()))
+        at_least = total - int(counts[-1]) + width  # every layer's window lies inside the staging
+        heads = None if solo else np.concatenate([pi.lanes for pi in parts]).astype(np.int32)
+        recall = self.pool.recall_step(layers, rows, heads, at_least=at_least)
+        self._step_pending = StepPending(recall, offsets, width, plan.misses, plan.info)
+
+    def _decode_ahead_layerwise(self, kv: jax.Array, sparse: list[SparseKV], tokens: list[int], lengths: list[int],
+                                placed: PlacedRows | None, placed_tokens: list[int], sampling: BatchSampling | None,
+                                keep_logits: bool = False) -> tuple[jax.Array, np.ndarray, np.ndarray | None]:
+        """`_decode_ahead` for the per-head baseline's fragmented copies (`io="fragmented"`): one call per sparse
+        layer, dispatched without a stop (each lands the recall its layer issued last step); then each layer's plan
+        is read as it is ready and its misses recalled for the next step, one copy per unit."""
         p, ab, model, params = self.plan, self.ablation, self.model, self.params
         mb = micro_batch_inputs(p, self.scoring, ab.solohead, self.nb, sparse, tokens, lengths)
         bp = mb.tokens.shape[0]
@@ -385,12 +485,10 @@ class SparseDecoder:
                               "h2d_bytes": self.pool.h2d_bytes - bytes0, "recall_wait_s": waited, "late_recalls": late,
                               "dense_rows": len(placed_tokens)})
         self.steps_logged += 1
-        out = np.asarray(out)
-        logits = out[: len(sparse)]
-        if placed is not None:  # (the placed rows follow the offloaded rows' padded batch)
-            logits = np.concatenate([logits, out[bp: bp + len(placed_tokens)]])
+        at = list(range(len(sparse))) + [bp + i for i in range(len(placed_tokens))]  # (placed rows follow the padding)
+        rows_sampling = None if sampling is None else sampling.rows(at, out.shape[0])
         self.selector.end_step(sparse)
-        return kv, logits
+        return kv, np.asarray(sample_tokens(out, rows_sampling))[at], np.asarray(out)[at] if keep_logits else None
 
     def _take_landing(self, sl: int) -> tuple[Landing | None, bool, float]:
         """Sparse layer `sl`'s recall issued last step, taken off the pending list: (its Landing or None, whether
@@ -404,6 +502,9 @@ class SparseDecoder:
 
     def land_pending(self, kv: jax.Array) -> jax.Array:
         """Land every recall issued ahead now (before GPU blocks change owner, or a same-layer step): returns kv."""
+        landing, width, _, _ = self._take_step_landing()
+        if landing is not None:
+            kv = sparse_step.land_step(kv, landing, dense_layers=self.plan.dense_layers, width=width, fan=1)
         for sl in range(len(self._pending)):
             landing, _, _ = self._take_landing(sl)
             if landing is not None:
@@ -412,7 +513,7 @@ class SparseDecoder:
 
     @property
     def recall_in_flight(self) -> bool:
-        return any(landing is not None for landing in self._pending)
+        return self._step_pending is not None or any(landing is not None for landing in self._pending)
 
     def _fan(self) -> int:
         """Staging units per miss: SoloHead's blocks sent per (block, head) (io="fragmented") have one per KV head."""
@@ -627,6 +728,16 @@ class Pending(NamedTuple):
 
     recall: Recall  # the staging, being gathered and copied
     misses: jax.Array  # the plan that listed it (LayerPlan.misses, LayerPlan.info)
+    info: jax.Array
+
+
+class StepPending(NamedTuple):
+    """A whole step's recall (`_issue_step_recall`), until the next step's program lands it (`StepLanding`)."""
+
+    recall: Recall  # the staging of every sparse layer's misses, being gathered and copied
+    offsets: Int[np.ndarray, " SL"]  # each sparse layer's first staging entry
+    width: int  # entries each layer's landing reads from its offset (>= its count)
+    misses: jax.Array  # the step's plan that listed them (StepPlan.misses, StepPlan.info)
     info: jax.Array
 
 

@@ -17,6 +17,8 @@ from pulseinfer_jax.host_offload.placement import SparseKV, SparsePlan
 class Selector:
     """The engine's own selection: no override, nothing recorded."""
 
+    records_selection = False  # whether `observe` reads `sel` (the step then reads its selections back, once)
+
     def bind(self, plan: SparsePlan) -> None:
         """Called when a pipeline is built with `plan` (again when the engine rebuilds it); may refuse the plan."""
         self.plan = plan
@@ -30,10 +32,10 @@ class Selector:
         keeps its own sinks and window), or None: the scorer's. Either way the step runs the same programs."""
         return None
 
-    def observe(self, sparse_layer: int, sparse: list[SparseKV], lengths: list[int], sel: jax.Array,
+    def observe(self, sparse_layer: int, sparse: list[SparseKV], lengths: list[int], sel: jax.Array | np.ndarray | None,
                 hits: np.ndarray, misses: np.ndarray) -> None:
-        """After a sparse layer's plan reached the host: its selection `sel` (still on the device) and each row's
-        slot-cache hits and misses."""
+        """After a sparse layer's plan reached the host: its selection `sel` ([B, S, budget]; None unless
+        `records_selection`) and each row's slot-cache hits and misses."""
 
     def end_step(self, sparse: list[SparseKV]) -> None:
         """After the decode step."""
