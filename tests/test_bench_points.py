@@ -72,12 +72,12 @@ def test_the_gpu_suite_times_what_predict_predicts(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(points.POINTS))
 def test_a_replayed_step_runs_the_predicted_fused_program(name):
-    """At each point PulseInfer's predicted sparse layer is the fused selection kernel's program (recall ahead, one
-    call per layer), and the step inputs the replayed trace makes (its real middle blocks) have exactly the
+    """At each point PulseInfer's predicted step is one program with the fused selection kernel (recall ahead:
+    sparse_step.ahead_step), and the step inputs the replayed trace makes (its real middle blocks) have exactly the
     predicted program's argument shapes and types: the same program, other data."""
     st = predict.system_step("pulseinfer", name, predict.DEFAULT_H2D, None)
     assert st.config.ablation.recall == "ahead" and st.micro_batches == 1
-    ahead = [c.program for calls in st.sparse.values() for c in calls if c.program.function == "ahead_layer"]
+    ahead = [c.program for calls in st.sparse.values() for c in calls if c.program.function == "ahead_step"]
     assert ahead and all(p.statics["spec"].fused for p in ahead)
     layout = st.layout
     reqs, lengths = layout.requests, layout.lengths
@@ -94,7 +94,7 @@ def test_a_replayed_step_runs_the_predicted_fused_program(name):
     replayed = specs_of(slot_step_inputs(reqs, mb.tables, bp, rows, cap, middle, spare=True))
     own = specs_of(slot_step_inputs(reqs, mb.tables, bp, rows, cap, None, spare=True))
     assert replayed == own
-    assert all(p.args[7] == replayed for p in ahead)  # (the step's inputs, as the catalogue compiled them)
+    assert all(p.args[10] == replayed for p in ahead)  # (the step's inputs, as the catalogue compiled them)
 
 
 def _trace(plan, steps: int, rng) -> Trace:
