@@ -70,14 +70,19 @@ def passkey(model, cfg, lengths, depths) -> dict:
 
 def teacher_forced_logits(model, cfg, prefix: list[int], targets: list[int]) -> np.ndarray:
     from pulseinfer_jax import Engine, SamplingParams
+    from pulseinfer_jax.engine.core import Sampled
 
     rec: list[np.ndarray] = []
 
-    class Forced(Engine):
-        def _sample(self, logits, reqs):
-            arr = np.asarray(logits, np.float32)
-            rec.extend(arr[: len(reqs)])
-            return [targets[len(r.output)] if len(r.output) < len(targets) else 0 for r in reqs]
+    class Forced(Engine):  # every step's logits recorded, and the target taken whatever was sampled
+        keep_logits = True
+
+        def observe_logits(self, logits, reqs):
+            rec.extend(np.asarray(logits, np.float32)[: len(reqs)])
+
+        def _postprocess(self, outputs):
+            return super()._postprocess([Sampled(rs, [targets[len(r.output)] if len(r.output) < len(targets) else 0
+                                                      for r in rs]) for rs, _ in outputs])
 
     eng = Forced(model, cfg)
     req = eng.make_request(0, prefix, SamplingParams(max_new_tokens=len(targets), ignore_eos=True))
