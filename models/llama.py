@@ -14,7 +14,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 from pulseinfer_jax.models.config import ModelConfig
 from pulseinfer_jax.models.rope import apply_rope
 from pulseinfer_jax.pallas_kernels.common import matmul_precision
@@ -123,8 +123,13 @@ class Embedder(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = _dense(c.vocab_size, False, self.dtype, "lm_head")
 
-    def __call__(self, tokens: Array) -> Array:
-        return self.embed(tokens)
+    def __call__(self, tokens: Int[Array, "..."]) -> Float[Array, "... d"]:
+        # one token is looked up as two rows: for one row XLA's SPMD partitioner gathers a vocabulary-split table
+        # whole (1 GB for Llama-3.1-8B on each device); for two or more it masks and all-reduces the rows
+        flat = tokens.reshape(-1)
+        ids = jnp.concatenate([flat, flat]) if flat.shape[0] == 1 else flat
+        rows = jnp.take(self.embed.embedding.astype(self.dtype), ids, axis=0)
+        return rows[: flat.shape[0]].reshape(*tokens.shape, -1)
 
     def logits(self, x: Float[Array, "... d"]) -> Float[Array, "... vocab"]:
         """float32 logits of the final-normed hidden states."""

@@ -41,7 +41,7 @@ from pulseinfer_jax.parallel.layout import TP, DeviceLayout
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 HEAD_SPLIT = ("kv", "staging", "bounds")  # arguments split on their KV-head axis (the second to last)
 Q_SPLIT = ("q", "early")  # arguments split on their head axis (axis 1)
-PARAMS = ("lp", "params")
+PARAMS = ("lp", "params", "head", "layer_params")  # weights: split by `WeightPlacement`
 POINTS = (("llama-3.1-70b", 32768, 8), ("qwen3-235b-a22b", 32768, 8))  # (preset, context, batch)
 BUDGET = 2048
 
@@ -62,7 +62,7 @@ def abstract_args(p: Program, layout: DeviceLayout, place: WeightPlacement) -> t
     def struct(arg_name: str, path, s: Spec) -> jax.ShapeDtypeStruct:
         if arg_name in PARAMS:
             sharding = place.sharding(path_names(path), len(s.shape))
-        elif arg_name in HEAD_SPLIT and len(s.shape) >= 3:
+        elif (arg_name in HEAD_SPLIT or set(path_names(path)) & set(HEAD_SPLIT)) and len(s.shape) >= 3:
             sharding = layout.kv_heads(len(s.shape))
         elif arg_name in Q_SPLIT and len(s.shape) >= 2:
             sharding = layout.split(len(s.shape), 1)
