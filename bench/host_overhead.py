@@ -3,14 +3,17 @@
     python bench/host_overhead.py                  # 1 and 8 requests of 8K tokens, budget 2,048, two systems
     python bench/host_overhead.py --smoke          # tiny sizes (script check)
 
-The layer-wise pipeline drives every layer from Python: per sparse layer it dispatches the selection call, reads
-the layer's recall list back, issues the recall and dispatches the attention calls. On a GPU the host must do all
-of that faster than the GPU computes the layer, or the GPU idles. This bench runs whole decode steps of the engine
-(`bench/decode_throughput.py`'s engines, the SmolLM2 selections replayed) on a model with Llama-3.1-8B's layer
-count and KV heads but tiny widths, so that the device work is small, and reports the main thread's CPU time per
-step (`time.thread_time`: the driver's Python, numpy and JAX dispatch; XLA's compute threads are not counted) and
-the wall time. On a 2-core CPU XLA:CPU still runs some work inline and competes for the cores: compare versions of
-the driver on the same machine with it, not with a GPU.
+Per decode step the driver builds the step's inputs, dispatches the step's program (`runner/sparse_step.py`; the
+same-layer ablations: a few calls per layer), reads the step's plan back and issues its recall. On a GPU the host
+must do that faster than the GPU computes the step, or the GPU idles. This bench runs whole decode steps of the
+engine (`bench/decode_throughput.py`'s engines, the SmolLM2 selections replayed) on a model with Llama-3.1-8B's
+layer count and KV heads but tiny widths, so that the device work is small, and reports the main thread's CPU time
+per step (`time.thread_time`: the driver's Python, numpy and JAX dispatch; XLA's compute threads are not counted)
+and the wall time. `--points` runs the GPU suite's points at their own batch, prompt length, budget, KV dtype and
+vocabulary. Steps that compiled are not timed; the replayed selector's own host work (building each step's replayed
+selection) is timed apart and left out of `driver_cpu_ms_per_step_p50`, which bench/predict.py reads. On a 2-core
+CPU XLA:CPU still runs some work inline and competes for the cores: compare versions of the driver on the same
+machine with it, not with a GPU.
 
 History: until commit 9efdaf0 the slot caches were planned on the host (numpy over the micro-batch, the
 reference `selection.slot_table.SlotTable`); `git checkout 9efdaf0 && python bench/host_overhead.py` measures
@@ -125,23 +128,31 @@ class Breakdown:
                  "cpu_us_per_call": v / self.calls[k] * 1e6} for k, v in order]
 
 
-def step_point(system: str, *, batch: int, context: int, budget: int, steps: int, warm: int, trace_name: str,
-               host_io: str = "auto", breakdown: bool = False, recall: str | None = None,
-               isolated: bool = False) -> dict:
-    """Main-thread CPU time of whole decode steps of a compute-free Llama-3.1-8B skeleton (see the docstring)."""
+def skeleton_model(vocab: int, head_dim: int, dtype: str):
+    """Llama-3.1-8B's 32 layers, 8 KV heads and (`vocab`) vocabulary with every width tiny (`head_dim`): the driver
+    handles the same arrays per step (block tables, plans, token ids) while the device work is small."""
     from pulseinfer_jax.models.loading import load_model
     from pulseinfer_jax.models.presets import PRESETS
 
+    name = f"llama-3.1-8b-skeleton-v{vocab}-hd{head_dim}"
+    PRESETS.setdefault(name, {**PRESETS["llama-3.1-8b"], "vocab_size": vocab, "hidden_size": 64,
+                              "intermediate_size": 64, "num_attention_heads": 8, "head_dim": head_dim})
+    return load_model(f"random:{name}", dtype=dtype, layout="layers")
+
+
+def step_point(system: str, *, batch: int, context: int, budget: int, steps: int, warm: int, trace_name: str,
+               host_io: str = "auto", breakdown: bool = False, recall: str | None = None,
+               isolated: bool = False, vocab: int = 512, head_dim: int = 16, dtype: str = "float32",
+               kv_dtype: str = "auto") -> dict:
+    """Main-thread CPU time of whole decode steps of a compute-free Llama-3.1-8B skeleton (see the docstring)."""
     from bench import decode_throughput as dt
     from pulseinfer_jax import SamplingParams
+    from pulseinfer_jax.engine.compile_clock import compile_seconds
 
-    skeleton = "llama-3.1-8b-skeleton"  # 32 layers, 8 KV heads as Llama-3.1-8B; everything else tiny
-    PRESETS.setdefault(skeleton, {**PRESETS["llama-3.1-8b"], "vocab_size": 512, "hidden_size": 64,
-                                  "intermediate_size": 64, "num_attention_heads": 8, "head_dim": 16})
-    model = load_model(f"random:{skeleton}", dtype="float32", layout="layers")
+    model = skeleton_model(vocab, head_dim, dtype)
     replay = dt.load_replay(trace_name, budget)
     base = dict(block_size=16, budget_tokens=budget, dense_layers=2, max_batch=batch, progress=False,
-                prefill_chunk=512, layer_loop="layerwise", host_io=host_io)
+                prefill_chunk=512, layer_loop="layerwise", host_io=host_io, kv_dtype=kv_dtype)
     eng, _ = dt.engine_for(model, system, base, replay, {}, overrides=None if recall is None else {"recall": recall})
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_new_tokens=batch + warm + steps + 2, ignore_eos=True)
@@ -152,21 +163,69 @@ def step_point(system: str, *, batch: int, context: int, budget: int, steps: int
     for _ in range(batch + warm):  # prefills, then warm decode steps (compiles)
         list(eng.step())
     compiles = dt.CompileCounter()
-    cpu, wall = [], []
+    cpu, wall, replay_cpu, compiled = [], [], [], 0
     split = Breakdown() if breakdown else None
+    replay_clock = ReplayClock(eng.selector)
     with split or contextlib.nullcontext(), Isolated() if isolated else contextlib.nullcontext():
-        for _ in range(steps):
-            t, c = time.perf_counter(), time.thread_time()
+        while len(cpu) < steps and compiled < steps:  # a step that compiled is not timed (another one runs)
+            t, c, c0, r0 = time.perf_counter(), time.thread_time(), compile_seconds(), replay_clock.cpu_s
             list(eng.step())
+            if compile_seconds() > c0:
+                compiled += 1
+                continue
             cpu.append(time.thread_time() - c)
             wall.append(time.perf_counter() - t)
-    extra = {"breakdown": split.rows(steps)} if split else {}
+            replay_cpu.append(replay_clock.cpu_s - r0)
+    extra = {"breakdown": split.rows(len(cpu) + compiled)} if split else {}
+    driver = [a - b for a, b in zip(cpu, replay_cpu, strict=True)]
     return {"system": system, "recall": eng.config.ablation.recall, "host_io": eng.host_io, "isolated": isolated,
-            "batch": batch,
+            "batch": batch, "vocab": vocab, "head_dim": head_dim, "kv_dtype": kv_dtype,
             "context": context, "budget_tokens": budget,
             "main_thread_cpu_ms_per_step_p50": statistics.median(cpu) * 1e3,
             "main_thread_cpu_ms_per_step_min": min(cpu) * 1e3,
-            "wall_ms_per_step_p50": statistics.median(wall) * 1e3, "compiles_in_timed_steps": compiles.count, **extra}
+            "replay_cpu_ms_per_step_p50": statistics.median(replay_cpu) * 1e3,
+            "driver_cpu_ms_per_step_p50": statistics.median(driver) * 1e3,
+            "wall_ms_per_step_p50": statistics.median(wall) * 1e3, "timed_steps": len(cpu),
+            "compiled_steps_skipped": compiled, "compiles_in_timed_steps": compiles.count, **extra}
+
+
+class ReplayClock:
+    """Main-thread CPU time spent in the replayed selector's hooks (bench/traces.py: building each step's replayed
+    selection on the host), which an engine selecting on the device does not spend: `driver_cpu_ms_per_step` leaves
+    it out."""
+
+    HOOKS = ("begin_step", "override", "observe", "end_step")
+
+    def __init__(self, selector):
+        self.cpu_s = 0.0
+        for name in self.HOOKS if selector is not None else ():
+            setattr(selector, name, self._timed(getattr(selector, name)))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            c = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.cpu_s += time.thread_time() - c
+        return timed
+
+
+def point_shapes(name: str) -> dict:
+    """`step_point`'s shapes at GPU-suite point `name`: PulseInfer's offloaded batch there (IOAA's placement on the
+    H200, as bench/predict.py computes it), the prompt, budget and KV dtype, Llama-3.1's vocabulary, bfloat16."""
+    from pulseinfer_jax.models.config import ModelConfig
+    from pulseinfer_jax.models.presets import PRESETS
+
+    from bench import predict
+    from bench.points import POINTS
+
+    p = POINTS[name]
+    cfg, _, new = predict._engine_config("pulseinfer", name)
+    model_cfg = ModelConfig.from_hf_dict(PRESETS["llama-3.1-8b"], name="llama-3.1-8b")
+    placements, _ = predict.admission(cfg, model_cfg, [p.context] * p.batch, new, predict.DEFAULT_H2D)
+    return dict(batch=placements.count("offload"), context=p.context, budget=p.budget_tokens, vocab=128256,
+                head_dim=16, dtype=p.dtype, kv_dtype=p.kv_dtype)
 
 
 def main() -> int:
@@ -188,6 +247,10 @@ def main() -> int:
     ap.add_argument("--isolated", action="store_true",
                     help="each layer call and recall waited for before the driver goes on (Isolated): the driver's own "
                     "CPU, without the device work and the recall thread competing for this machine's cores")
+    ap.add_argument("--points", default=None,
+                    help="GPU-suite points (bench/points.py, comma list) instead of --batches/--context: each point's "
+                    "offloaded batch, prompt length, budget and KV dtype, the real vocabulary (128,256), head_dim 16 "
+                    "(the smallest the kernels take: 12 x 128K tokens of KV fit this machine); rows carry the point")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
     ap.add_argument("--name", default="host_overhead_cpu")
     ap.add_argument("--out", default=None)
@@ -196,15 +259,23 @@ def main() -> int:
         args.batches, args.steps, args.warm = "2", 3, 3
     meta = {"kind": "host_overhead", "machine": f"{platform.node()} {platform.processor() or platform.machine()}",
             "python": platform.python_version(), "args": vars(args), "rows": []}
+    runs = [(None, dict(batch=int(b), context=args.context, budget=args.budget_tokens))
+            for b in args.batches.split(",")]
+    if args.points:
+        runs = [(name, point_shapes(name)) for name in args.points.split(",")]
     for system in args.systems.split(","):
-        for b in (int(x) for x in args.batches.split(",")):
-            row = step_point(system, batch=b, context=args.context, budget=args.budget_tokens, steps=args.steps,
-                             warm=args.warm, trace_name=args.replay, host_io=args.host_io,
-                             breakdown=args.breakdown, recall=args.recall, isolated=args.isolated)
+        for point, shape in runs:
+            b = shape["batch"]
+            row = step_point(system, steps=args.steps, warm=args.warm, trace_name=args.replay, host_io=args.host_io,
+                             breakdown=args.breakdown, recall=args.recall, isolated=args.isolated, **shape)
+            if point is not None:
+                row["point"] = point
             meta["rows"].append(row)
             cpu, low = row["main_thread_cpu_ms_per_step_p50"], row["main_thread_cpu_ms_per_step_min"]
-            print(f"{system:20s} {row['host_io']:5s} batch {b:3d}: main-thread CPU {cpu:7.1f} ms/step (min {low:6.1f}),"
-                  f" wall {row['wall_ms_per_step_p50']:7.1f} ms, compiles {row['compiles_in_timed_steps']}", flush=True)
+            print(f"{system:20s} {row['host_io']:5s} batch {b:3d}: main-thread CPU {cpu:7.1f} ms/step (min {low:6.1f};"
+                  f" driver {row['driver_cpu_ms_per_step_p50']:7.1f} ms without the replay's"
+                  f" {row['replay_cpu_ms_per_step_p50']:5.1f}), wall {row['wall_ms_per_step_p50']:7.1f} ms,"
+                  f" {row['timed_steps']} timed ({row['compiled_steps_skipped']} compiled)", flush=True)
             for part in row.get("breakdown", []):
                 print(f"    {part['call']:30s} {part['cpu_ms_per_step']:7.2f} ms/step {part['calls_per_step']:6.1f} "
                       f"calls {part['cpu_us_per_call']:7.1f} us/call", flush=True)

@@ -43,7 +43,9 @@ The host gather rate (`--gather-rate`) defaults to bench/host_gather.py's measur
 the GPU host's is not measured, and the output names where the rate came from. The driver's host time per step
 (bench/host_overhead.py on the CPU machine, HOST_TIME_FILES) is a floor of each offloaded step: tokens/s = batch /
 max(GPU step, host step), the GPU step holding its recall's floor (`gpu_tokens_per_s`: the GPU side alone; the dense
-system's driver time is not measured, so its figures are the GPU's).
+system's driver time is not measured, so its figures are the GPU's). That max holds only for a driver that dispatches
+step t+1 before it reads step t's tokens; the engine's driver reads them first, and `serial_tokens_per_s` (batch /
+(GPU step + host step)) is what that costs.
 Calibration (`calibrate`): bench/dense_decode.py's measured configuration (scan + jnp attention, its KV pool and
 tables, 8 steps each ending in a host sync) compiled at the six rows of bench/results/gpu_h200_run1; t_launch and
 t_sync fitted by least squares of measured - bytes / bandwidth on (launches, 1).
@@ -508,14 +510,17 @@ def main() -> int:
         p["step_s_at_1us"] = predict_step(st, rows, low)["step_s"]
         p["programs"] = [{"key": k, "function": programs[k].function, "runs_per_step": n, **rows[k]["fingerprint"]}
                          for k, n in sorted(step_programs(st).items(), key=lambda kv: -kv[1])]
-        host = host_seconds(st.config.ablation.recall, p["placements"]["offload"]) if st.sparse else None
+        host = host_seconds(st.config.ablation.recall, p["placements"]["offload"], st.point) if st.sparse else None
         if host is not None:  # the driver's own time per step (measured on the CPU machine): a floor of the step
             p.update(host_s=host, host_bound=host > p["step_s"], host_bound_at_1us=host > p["step_s_at_1us"])
-        # tokens/s = batch / max(GPU step (its recall floor inside), host step): the headline; the GPU side alone too
+        # tokens/s = batch / max(GPU step (its recall floor inside), host step): the headline; the GPU side alone
+        # too, and the two in series (a driver that reads a step's tokens before it dispatches the next: the host's
+        # work then waits for the GPU and the GPU for the host)
         for suffix in ("", "_at_1us"):
             gpu = p[f"step_s{suffix}"]
             p[f"gpu_tokens_per_s{suffix}"] = batch / gpu
             p[f"tokens_per_s{suffix}"] = batch / max(gpu, host or 0.0)
+            p[f"serial_tokens_per_s{suffix}"] = batch / (gpu + (host or 0.0))
         preds.append(p)
         print(f"{p['point']} {p['system']:26s} {p['placements']} step {p['step_s'] * 1e3:8.2f} ms "
               f"({p['tokens_per_s']:7.1f} tok/s; at 1 us launches {p['step_s_at_1us'] * 1e3:8.2f} ms, "
@@ -542,15 +547,22 @@ def main() -> int:
     return 0
 
 
-def host_seconds(recall: str, batch: int, files: dict = HOST_TIME_FILES) -> float | None:
-    """The driver's main-thread seconds per step for `batch` offloaded requests under recall schedule `recall`,
-    interpolated linearly between the batches bench/host_overhead.py measured (clamped at their ends); None if that
-    schedule was not measured."""
+def host_seconds(recall: str, batch: int, point: str | None = None, files: dict = HOST_TIME_FILES) -> float | None:
+    """The driver's main-thread seconds per step for `batch` offloaded requests under recall schedule `recall`: the
+    row bench/host_overhead.py measured at `point` (--points: its own shapes) if there is one, else interpolated
+    linearly between the batches it measured (clamped at their ends); None if that schedule was not measured."""
     path = files["ahead" if recall == "ahead" else "same-layer"]
     if not path.is_file():
         return None
     measured = json.loads(path.read_text())["rows"]
-    rows = sorted((r["batch"], r["main_thread_cpu_ms_per_step_p50"] / 1e3) for r in measured)
+    # (the driver's own time where the run timed the replayed selector apart, else the main thread's)
+    def ms(r: dict) -> float:
+        return r.get("driver_cpu_ms_per_step_p50", r["main_thread_cpu_ms_per_step_p50"])
+
+    at_point = [r for r in measured if point is not None and r.get("point") == point and r["batch"] == batch]
+    if at_point:
+        return ms(at_point[0]) / 1e3
+    rows = sorted((r["batch"], ms(r) / 1e3) for r in measured)
     xs, ys = zip(*rows, strict=True)
     return float(np.interp(batch, xs, ys))
 

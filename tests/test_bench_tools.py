@@ -526,19 +526,23 @@ def test_predicted_recall_ahead_is_bounded_by_the_gpu_or_the_link(host_io):
         assert out["plan_syncs"] == 0 and out["step_launches"] == layers * 50 + 1
 
 
-def test_predicted_host_time_interpolates_the_measured_batches(tmp_path):
-    """bench/predict.py's host time per step: the measured main-thread time of the step's recall schedule, linear
-    between the measured batches, clamped outside them; None where that schedule was not measured."""
+def test_predicted_host_time_is_the_points_row_or_interpolates_the_measured_batches(tmp_path):
+    """bench/predict.py's host time per step: the measured main-thread time of the step's recall schedule at the
+    point itself where `host_overhead.py --points` measured it (at that batch), else linear between the measured
+    batches, clamped outside them; None where that schedule was not measured."""
     import json
 
     from bench import predict
 
     key = "main_thread_cpu_ms_per_step_p50"
-    (tmp_path / "a.json").write_text(json.dumps({"rows": [{"batch": 1, key: 20.0}, {"batch": 9, key: 60.0}]}))
+    rows = [{"batch": 1, key: 20.0}, {"batch": 9, key: 60.0},
+            {"batch": 5, key: 9.0, "driver_cpu_ms_per_step_p50": 7.0, "point": "C"}]  # (the replay's 2 ms left out)
+    (tmp_path / "a.json").write_text(json.dumps({"rows": rows}))
     files = {"ahead": tmp_path / "a.json", "same-layer": tmp_path / "missing.json"}
-    assert predict.host_seconds("ahead", 5, files) == pytest.approx(0.040)
-    assert predict.host_seconds("ahead", 24, files) == pytest.approx(0.060)
-    assert predict.host_seconds("interruptible", 5, files) is None
+    assert predict.host_seconds("ahead", 5, "C", files) == pytest.approx(0.007)
+    assert predict.host_seconds("ahead", 3, "A", files) == pytest.approx(0.0135)  # between batch 1 and C's 5
+    assert predict.host_seconds("ahead", 24, None, files) == pytest.approx(0.060)
+    assert predict.host_seconds("interruptible", 5, "C", files) is None
 
 
 @pytest.mark.parametrize("point", ["A", "B", "C", "D"])

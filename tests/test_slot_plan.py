@@ -150,3 +150,22 @@ def test_layer_plan_lists_match_its_contract(mode, lanes):
         assert len(dst) == int(np.asarray(got.info)[:, :, -3].sum())
         if mode == "none":
             np.testing.assert_array_equal(np.asarray(key), np.asarray(key0))
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_a_steps_plans_read_at_once_list_every_layers_misses_in_order(lanes):
+    """`step_recall` over a step's stacked plans ([SL, B, S, N + 4]) gives each layer's misses exactly as
+    `recall_lanes` reads that layer alone, concatenated in layer order, with each miss's layer and the count per
+    layer; ragged miss counts, layers without a miss and padding rows included."""
+    rng = np.random.default_rng(lanes)
+    sl, b, n = 5, 4, 6
+    info = rng.integers(0, 1000, (sl, b, lanes, n + 4)).astype(np.int32)
+    info[..., -3] = rng.integers(0, n + 1, (sl, b, lanes))  # misses of each (row, lane)
+    info[2, ..., -3] = 0  # a layer with nothing to recall
+    layers, rows, lane, counts = slot_plan.step_recall(info)
+    parts = [slot_plan.recall_lanes(info[i]) for i in range(sl)]
+    np.testing.assert_array_equal(rows, np.concatenate([p[0] for p in parts]))
+    np.testing.assert_array_equal(lane, np.concatenate([p[1] for p in parts]))
+    np.testing.assert_array_equal(counts, [len(p[0]) for p in parts])
+    np.testing.assert_array_equal(layers, np.repeat(np.arange(sl), counts))
+    assert counts[2] == 0 and counts.sum() == info[..., -3].sum()

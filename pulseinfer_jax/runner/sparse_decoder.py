@@ -405,31 +405,28 @@ class SparseDecoder:
         (`HostKVPool.recall_step`), pending for the next step's program; counts reuse and recall per request."""
         info = np.asarray(plan.info)  # [SL, bp, S, M]: the one read of the step's plan
         sel = np.asarray(plan.sel) if self.selector.records_selection else None
-        parts = []
+        n = len(sparse)
+        hits, misses = info[:, :n, :, -4].sum(axis=2), info[:, :n, :, -3].sum(axis=2)  # [SL, n]
         for sl in range(info.shape[0]):
-            pi = self._read_plan(info[sl], sparse)
-            self.selector.observe(sl, sparse, lengths, None if sel is None else sel[sl], pi.hits, pi.misses)
-            parts.append(pi)
-        counts = np.array([pi.count for pi in parts], np.int64)
+            self.selector.observe(sl, sparse, lengths, None if sel is None else sel[sl], hits[sl], misses[sl])
+        layers, rows, lanes, counts = slot_plan.step_recall(info)
         total = int(counts.sum())
         solo = self.plan.selection == "solohead"
         unit = self.pool.layer_block_bytes if solo else self.pool.unit_bytes
-        per_row = np.sum([pi.misses for pi in parts], axis=0).astype(np.int64)
+        per_row, reused = misses.sum(axis=0).astype(np.int64), hits.sum(axis=0).astype(np.int64)
         for b, s in enumerate(sparse):
             c = s.counters
+            c.reused_blocks += int(reused[b])
             c.recalled_blocks += int(per_row[b])
             c.recall_transfers += int(per_row[b] > 0)  # (the step's one copy carried the request's blocks)
             c.recall_bytes += int(per_row[b]) * unit
             c.last_step_recall_bytes += int(per_row[b]) * unit
         if not total:
             return
-        layers = np.repeat(np.arange(len(parts), dtype=np.int32), counts)
-        rows = np.concatenate([pi.rows for pi in parts]).astype(np.int32)
         offsets = (np.cumsum(counts) - counts).astype(np.int32)
         width = bucket(int(counts.max()))
         at_least = total - int(counts[-1]) + width  # every layer's window lies inside the staging
-        heads = None if solo else np.concatenate([pi.lanes for pi in parts]).astype(np.int32)
-        recall = self.pool.recall_step(layers, rows, heads, at_least=at_least)
+        recall = self.pool.recall_step(layers, rows.astype(np.int32), None if solo else lanes, at_least=at_least)
         self._step_pending = StepPending(recall, offsets, width, plan.misses, plan.info)
 
     def _decode_ahead_layerwise(self, kv: jax.Array, sparse: list[SparseKV], tokens: list[int], lengths: list[int],

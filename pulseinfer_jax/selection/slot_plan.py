@@ -214,6 +214,17 @@ def fused_layer_plan(out: SelectPlanOut, spare: bool) -> LayerPlan:
     return LayerPlan((out.early_units, out.early_lens), (out.late_units, out.late_lens), out.miss_slot, out.info, fill)
 
 
+def step_recall(info: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A step's plans as the host reads them (every sparse layer's `LayerPlan.info`, numpy [SL, B, S, N + 4]): the
+    (sparse layer, host row, lane) of each miss, in layer / row / lane / selection order (each layer's part as
+    `recall_lanes` gives it), and the misses per sparse layer."""
+    n = info.shape[3] - 4
+    taken = np.arange(n) < info[..., -3:-2]  # [SL, B, S, N]
+    layer, _, lane, _ = np.nonzero(taken)
+    return (layer.astype(np.int32), info[..., :n][taken], lane.astype(np.int32),
+            taken.sum(axis=(1, 2, 3)).astype(np.int64))
+
+
 def recall_lanes(info: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A plan's misses as the host reads them (`LayerPlan.info`, numpy [B, S, N + 4]): (host row, lane) of each, in
     row / lane / selection order, the order recalls are staged and landed in (`sparse_layer._land`)."""
