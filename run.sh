@@ -101,7 +101,8 @@ case "$cmd" in
         exec "$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" "$@" ;;
     compile-gpu)
         setup_gpuc
-        JAX_PLATFORMS=cpu "$GPUC_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_h200_compile.py
+        JAX_PLATFORMS=cpu "$GPUC_VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" \
+            tests/test_h200_compile.py
         exec env JAX_PLATFORMS=cpu "$GPUC_VENV/bin/python" -m bench.aot.check "$@" ;;
     smoke-newest)
         setup_newest
