@@ -228,7 +228,5 @@ def step_recall(info: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
 def recall_lanes(info: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A plan's misses as the host reads them (`LayerPlan.info`, numpy [B, S, N + 4]): (host row, lane) of each, in
     row / lane / selection order, the order recalls are staged and landed in (`sparse_layer._land`)."""
-    n = info.shape[2] - 4
-    taken = np.arange(n) < info[:, :, -3:-2]  # [B, S, N]
-    lanes = np.broadcast_to(np.arange(info.shape[1], dtype=np.int32)[None, :, None], taken.shape)
-    return info[:, :, :n][taken], lanes[taken]
+    _, rows, lanes, _ = step_recall(info[None])
+    return rows, lanes
