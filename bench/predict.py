@@ -34,9 +34,10 @@ Time model (stated, not measured; each term printed):
                                   after the other
   recall="ahead" (one micro-batch)  the step is ONE program (sparse_step.ahead_step), no sync on its critical path;
                                   the step's plan is read once, every layer's misses gathered and copied as one
-                                  recall that lands in the next step's program: step = max(GPU time of the step [+
-                                  its XLA gather], that recall); the per-head baseline (io="fragmented") keeps one
-                                  call per sparse layer, each layer's copies one after the other
+                                  recall that lands before the next step's program (sparse_step.land_step): step =
+                                  max(GPU time of both [+ its XLA gather], that recall); the per-head baseline
+                                  (io="fragmented") keeps one call per sparse layer, each layer's copies one after
+                                  the other
 Every prediction is made twice: at the calibrated t_launch and at T_LAUNCH_LOW (1 us: launches from a command buffer
 or CUDA graph may cost that little), so that what depends on the launch cost shows.
 The host gather rate (`--gather-rate`) defaults to bench/host_gather.py's measurement on the CPU machine (2 cores):
@@ -400,9 +401,10 @@ def _recall_seconds(st: SystemStep, m: Model, nbytes: float) -> tuple[float, flo
 
 
 def _predict_one_program(st: SystemStep, cost: dict, m: Model, out: dict, gpu_calls: list) -> dict:
-    """Recall ahead as the engine runs it: the step is one program (sparse_step.ahead_step) whose every layer lands
-    `bucket(max misses of a layer)` entries of the previous step's recall; the step's misses of every layer are one
-    gather and one copy, landing a step later: step = max(GPU time of the step [+ its XLA gather], that recall)."""
+    """Recall ahead as the engine runs it: the step is one program (sparse_step.ahead_step) after the landing of the
+    previous step's recall (sparse_step.land_step: `bucket(max misses of a layer)` entries a layer); the step's misses
+    of every layer are one gather and one copy, landing a step later: step = max(GPU time of the two programs [+ its
+    XLA gather], that recall)."""
     from pulseinfer_jax.kv.blocks import bucket
 
     worst = max(st.misses)

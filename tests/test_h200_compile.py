@@ -9,6 +9,7 @@ limits. Not what they compute on a device, how fast, or faults that only a launc
 from __future__ import annotations
 
 import functools
+import math
 import pathlib
 
 import pytest
@@ -379,6 +380,17 @@ def test_the_decode_step_is_one_program_of_at_most_twenty_kernels_a_layer(compil
         assert cost["host_syncs"] == cost["transfers"] == 0
         weights = [k for k in cost["top_kernels"] if k["name"].startswith("gemm")]
         assert len(weights) == len({k["name"] for k in weights}) and all(k["count"] == 1 for k in weights)
+    # the previous step's recall lands just before it, in a program of its own (its shapes follow the recall's
+    # size): one in-place scatter per sparse layer, reading the staging once and writing it once
+    lands = [c.program for calls in st.sparse.values() for c in calls if c.program.function == "land_step"]
+    assert lands
+    for prog in lands:
+        row = compiler(prog)
+        assert row["status"] == "compiled" and not row["violations"], row.get("error") or row["violations"]
+        staging = prog.args[1].staging
+        cost = row["cost"]
+        assert cost["launches"] == st.layout.plan.sparse_layers and cost["host_syncs"] == cost["transfers"] == 0
+        assert cost["bytes"] <= 2 * math.prod(staging.shape) * jnp.dtype(staging.dtype).itemsize, cost["bytes"]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])

@@ -819,30 +819,36 @@ def test_auto_kernels_fall_back_on_a_gpu_that_rejects_them(tiny4, monkeypatch, e
 
 def test_the_jnp_step_program_never_copies_the_cache(tiny4, monkeypatch):
     """Recall ahead's one-program step on the jnp path updates the donated cache in place: no compiled program (one
-    request or two, with and without a landing, float32 and float8 bounds) copies the whole cache. XLA:CPU did, twice
+    request or two, float32 and float8 bounds), nor the landing before it, copies the whole cache. XLA:CPU did, twice
     a layer, where the appended key's read fused into each of its readers and where a landing fused into the token
     write (the CPU offloaded decode step took 1.6x its time)."""
     import jax
 
     from pulseinfer_jax.runner import sparse_step
 
-    real, calls = sparse_step.ahead_step, {}
+    calls = {}
 
-    def spy(model, *args, **kw):
-        landing = args[10]
-        key = (args[6].shape[0], None if landing is None else landing.staging.shape[0])
-        if key not in calls:  # shapes only: the call donates its buffers
-            calls[key] = (model, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args), kw)
-        return real(model, *args, **kw)
+    def spying(name, key_of, cache_at):
+        real = getattr(sparse_step, name)
 
-    monkeypatch.setattr(sparse_step, "ahead_step", spy)
+        def spy(*args, **kw):
+            key = (name, *key_of(args))
+            if key not in calls:  # shapes only: the call donates its buffers
+                shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args[1:])
+                calls[key] = (real, args[0], shapes, kw, args[cache_at].shape)
+            return real(*args, **kw)
+        monkeypatch.setattr(sparse_step, name, spy)
+
+    spying("ahead_step", lambda a: (a[7].shape[0],), 3)  # (model, head, layers, kv, ..., tokens)
+    spying("land_step", lambda a: (a[1].staging.shape[0],), 0)
     prompts = _prompts(tiny4.cfg.vocab_size, lengths=(61, 38))
     for bounds in ("kv", "float8_e4m3fn"):
         kw = dict(**BASE, mode="offload", budget_tokens=24, dense_layers=2)
         _run_until_last_token(Engine(tiny4, EngineConfig.of(**kw, score_bounds_dtype=bounds)), prompts, 8)
-    assert {b for b, _ in calls} == {1, 2} and any(n is not None for _, n in calls), sorted(calls, key=str)
-    for key, (model, args, kw) in calls.items():
-        hlo = real.lower(model, *args, **kw).compile().as_text()
-        cache = "f32[" + ",".join(map(str, args[2].shape)) + "]"
+    assert {k[1] for k in calls if k[0] == "ahead_step"} == {1, 2} and any(k[0] == "land_step" for k in calls), \
+        sorted(calls, key=str)
+    for key, (real, first, shapes, kw, shape) in calls.items():
+        hlo = real.lower(first, *shapes, **kw).compile().as_text()
+        cache = "f32[" + ",".join(map(str, shape)) + "]"
         copies = [line for line in hlo.splitlines() if f"= {cache}" in line and " copy(" in line]
         assert not copies, (key, copies)

@@ -18,20 +18,23 @@ def _prompts(vocab, lengths=(61, 38, 47), seed=0):
 def test_a_step_is_one_program_one_plan_read_and_one_recall(tiny4, monkeypatch):
     """Every recall-ahead step (all but a request's first, which recalls in the layer) dispatches the step program
     once and no per-layer call, sampling included; its misses of every layer go up in one recall (at most one copy
-    a step), landed by the next step's program."""
+    a step), landed by one program just before the next step's."""
     calls: dict[str, int] = {}
+    order: list[str] = []
 
     def counting(owner, name):
         real = getattr(owner, name)
 
         def call(*a, **k):
             calls[name] = calls.get(name, 0) + 1
+            order.append(name)
             return real(*a, **k)
         monkeypatch.setattr(owner, name, call)
 
     for name in ("ahead_layer", "dense_layer", "embed", "logits", "sparse_pre"):
         counting(sparse_layer, name)
     counting(sparse_step, "ahead_step")
+    counting(sparse_step, "land_step")
     counting(HostKVPool, "recall_step")
     eng = Engine(tiny4, EngineConfig.of(**BASE, mode="offload", budget_tokens=24, dense_layers=2))
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -39,18 +42,21 @@ def test_a_step_is_one_program_one_plan_read_and_one_recall(tiny4, monkeypatch):
     eng.ensure_pool(reqs)
     for r in reqs:
         eng.submit(r)
-    steps = 0
+    steps = landed = 0
     while eng.busy:
         first = any(r.sparse is not None and r.sparse.slot_fresh for r in eng.scheduler.running)
-        before = dict(calls)
+        before, seen = dict(calls), len(order)
         list(eng.step())
         new = {k: v - before.get(k, 0) for k, v in calls.items() if v != before.get(k, 0)}
         if not first and "ahead_step" in new:
             steps += 1
-            assert new["ahead_step"] == 1 and set(new) <= {"ahead_step", "recall_step"}, new
-            assert new.get("recall_step", 0) <= 1
+            assert new["ahead_step"] == 1 and set(new) <= {"ahead_step", "recall_step", "land_step"}, new
+            # (land_step after the step: `land_pending`, before a finished request's blocks are freed)
+            before_step = order[seen:order.index("ahead_step", seen)]
+            assert new.get("recall_step", 0) <= 1 and before_step.count("land_step") <= 1, order[seen:]
+            landed += before_step.count("land_step")
     ahead = [e for e in eng.sparse.step_log if "late_recalls" in e]
-    assert steps >= 8 and len(ahead) == steps
+    assert steps >= 8 and len(ahead) == steps and landed > 0
     assert all(e["h2d_copies"] <= 1 for e in ahead) and sum(e["h2d_copies"] for e in ahead) > 0
     assert all(len(r.output) == 12 for r in reqs)
 

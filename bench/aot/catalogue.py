@@ -4,9 +4,10 @@ Each builder mirrors one path of the engine and returns `Call`s (program, runs p
   - `dense_decode`: engine._decode_dense + dense.decode_step(_layerwise) + sampling;
   - `prefill`: engine._prefill_compute over a whole prompt, chunk by chunk;
   - `sparse_decode`: sparse_decoder.SparseDecoder.decode (recall ahead: the step as one program,
-    sparse_step.ahead_step; same-layer schedules, per micro-batch: embed, dense layers, per sparse layer
-    sparse_pre / attend / land_attend_finish, logits; the recall's host programs; write-back and key bounds of the
-    blocks leaving the window), at a given recall size per layer;
+    sparse_step.ahead_step, after sparse_step.land_step where a recall lands; same-layer schedules, per
+    micro-batch: embed, dense layers, per sparse layer sparse_pre / attend / land_attend_finish, logits; the
+    recall's host programs; write-back and key bounds of the blocks leaving the window), at a given recall size per
+    layer;
   - `offloaded_prefill`: an offloaded prompt's layer-segmented prefill and the spill of each layer (write-back, key
     bounds, copies);
   - `swap_programs`: a preempted request's GPU blocks out to the swap space and back (dense or offloaded);
@@ -367,18 +368,14 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         for call in sparse_decode(same, layout, recall, shardings=shardings, micro_batches=1, group=group,
                                   first_of_ahead=True):  # (no placed rows: they run their own step then)
             add(call.program, 0.0)
-        if recall:  # (`land_pending`: before a request's first step, or before a finished request's blocks are freed)
+        # (`land_pending`: before a request's first step, or before a finished request's blocks are freed; the
+        # one-program step's `land_step` is the per-step one below)
+        if recall and not _one_program(cfg):
             fan = c.num_kv_heads if (cfg.ablation.io == "fragmented" and plan.selection == "solohead") else 1
-            if _one_program(cfg):
-                staging = _step_recall_calls(es, layout, recall, lambda p, n: None, host_s, group)
-                add(es.program("land_step", group, sparse_step.land_step,
-                               (es.kv(layout.num_gpu_blocks), _step_landing(layout, len(reqs), staging)),
-                               {"dense_layers": plan.dense_layers, "width": bucket(recall), "fan": 1}), 0.0)
-            else:
-                staging = _recall_calls(es, layout, recall, lambda p, n: None, host_s, dev_s, sl_n, group)
-                landing = _landing(layout, len(reqs), staging)
-                add(es.program("land", group, sparse_layer.land, (es.kv(layout.num_gpu_blocks), _scalar(), landing),
-                               {"fan": fan}), 0.0)
+            staging = _recall_calls(es, layout, recall, lambda p, n: None, host_s, dev_s, sl_n, group)
+            landing = _landing(layout, len(reqs), staging)
+            add(es.program("land", group, sparse_layer.land, (es.kv(layout.num_gpu_blocks), _scalar(), landing),
+                           {"fan": fan}), 0.0)
     k = max(1, min(micro_batches, len(reqs)))
     bounds = np.linspace(0, len(reqs), k + 1).astype(int)
     groups = [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
@@ -407,14 +404,14 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
         scored = ((SCORING[0], float(listed.sum()) / (bp * kc)),)  # candidates that are blocks, not padding
         dense = specs_of(mb.dense)
         select = SelectSpec.of(plan, cfg.ablation.solohead, es.attention, sc, coarse=mb.coarse)
-        if _one_program(cfg):  # the whole step, sampling included, as one program; its recall lands in the next one
+        if _one_program(cfg):  # the whole step, sampling included, as one program; its recall lands before the next
             step = specs_of(slot_step_inputs(members, mb.tables, bp, slots[0].shape[1], slots[0].shape[3],
                                              spare=True))
-            landing, width = None, 0
-            if recall:
-                width = bucket(recall)
+            if recall:  # the previous step's recall lands in a program of its own, just before the step's
                 landing = _step_landing(layout, len(members),
                                         _step_recall_calls(es, layout, recall, add, host_s, group))
+                add(es.program("land_step", group, sparse_step.land_step, (kv, landing),
+                               {"dense_layers": plan.dense_layers, "width": bucket(recall), "fan": 1}), 1)
             per_row = min(float(recall) / len(members), plan.budget_blocks * plan.lanes) if recall else 0.0
             early_frac = len(members) * (plan.budget_blocks * plan.lanes - per_row) / (bp * plan.budget_blocks
                                                                                          * plan.lanes)
@@ -430,8 +427,8 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
                                                                  group_rows) for i in range(sl_n)))
             add(es.program("ahead_step", group, sparse_step.ahead_step, (
                 model, es.head_params, (es.layer_params,) * c.num_layers, kv, layout.bounds, slots,
-                layout.arrivals(bp + bd), _vec(bp + bd), rows_spec, dense, step, landing, placed_rows, None),
-                {"refs": refs, "spec": select, "attention": es.attention, "fan": 1, "width": width},
+                layout.arrivals(bp + bd), _vec(bp + bd), rows_spec, dense, step, placed_rows, None),
+                {"refs": refs, "spec": select, "attention": es.attention, "fan": 1},
                 pallas=SCORING + ATTENTION, valid=scored + ((ATTENTION[0], attn_valid),)), 1)
             continue
         add(es.program("embed", group, sparse_layer.embed, (model, es.head_params, _vec(bp + bd))), 1)

@@ -6,13 +6,14 @@ One decode step of the sparse requests (`SparseDecoder.decode`):
      is written back to its host row (async device->host copy) and gets its key metadata (`refresh_meta`):
      both are dispatched before any selection of this step, so the step can select and recall it.
   recall ahead (`recall="ahead"`, the default): the batch runs as one, and the whole step is ONE program that never
-     waits on the host (`sparse_step.ahead_step`): embed, the dense layers, then each sparse layer lands the blocks
-     the previous step's recall brought for it, writes the token, scores, selects and plans against the slot caches,
+     waits on the host (`sparse_step.ahead_step`), after a small one that lands the blocks the previous step's recall
+     brought (`sparse_step.land_step`: its shapes follow the recall's size); the step: embed, the dense layers, then
+     each sparse layer writes the token, scores, selects and plans against the slot caches,
      copies a miss on the block that just left the window from its spare GPU block, attends over the resident
      blocks, the hits and that copy, and finishes the layer; then logits and sampling (only token ids come back).
      The other misses are not attended in this step: the driver reads the step's plan once (every layer's) and
      issues ONE recall of every layer's misses (one host gather into one staging buffer, one copy; with the numpy
-     pool on the pool's recall thread, so the driver only hands over the rows), which lands in the next step's
+     pool on the pool's recall thread, so the driver only hands over the rows), which lands before the next step's
      program (the driver waits there only if that gather is still running: `recall_wait_s`). The per-head
      baseline's fragmented copies (`io="fragmented"`) keep one call per sparse layer and one recall per layer.
      A request's first decode step has nothing prefetched: that step runs the same-layer schedule below (after
@@ -354,9 +355,10 @@ class SparseDecoder:
                       placed: PlacedRows | None, placed_tokens: list[int], sampling: BatchSampling | None,
                       keep_logits: bool = False) -> tuple[jax.Array, np.ndarray, np.ndarray | None]:
         """A step with every recall one step ahead (`recall="ahead"`) as ONE program (`sparse_step.ahead_step`: every
-        layer, logits and sampling; the previous step's recall lands inside it); then the step's plan is read once
-        and every layer's misses go to the host pool as one recall, landed by the next step. `placed`: dense-placed
-        rows after the offloaded ones (one pass over the weights). Returns (kv, token ids, logits or None)."""
+        layer, logits and sampling; the previous step's recall lands just before it, `land_step`); then the step's
+        plan is read once and every layer's misses go to the host pool as one recall, landed by the next step.
+        `placed`: dense-placed rows after the offloaded ones (one pass over the weights). Returns (kv, token ids,
+        logits or None)."""
         p, ab, model = self.plan, self.ablation, self.model
         mb = micro_batch_inputs(p, self.scoring, ab.solohead, self.nb, sparse, tokens, lengths)
         bp = mb.tokens.shape[0]
@@ -373,11 +375,13 @@ class SparseDecoder:
             placed = jax.device_put(placed, self.replicated)
         self._ensure_arrivals(len(all_tokens))
         landing, width, ready, waited = self._take_step_landing()
+        if landing is not None:  # (a program of its own: its shapes follow the recall's size, see sparse_step)
+            kv = sparse_step.land_step(kv, landing, dense_layers=p.dense_layers, width=width, fan=1)
         rows_sampling = None if sampling is None else sampling.rows(at, len(all_tokens))
         kv, self.bounds, self.slot_state, self.arrivals, out, plan, logits = sparse_step.ahead_step(
             model, head_params(self.params), tuple(self.layer_params), kv, self.bounds, self.slot_state,
-            self.arrivals, jnp.asarray(all_tokens), rows, dense, step, landing, placed, rows_sampling,
-            refs=self._step_refs, spec=spec, attention=self.attention, fan=1, split_k=self.split_k, width=width,
+            self.arrivals, jnp.asarray(all_tokens), rows, dense, step, placed, rows_sampling,
+            refs=self._step_refs, spec=spec, attention=self.attention, fan=1, split_k=self.split_k,
             with_logits=keep_logits, with_sel=self.selector.records_selection)
         out.copy_to_host_async()
         self._issue_step_recall(plan, sparse, lengths)

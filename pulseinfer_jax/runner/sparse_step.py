@@ -1,13 +1,16 @@
 """The decode step with its recall one step ahead as ONE jitted program (`ahead_step`), and its recall's landing.
 
 One call runs the whole step on the device: embed, the dense layers (with the dense-placed rows), every sparse layer
-as `sparse_layer.ahead_layer`'s body (land the blocks the previous step's recall brought for it, write, score,
-select + plan, attend, o-proj + MLP), logits and sampling. The cache, key bounds, slot state and split-merge
-counters are donated. What comes back: the token ids, and the step's plan of every sparse layer stacked
-(`StepPlan`), which the host reads once to issue the next recall: one gather of every layer's misses into one staging
-buffer, one host-to-device copy (`HostKVPool.recall_step`), landed by the next step's program (`StepLanding`: sparse
-layer l's entries start at `offsets[l]`; each layer reads a window of `width` entries, those past its own count land
-in the null block).
+as `sparse_layer.ahead_layer`'s body (write, score, select + plan, attend, o-proj + MLP), logits and sampling. The
+cache, key bounds, slot state and split-merge counters are donated. What comes back: the token ids, and the step's
+plan of every sparse layer stacked (`StepPlan`), which the host reads once to issue the next recall: one gather of
+every layer's misses into one staging buffer, one host-to-device copy (`HostKVPool.recall_step`).
+
+That recall lands before the next step's program, in a program of its own (`land_step`: `StepLanding`, sparse layer
+l's entries start at `offsets[l]`; each layer reads a window of `width` entries, those past its own count land in
+the null block). The staging's size follows the step's misses (a power of two): inside the step program every new
+size compiled the whole step again (17 s at A for the H200, minutes on a CPU); on its own only a few scatters
+compile per size, and the step program compiles once per batch shape.
 
 The layers are unrolled inside the program: every layer keeps its own weights (no slice of a stacked copy per
 layer), and XLA sees the whole step at once (one dispatch, one command buffer where the target captures it).
@@ -98,8 +101,8 @@ class StepRefs:
         return SparseLayerRefs(*(jnp.int32(v) for v in self.layers[sl]))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "refs", "spec", "attention", "fan", "split_k", "width",
-                                             "with_logits", "with_sel"),
+@functools.partial(jax.jit, static_argnames=("model", "refs", "spec", "attention", "fan", "split_k", "with_logits",
+                                             "with_sel"),
                    donate_argnames=("kv", "bounds", "slot_state", "arrivals"))
 def ahead_step(
     model: Transformer,
@@ -113,7 +116,6 @@ def ahead_step(
     rows: SparseRows,
     dense: DenseRows,
     step: SlotStep,
-    landing: StepLanding | None,
     placed: PlacedRows | None,
     sampling: SamplingRows | None,
     *,
@@ -122,16 +124,15 @@ def ahead_step(
     attention: str,
     fan: int = 1,
     split_k: int | None = None,
-    width: int = 0,
     with_logits: bool = False,
     with_sel: bool = False,
 ) -> tuple[Array, ScoringBounds, tuple[Array, Array], Array, Int[Array, " Bt"], StepPlan, Array | None]:
     """One decode step of the offloaded rows (and, with `placed`, the dense-placed rows after them: `tokens` holds
     both), every layer in this one program (see the module docstring). `refs`: where each sparse layer's slices sit
-    (constants); `landing`: the previous step's recall (None: nothing in flight; `width` its per-layer window);
-    `sampling`: per-row sampling in `tokens`' order (None: greedy). Returns (kv, key bounds, slot state, arrivals,
-    the sampled token of every row, the step's plan (its selections only `with_sel`: a recording selector's), the
-    logits where `with_logits` (parity checks) else None)."""
+    (constants); the previous step's recall has landed before (`land_step`); `sampling`: per-row sampling in
+    `tokens`' order (None: greedy). Returns (kv, key bounds, slot state, arrivals, the sampled token of every row,
+    the step's plan (its selections only `with_sel`: a recording selector's), the logits where `with_logits`
+    (parity checks) else None)."""
     dense_layers = len(dense.write)
     nb = kv.shape[1]
     x = model.embed(head, tokens[:, None])
@@ -143,9 +144,8 @@ def ahead_step(
         kv, x, arrivals = jax.lax.optimization_barrier((kv, x, arrivals))
     plans = []
     for sl in range(len(refs)):
-        land = None if landing is None else landing.layer(sl, width)
         kv, bounds, x, slot_state, plan, sel, arrivals = _ahead_layer(
-            model, layer_params[dense_layers + sl], kv, x, bounds, slot_state, rows, step, refs.layer(sl), land,
+            model, layer_params[dense_layers + sl], kv, x, bounds, slot_state, rows, step, refs.layer(sl), None,
             placed, arrivals, spec=spec, attention=attention, fan=fan, split_k=split_k)
         plans.append((plan.misses, plan.info, sel if with_sel else None))
         # (a layer's end as a program's end was: no read of one layer's cache scheduled past the next one's writes,
@@ -161,8 +161,8 @@ def ahead_step(
 @functools.partial(jax.jit, static_argnames=("dense_layers", "width", "fan"), donate_argnames=("kv",))
 def land_step(kv: Float[Array, "L NB 2 rows Hkv hd"], landing: StepLanding, *, dense_layers: int, width: int,
               fan: int = 1) -> Array:
-    """A step's recall landed on its own (`SparseDecoder.land_pending`: before GPU blocks change owner, or a
-    same-layer step): every sparse layer's blocks into their slots."""
+    """A step's recall landed: every sparse layer's blocks into their slots. Before the next step's program, and
+    in `SparseDecoder.land_pending` (before GPU blocks change owner, or a same-layer step)."""
     for sl in range(landing.offsets.shape[0]):
         kv = _land(kv, jnp.int32(dense_layers + sl), landing.layer(sl, width), fan=fan)
     return kv
