@@ -181,7 +181,7 @@ class SparseDecoder:
         self.steps_logged = 0
         # recall="ahead": per sparse layer, the recall issued for its next call (None: nothing in flight)
         self._pending: list[Pending | None] = [None] * plan.sparse_layers
-        # the one-program step (runner/sparse_step.py): the whole step's recall, landed by the next step's program
+        # the one-program step (runner/sparse_step.py): the whole step's recall, landed before the next step's program
         self._step_pending: StepPending | None = None
         self._scored: dict[tuple, jax.Array] = {}  # per shape, the device `scored_middle` (no copy per step)
 
@@ -406,7 +406,7 @@ class SparseDecoder:
 
     def _issue_step_recall(self, plan: sparse_step.StepPlan, sparse: list[SparseKV], lengths: list[int]) -> None:
         """The step's plan read once (every sparse layer's), its misses recalled as one gather and one copy
-        (`HostKVPool.recall_step`), pending for the next step's program; counts reuse and recall per request."""
+        (`HostKVPool.recall_step`), pending until the next step lands it; counts reuse and recall per request."""
         info = np.asarray(plan.info)  # [SL, bp, S, M]: the one read of the step's plan
         sel = np.asarray(plan.sel) if self.selector.records_selection else None
         n = len(sparse)
@@ -733,7 +733,7 @@ class Pending(NamedTuple):
 
 
 class StepPending(NamedTuple):
-    """A whole step's recall (`_issue_step_recall`), until the next step's program lands it (`StepLanding`)."""
+    """A whole step's recall (`_issue_step_recall`), until the next step lands it (`sparse_step.land_step`)."""
 
     recall: Recall  # the staging of every sparse layer's misses, being gathered and copied
     offsets: Int[np.ndarray, " SL"]  # each sparse layer's first staging entry
