@@ -374,9 +374,7 @@ class SparseDecoder:
             at += [bp + i for i in range(len(placed_tokens))]
             placed = jax.device_put(placed, self.replicated)
         self._ensure_arrivals(len(all_tokens))
-        landing, width, ready, waited = self._take_step_landing()
-        if landing is not None:  # (a program of its own: its shapes follow the recall's size, see sparse_step)
-            kv = sparse_step.land_step(kv, landing, dense_layers=p.dense_layers, width=width, fan=1)
+        kv, ready, waited = self._land_step_recall(kv)
         rows_sampling = None if sampling is None else sampling.rows(at, len(all_tokens))
         kv, self.bounds, self.slot_state, self.arrivals, out, plan, logits = sparse_step.ahead_step(
             model, head_params(self.params), tuple(self.layer_params), kv, self.bounds, self.slot_state,
@@ -392,17 +390,19 @@ class SparseDecoder:
         self.selector.end_step(sparse)
         return kv, np.asarray(out)[at], None if logits is None else np.asarray(logits)[at]
 
-    def _take_step_landing(self) -> tuple[sparse_step.StepLanding | None, int, bool, float]:
-        """The step recall issued last step, taken off: (its StepLanding or None, its per-layer window, whether its
-        staging already sat on the device, seconds waited here for the recall thread's gather)."""
+    def _land_step_recall(self, kv: jax.Array) -> tuple[jax.Array, bool, float]:
+        """The step recall issued last step, taken off and landed (`sparse_step.land_step`, a program of its own: its
+        shapes follow the recall's size): (kv, whether its staging already sat on the device, seconds waited here for
+        the recall thread's gather)."""
         pending, self._step_pending = self._step_pending, None
         if pending is None:
-            return None, 0, True, 0.0
+            return kv, True, 0.0
         ready = pending.recall.ready()
         staging, waited = pending.recall.result()
         landing = sparse_step.StepLanding(staging, jax.device_put(pending.offsets, self.replicated), pending.misses,
                                           pending.info)
-        return landing, pending.width, ready, waited
+        kv = sparse_step.land_step(kv, landing, dense_layers=self.plan.dense_layers, width=pending.width, fan=1)
+        return kv, ready, waited
 
     def _issue_step_recall(self, plan: sparse_step.StepPlan, sparse: list[SparseKV], lengths: list[int]) -> None:
         """The step's plan read once (every sparse layer's), its misses recalled as one gather and one copy
@@ -503,9 +503,7 @@ class SparseDecoder:
 
     def land_pending(self, kv: jax.Array) -> jax.Array:
         """Land every recall issued ahead now (before GPU blocks change owner, or a same-layer step): returns kv."""
-        landing, width, _, _ = self._take_step_landing()
-        if landing is not None:
-            kv = sparse_step.land_step(kv, landing, dense_layers=self.plan.dense_layers, width=width, fan=1)
+        kv, _, _ = self._land_step_recall(kv)
         for sl in range(len(self._pending)):
             landing, _, _ = self._take_landing(sl)
             if landing is not None:

@@ -9,8 +9,8 @@ every layer's misses into one staging buffer, one host-to-device copy (`HostKVPo
 That recall lands before the next step's program, in a program of its own (`land_step`: `StepLanding`, sparse layer
 l's entries start at `offsets[l]`; each layer reads a window of `width` entries, those past its own count land in
 the null block). The staging's size follows the step's misses (a power of two): inside the step program every new
-size compiled the whole step again (17 s at A for the H200, minutes on a CPU); on its own only a few scatters
-compile per size, and the step program compiles once per batch shape.
+size compiled the whole step again (17 s at A for the H200; most of the 285 s docs/api.md's SmolLM2 passkey example
+took on 2 CPU cores); on its own only a few scatters compile per size, and the step program once per batch shape.
 
 The layers are unrolled inside the program: every layer keeps its own weights (no slice of a stacked copy per
 layer), and XLA sees the whole step at once (one dispatch, one command buffer where the target captures it).
