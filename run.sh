@@ -9,6 +9,7 @@
 #   ./run.sh smoke-newest [args]  the smoke set (pytest -m smoke: loading, dense and offloaded decode in bf16 and
 #                          float8 KV, preemption, a server round trip, the compile check's kernel cases) on the newest
 #                          jax pyproject.toml allows, in .venv-newest (with jax's CUDA plugin + ptxas, CPU backend)
+#   ./run.sh setup-gpu-venvs  builds .venv-gpuc and .venv-newest (CI builds them while the suite runs)
 #   ./run.sh pulseinfer …  any CLI command;  ./run.sh python …  the venv's python;  ./run.sh gpu-python …  .venv-gpuc's
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -112,6 +113,7 @@ case "$cmd" in
     pulseinfer) setup; exec "$VENV/bin/pulseinfer" "$@" ;;
     python) setup; exec "$VENV/bin/python" "$@" ;;
     setup) setup ;;
-    *) echo "usage: ./run.sh demo|test|compile-gpu|smoke-newest|setup|pulseinfer ...|python ...|gpu-python ..." >&2
+    setup-gpu-venvs) setup_gpuc; setup_newest ;;
+    *) echo "usage: ./run.sh demo|test|compile-gpu|smoke-newest|setup|setup-gpu-venvs|pulseinfer ...|python ...|gpu-python ..." >&2
        exit 2 ;;
 esac

@@ -479,7 +479,8 @@ def main() -> int:
     have = json.loads(pathlib.Path(a.reuse).read_text())["programs"] if a.reuse else {}
     have = {k: r for k, r in have.items() if r.get("fingerprint")}  # (older reports: compiled again)
     todo = [k for k in programs if k not in have]
-    rows = check.compile_programs(a.target, "bench.predict:predict_programs", opts, todo, a.workers) if todo else []
+    rows = check.compile_programs(a.target, "bench.predict:predict_programs", opts, todo, a.workers,
+                                  programs) if todo else []
     bad = [r for r in rows if r["status"] != "compiled"]
     if bad:
         raise SystemExit(f"{len(bad)} programs did not compile: {bad[0]['key'][:200]}: {bad[0].get('error')}")

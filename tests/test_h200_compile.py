@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import pathlib
+import types
 
 import pytest
 
@@ -82,6 +83,28 @@ def test_sparse_decode_attention_compiles(compiler, dtype, b, hkv, group, hd, bs
     # elementwise fusions in at most two kernels (its reductions over the splits were four); float8 too: the kernel
     # rotates q into the cache's basis and its accumulator back, so no rotation kernel runs outside it
     assert row["cost"]["launches"] <= 6, [k["name"] for k in row["kernels"]]
+
+
+def test_programs_equal_but_for_their_valid_fractions_compile_once(target, tmp_path):
+    """Two programs the check costs at different valid fractions are one compile: the second row names the first,
+    counts no compile time, shares its fingerprint and counts fewer bytes; the groups go largest first."""
+    pool = spec((97, 2, 16, 8, 128), "bfloat16")
+    args = (spec((8, 32, 128), "bfloat16"), pool, spec((8, 1, 37), I32), spec((8, 1, 37), I32))
+    fn, name = sparse_decode_attention.sparse_decode_attention, "sparse_decode_attention"
+    full, sparse = (program(fn.__name__, "kernel", fn, args, {"interpret": False}, pallas=(name,),
+                            valid=((name, v),)) for v in (0.9, 0.1))
+    small = _kernel(fn, (spec((1, 32, 128), "bfloat16"), pool, spec((1, 1, 37), I32), spec((1, 1, 37), I32)), name)
+    assert full.key != sparse.key and full.compile_key == sparse.compile_key != small.compile_key
+    progs = {p.key: p for p in (small, full, sparse)}
+    assert sorted(check._compile_order(progs, list(progs))) == sorted([[small.key], [full.key, sparse.key]])
+    sized = {k: types.SimpleNamespace(compile_key=c, size=n) for k, c, n in (("a", "x", 1), ("b", "y", 9),
+                                                                               ("c", "x", 1))}
+    assert check._compile_order(sized, ["a", "b", "c"]) == [["b"], ["a", "c"]]
+    rows = check.compile_group(target, PtxasRecorder(tmp_path), [full, sparse], tmp_path)
+    assert [r["status"] for r in rows] == ["compiled"] * 2 and rows[0]["compile_s"] > 0
+    assert rows[1]["compiled_as"] == full.key and rows[1]["compile_s"] == 0 and "compiled_as" not in rows[0]
+    assert rows[1]["fingerprint"] == rows[0]["fingerprint"]
+    assert rows[1]["cost"]["bytes"] < rows[0]["cost"]["bytes"]
 
 
 @pytest.mark.smoke

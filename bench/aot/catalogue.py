@@ -411,7 +411,7 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
                 landing = _step_landing(layout, len(members),
                                         _step_recall_calls(es, layout, recall, add, host_s, group))
                 add(es.program("land_step", group, sparse_step.land_step, (kv, landing),
-                               {"dense_layers": plan.dense_layers, "width": bucket(recall), "fan": 1}), 1)
+                               {"dense_layers": plan.dense_layers, "width": bucket(recall)}), 1)
             per_row = min(float(recall) / len(members), plan.budget_blocks * plan.lanes) if recall else 0.0
             early_frac = len(members) * (plan.budget_blocks * plan.lanes - per_row) / (bp * plan.budget_blocks
                                                                                          * plan.lanes)
@@ -428,7 +428,7 @@ def sparse_decode(es: EngineShapes, layout: SparseLayout, recall: int, *, shardi
             add(es.program("ahead_step", group, sparse_step.ahead_step, (
                 model, es.head_params, (es.layer_params,) * c.num_layers, kv, layout.bounds, slots,
                 layout.arrivals(bp + bd), _vec(bp + bd), rows_spec, dense, step, placed_rows, None),
-                {"refs": refs, "spec": select, "attention": es.attention, "fan": 1},
+                {"refs": refs, "spec": select, "attention": es.attention},
                 pallas=SCORING + ATTENTION, valid=scored + ((ATTENTION[0], attn_valid),)), 1)
             continue
         add(es.program("embed", group, sparse_layer.embed, (model, es.head_params, _vec(bp + bd))), 1)

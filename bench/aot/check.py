@@ -80,23 +80,31 @@ def kernel_reports(tree: list[Thunk], ptxas: dict[str, object]) -> list[KernelRe
 
 def compile_one(target: CompileTarget, recorder: PtxasRecorder, prog, work: pathlib.Path) -> dict:
     """Compile `prog` and read what came out (see the module docstring); never raises."""
-    row = {"key": prog.key, "function": prog.function, "group": prog.group, "default": prog.default,
-           "must_reject": prog.must_reject, "note": prog.note}
+    return compile_group(target, recorder, [prog], work)[0]
+
+
+def compile_group(target: CompileTarget, recorder: PtxasRecorder, progs: list, work: pathlib.Path) -> list[dict]:
+    """Compile `progs`, programs of one `compile_key` (equal but for the valid fractions their cost counts), once:
+    one row each, its cost with its own fractions; the rows after the first say `compiled_as` its key and count no
+    compile time of their own. Never raises."""
+    first = progs[0]
+    assert all(p.compile_key == first.compile_key for p in progs), "compile_group takes programs of one compile_key"
     dump = pathlib.Path(tempfile.mkdtemp(dir=work))
     t0 = time.perf_counter()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # "the Pallas Triton backend is deprecated"
-            lowered = prog.lower(target)
+            lowered = first.lower(target)
             t1 = time.perf_counter()
             compiled = target.compile(lowered, {**recorder.options(), "xla_dump_to": str(dump)})
         t2 = time.perf_counter()
     except Exception as e:  # noqa: BLE001 - a rejected program is a result
-        row.update(status="rejected", error=f"{type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}",
-                   seconds=round(time.perf_counter() - t0, 3))
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}"
         recorder.collect()
         shutil.rmtree(dump, ignore_errors=True)
-        return row
+        return [{**_row_head(p), "status": "rejected", "error": error,
+                 "seconds": round(time.perf_counter() - t0, 3) if p is first else 0.0,
+                 **({} if p is first else {"compiled_as": first.key})} for p in progs]
     reports = {}
     for r in recorder.collect():  # a kernel compiled twice (several LLVM modules) reports once, the larger
         if r.kernel not in reports or r.registers > reports[r.kernel].registers:
@@ -104,29 +112,41 @@ def compile_one(target: CompileTarget, recorder: PtxasRecorder, prog, work: path
     tree = load(dump)
     hlo_text = compiled.as_text()
     kernels = kernel_reports(tree, reports)
-    cost = program_cost(hlo_text, tree, dict(prog.valid))
-    violations = []
     pallas = _pallas_names(hlo_text)
     found = {k.name for k in kernels if k.name in pallas}
-    for want in prog.pallas:
-        if not any(name.startswith(want) for name in found):
-            violations.append(f"{want}: no Triton kernel in the compiled program (Pallas interpret mode?)")
-    for k in kernels:
-        violations += [f"{k.name}: {v}" for v in limit_violations(k, target.limits)]
-        if k.spill_stores:
-            violations.append(f"{k.name}: {k.spill_stores} bytes of register spill stores")
     mem = compiled.memory_analysis()
     memory = {k: getattr(mem, f"{k}_size_in_bytes", 0) for k in ("argument", "output", "alias", "temp")}
-    row.update(status="compiled", lower_s=round(t1 - t0, 3), compile_s=round(t2 - t1, 3),
-               cost=cost.as_dict(), violations=violations, memory=memory, fingerprint=fingerprint(hlo_text),
-               pallas=sorted(found),
-               max_registers=max((k.registers or 0 for k in kernels), default=0),
-               max_shared_memory=max((k.shared_memory for k in kernels), default=0),
-               max_threads=max((k.threads for k in kernels), default=0))
-    if prog.group in ("kernel", "planted", "probe"):
-        row["kernels"] = [dataclasses.asdict(k) for k in kernels]
+    print_ = fingerprint(hlo_text)
+    rows = []
+    for prog in progs:
+        violations = []
+        for want in prog.pallas:
+            if not any(name.startswith(want) for name in found):
+                violations.append(f"{want}: no Triton kernel in the compiled program (Pallas interpret mode?)")
+        for k in kernels:
+            violations += [f"{k.name}: {v}" for v in limit_violations(k, target.limits)]
+            if k.spill_stores:
+                violations.append(f"{k.name}: {k.spill_stores} bytes of register spill stores")
+        row = _row_head(prog)
+        row.update(status="compiled", lower_s=round(t1 - t0, 3) if prog is first else 0.0,
+                   compile_s=round(t2 - t1, 3) if prog is first else 0.0,
+                   cost=program_cost(hlo_text, tree, dict(prog.valid)).as_dict(), violations=violations,
+                   memory=memory, fingerprint=print_, pallas=sorted(found),
+                   max_registers=max((k.registers or 0 for k in kernels), default=0),
+                   max_shared_memory=max((k.shared_memory for k in kernels), default=0),
+                   max_threads=max((k.threads for k in kernels), default=0))
+        if prog is not first:
+            row["compiled_as"] = first.key
+        if prog.group in ("kernel", "planted", "probe"):
+            row["kernels"] = [dataclasses.asdict(k) for k in kernels]
+        rows.append(row)
     shutil.rmtree(dump, ignore_errors=True)
-    return row
+    return rows
+
+
+def _row_head(prog) -> dict:
+    return {"key": prog.key, "function": prog.function, "group": prog.group, "default": prog.default,
+            "must_reject": prog.must_reject, "note": prog.note}
 
 
 def _pallas_names(hlo_text: str) -> set[str]:
@@ -157,41 +177,62 @@ def _build(builder: str, target: CompileTarget, options: dict) -> dict:
     return out.programs if hasattr(out, "programs") else out
 
 
-def _worker(args: tuple) -> list[dict]:
-    """One worker process: its own target, ptxas recorder and programs; compiles programs `keys`."""
-    target_path, builder, options, keys, work = args
+_WORKER: dict = {}  # a compile worker's own target, ptxas recorder and programs (_start_worker)
+
+
+def _start_worker(target_path: str | None, builder: str, options: dict, work: str) -> None:
+    """A worker process's start: its own target, ptxas recorder and programs (they hold jitted functions, which do
+    not travel between processes)."""
     use_cpu_backend()
     portable_locations()  # (fingerprints as a checkout at any path, or the GPU bench, makes them)
     target = CompileTarget.load(target_path)
-    work = pathlib.Path(work)
     recorder = PtxasRecorder(pathlib.Path(tempfile.mkdtemp(dir=work)))
-    programs = _build(builder, target, options)
-    rows = []
-    for key in keys:
-        rows.append(compile_one(target, recorder, programs[key], work))
-        print(f"{rows[-1]['status']:9s} {rows[-1].get('compile_s', rows[-1].get('seconds', 0)):6.2f}s "
-              f"{key[:150]}", flush=True)
+    _WORKER.update(target=target, recorder=recorder, programs=_build(builder, target, options),
+                   work=pathlib.Path(work))
+
+
+def _compile_keys(keys: list[str]) -> list[dict]:
+    """In a worker: compile programs `keys` (one compile_key) once, print a line."""
+    w = _WORKER
+    rows = compile_group(w["target"], w["recorder"], [w["programs"][k] for k in keys], w["work"])
+    r = rows[0]
+    more = f" (+{len(rows) - 1} sharing it)" if len(rows) > 1 else ""
+    print(f"{r['status']:9s} {r.get('compile_s', r.get('seconds', 0)):6.2f}s {keys[0][:150]}{more}", flush=True)
     return rows
 
 
 def compile_programs(target_path: str | None, builder: str, options: dict, keys: list[str],
-                     workers: int) -> list[dict]:
-    """Compile programs `keys` of `builder` (see _build) in `workers` processes (each builds the programs
-    itself: they hold jitted functions, which do not travel between processes); rows in the order of `keys`."""
+                     workers: int, programs: dict | None = None) -> list[dict]:
+    """Compile programs `keys` of `builder` (see _build) in `workers` processes, each program of a compile_key
+    once, the largest first, each worker taking the next as it finishes one; rows in the order of `keys`.
+    `programs`: the builder's programs where the caller has them (else built here, to order them)."""
     work = pathlib.Path(tempfile.mkdtemp(prefix="pulseinfer-aot-"))
     try:
+        start = (target_path, builder, options, str(work))
         if workers <= 1:
-            rows = _worker((target_path, builder, options, keys, str(work)))
+            _start_worker(*start)
+            rows = [r for group in _compile_order(_WORKER["programs"], keys) for r in _compile_keys(group)]
         else:
-            shares = [keys[i::workers] for i in range(workers)]
+            if programs is None:
+                programs = _build(builder, CompileTarget.load(target_path), options)
+            groups = _compile_order(programs, keys)
             spawn = multiprocessing.get_context("spawn")  # (fork would copy jax's threads' state)
-            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn) as pool:
-                rows = [r for part in pool.map(_worker, [(target_path, builder, options, sh, str(work))
-                                                         for sh in shares]) for r in part]
+            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn, initializer=_start_worker,
+                                                        initargs=start) as pool:
+                rows = [r for part in pool.map(_compile_keys, groups) for r in part]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     order = {k: i for i, k in enumerate(keys)}
     return sorted(rows, key=lambda r: order[r["key"]])
+
+
+def _compile_order(programs: dict, keys: list[str]) -> list[list[str]]:
+    """`keys` grouped by compile_key, the groups in decreasing program size (Program.size): the longest compiles
+    start first, so that no worker is left with one at the end while the others idle."""
+    groups: dict[str, list[str]] = {}
+    for k in keys:
+        groups.setdefault(programs[k].compile_key or k, []).append(k)
+    return sorted(groups.values(), key=lambda g: -programs[g[0]].size)
 
 
 def suite_programs(target: CompileTarget, quick: bool = False):
@@ -206,7 +247,8 @@ def run(target_path: str | None, quick: bool, pattern: str | None, workers: int)
     suite = suite_programs(target, quick)
     keys = [k for k in suite.programs if pattern is None or re.search(pattern, k)]
     t0 = time.perf_counter()
-    rows = compile_programs(target_path, "bench.aot.check:suite_programs", {"quick": quick}, keys, workers)
+    rows = compile_programs(target_path, "bench.aot.check:suite_programs", {"quick": quick}, keys, workers,
+                            suite.programs)
     order = set(keys)
     steps = {name: [{"key": c.program.key, "count": c.count} for c in calls] for name, calls in suite.steps.items()
              if all(c.program.key in order for c in calls)}

@@ -83,12 +83,20 @@ class Program:
     # per Pallas kernel name prefix, the fraction of its listed entries that hold data (padded tables: the kernels
     # mask the rest, the cost model does not count them; traffic.py)
     valid: tuple[tuple[str, float], ...] = ()
+    # the key without `valid`: programs equal in it are one compile (their costs differ only by the valid fractions)
+    compile_key: str = dataclasses.field(default="", compare=False)
 
     @property
     def signature(self) -> tuple[str, tuple[str, ...]]:
         """(function name, argument avals in order), the way jax logs the compile of this call (jax leaves out the
         arguments the program does not use: a logged signature is a subsequence of this one)."""
         return self.function, tuple(s.aval for s in _specs(self.args))
+
+    @property
+    def size(self) -> int:
+        """How many array arguments the program takes: a proxy for its compile time (a whole step takes every
+        layer's weights), by which the check schedules the largest first."""
+        return len(_specs(self.args))
 
     @property
     def arg_bytes(self) -> int:
@@ -110,8 +118,8 @@ def program(function: str, group: str, fn: Any, args: tuple, statics: dict | Non
     models = [_short(a) for a in jax.tree.leaves(args, is_leaf=_is_spec) if hasattr(a, "cfg")]
     st = ",".join(models + [f"{k}={_short(v)}" for k, v in sorted(statics.items())])
     valid = "".join(f" {k}@{v:.3f}" for k, v in kw.get("valid", ()))  # (part of the cost, so of the key)
-    key = f"{function}{'[' + tag + ']' if tag else ''}({st}) {shapes}{valid}"
-    return Program(key, function, group, fn, args, statics, **kw)
+    compile_key = f"{function}{'[' + tag + ']' if tag else ''}({st}) {shapes}"
+    return Program(compile_key + valid, function, group, fn, args, statics, compile_key=compile_key, **kw)
 
 
 def _short(v: Any) -> str:

@@ -379,7 +379,7 @@ class SparseDecoder:
         kv, self.bounds, self.slot_state, self.arrivals, out, plan, logits = sparse_step.ahead_step(
             model, head_params(self.params), tuple(self.layer_params), kv, self.bounds, self.slot_state,
             self.arrivals, jnp.asarray(all_tokens), rows, dense, step, placed, rows_sampling,
-            refs=self._step_refs, spec=spec, attention=self.attention, fan=1, split_k=self.split_k,
+            refs=self._step_refs, spec=spec, attention=self.attention, split_k=self.split_k,
             with_logits=keep_logits, with_sel=self.selector.records_selection)
         out.copy_to_host_async()
         self._issue_step_recall(plan, sparse, lengths)
@@ -401,7 +401,7 @@ class SparseDecoder:
         staging, waited = pending.recall.result()
         landing = sparse_step.StepLanding(staging, jax.device_put(pending.offsets, self.replicated), pending.misses,
                                           pending.info)
-        kv = sparse_step.land_step(kv, landing, dense_layers=self.plan.dense_layers, width=pending.width, fan=1)
+        kv = sparse_step.land_step(kv, landing, dense_layers=self.plan.dense_layers, width=pending.width)
         return kv, ready, waited
 
     def _issue_step_recall(self, plan: sparse_step.StepPlan, sparse: list[SparseKV], lengths: list[int]) -> None:

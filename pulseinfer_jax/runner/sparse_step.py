@@ -101,8 +101,7 @@ class StepRefs:
         return SparseLayerRefs(*(jnp.int32(v) for v in self.layers[sl]))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "refs", "spec", "attention", "fan", "split_k", "with_logits",
-                                             "with_sel"),
+@functools.partial(jax.jit, static_argnames=("model", "refs", "spec", "attention", "split_k", "with_logits", "with_sel"),
                    donate_argnames=("kv", "bounds", "slot_state", "arrivals"))
 def ahead_step(
     model: Transformer,
@@ -122,7 +121,6 @@ def ahead_step(
     refs: StepRefs,
     spec: SelectSpec,
     attention: str,
-    fan: int = 1,
     split_k: int | None = None,
     with_logits: bool = False,
     with_sel: bool = False,
@@ -146,7 +144,7 @@ def ahead_step(
     for sl in range(len(refs)):
         kv, bounds, x, slot_state, plan, sel, arrivals = _ahead_layer(
             model, layer_params[dense_layers + sl], kv, x, bounds, slot_state, rows, step, refs.layer(sl), None,
-            placed, arrivals, spec=spec, attention=attention, fan=fan, split_k=split_k)
+            placed, arrivals, spec=spec, attention=attention, fan=1, split_k=split_k)
         plans.append((plan.misses, plan.info, sel if with_sel else None))
         # (a layer's end as a program's end was: no read of one layer's cache scheduled past the next one's writes,
         # where XLA would copy the whole cache to keep it)
@@ -158,11 +156,10 @@ def ahead_step(
     return kv, bounds, slot_state, arrivals, out, plan, logits if with_logits else None
 
 
-@functools.partial(jax.jit, static_argnames=("dense_layers", "width", "fan"), donate_argnames=("kv",))
-def land_step(kv: Float[Array, "L NB 2 rows Hkv hd"], landing: StepLanding, *, dense_layers: int, width: int,
-              fan: int = 1) -> Array:
+@functools.partial(jax.jit, static_argnames=("dense_layers", "width"), donate_argnames=("kv",))
+def land_step(kv: Float[Array, "L NB 2 rows Hkv hd"], landing: StepLanding, *, dense_layers: int, width: int) -> Array:
     """A step's recall landed: every sparse layer's blocks into their slots. Before the next step's program, and
     in `SparseDecoder.land_pending` (before GPU blocks change owner, or a same-layer step)."""
     for sl in range(landing.offsets.shape[0]):
-        kv = _land(kv, jnp.int32(dense_layers + sl), landing.layer(sl, width), fan=fan)
+        kv = _land(kv, jnp.int32(dense_layers + sl), landing.layer(sl, width), fan=1)
     return kv
