@@ -101,7 +101,8 @@ class StepRefs:
         return SparseLayerRefs(*(jnp.int32(v) for v in self.layers[sl]))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "refs", "spec", "attention", "split_k", "with_logits", "with_sel"),
+@functools.partial(jax.jit,
+                   static_argnames=("model", "refs", "spec", "attention", "split_k", "with_logits", "with_sel"),
                    donate_argnames=("kv", "bounds", "slot_state", "arrivals"))
 def ahead_step(
     model: Transformer,
