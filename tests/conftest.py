@@ -1,8 +1,17 @@
+import importlib.util
+import os
 import pathlib
 import sys
 
-import jax
-import pytest
+# XLA:CPU compiling the tests' programs is most of the suite's time: LLVM at -O0 compiles them ~25% faster (the XLA
+# passes, and so what each program computes, stay the same; the tiny shapes run as fast). Not where jax's CUDA plugin
+# is installed: the compile-only GPU tests there must compile what a GPU would run. (XLA reads XLA_FLAGS when its
+# first backend starts, after this; the tests' own Python processes inherit it.)
+if importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # 8 fake CPU devices for the tensor-parallel tests (test_tensor_parallel.py); set before any backend starts. Every
 # other test keeps using the first device alone.
