@@ -250,7 +250,8 @@ def main() -> int:
     ap.add_argument("--points", default=None,
                     help="GPU-suite points (bench/points.py, comma list) instead of --batches/--context: each point's "
                     "offloaded batch, prompt length, budget and KV dtype, the real vocabulary (128,256), head_dim 16 "
-                    "(the smallest the kernels take: 12 x 128K tokens of KV fit this machine); rows carry the point")
+                    "(the smallest the kernels take); rows carry the point. A and B run in 24 GiB of RAM; C and D need "
+                    "more (a run is killed for memory there)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
     ap.add_argument("--name", default="host_overhead_cpu")
     ap.add_argument("--out", default=None)
