@@ -272,6 +272,7 @@ def main() -> int:
             if point is not None:
                 row["point"] = point
             meta["rows"].append(row)
+            path = write_result(args.name, meta, args.out)  # (after each row: a run killed later keeps these)
             cpu, low = row["main_thread_cpu_ms_per_step_p50"], row["main_thread_cpu_ms_per_step_min"]
             print(f"{system:20s} {row['host_io']:5s} batch {b:3d}: main-thread CPU {cpu:7.1f} ms/step (min {low:6.1f};"
                   f" driver {row['driver_cpu_ms_per_step_p50']:7.1f} ms without the replay's"
@@ -280,7 +281,6 @@ def main() -> int:
             for part in row.get("breakdown", []):
                 print(f"    {part['call']:30s} {part['cpu_ms_per_step']:7.2f} ms/step {part['calls_per_step']:6.1f} "
                       f"calls {part['cpu_us_per_call']:7.1f} us/call", flush=True)
-    path = write_result(args.name, meta, args.out)
     print(f"wrote {path}")
     return 0
 
