@@ -250,8 +250,8 @@ def main() -> int:
     ap.add_argument("--points", default=None,
                     help="GPU-suite points (bench/points.py, comma list) instead of --batches/--context: each point's "
                     "offloaded batch, prompt length, budget and KV dtype, the real vocabulary (128,256), head_dim 16 "
-                    "(the smallest the kernels take); rows carry the point. A and B run in 24 GiB of RAM; C and D need "
-                    "more (a run is killed for memory there)")
+                    "(the smallest the kernels take); rows carry the point. C and D take 15-22 GiB of RAM and a "
+                    "process keeps some of each point's: on a 24 GiB machine run them apart from A and B")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
     ap.add_argument("--name", default="host_overhead_cpu")
     ap.add_argument("--out", default=None)
