@@ -116,25 +116,25 @@ def compile_group(target: CompileTarget, recorder: PtxasRecorder, progs: list, w
     found = {k.name for k in kernels if k.name in pallas}
     mem = compiled.memory_analysis()
     memory = {k: getattr(mem, f"{k}_size_in_bytes", 0) for k in ("argument", "output", "alias", "temp")}
-    print_ = fingerprint(hlo_text)
+    # what the one compile says, the same in every row: its kernels' launch-limit violations and spills, its sizes
+    kernel_violations = []
+    for k in kernels:
+        kernel_violations += [f"{k.name}: {v}" for v in limit_violations(k, target.limits)]
+        if k.spill_stores:
+            kernel_violations.append(f"{k.name}: {k.spill_stores} bytes of register spill stores")
+    shared = dict(memory=memory, fingerprint=fingerprint(hlo_text), pallas=sorted(found),
+                  max_registers=max((k.registers or 0 for k in kernels), default=0),
+                  max_shared_memory=max((k.shared_memory for k in kernels), default=0),
+                  max_threads=max((k.threads for k in kernels), default=0))
     rows = []
     for prog in progs:
-        violations = []
-        for want in prog.pallas:
-            if not any(name.startswith(want) for name in found):
-                violations.append(f"{want}: no Triton kernel in the compiled program (Pallas interpret mode?)")
-        for k in kernels:
-            violations += [f"{k.name}: {v}" for v in limit_violations(k, target.limits)]
-            if k.spill_stores:
-                violations.append(f"{k.name}: {k.spill_stores} bytes of register spill stores")
+        missing = [f"{want}: no Triton kernel in the compiled program (Pallas interpret mode?)" for want in prog.pallas
+                   if not any(name.startswith(want) for name in found)]
         row = _row_head(prog)
         row.update(status="compiled", lower_s=round(t1 - t0, 3) if prog is first else 0.0,
                    compile_s=round(t2 - t1, 3) if prog is first else 0.0,
-                   cost=program_cost(hlo_text, tree, dict(prog.valid)).as_dict(), violations=violations,
-                   memory=memory, fingerprint=print_, pallas=sorted(found),
-                   max_registers=max((k.registers or 0 for k in kernels), default=0),
-                   max_shared_memory=max((k.shared_memory for k in kernels), default=0),
-                   max_threads=max((k.threads for k in kernels), default=0))
+                   cost=program_cost(hlo_text, tree, dict(prog.valid)).as_dict(),
+                   violations=missing + kernel_violations, **shared)
         if prog is not first:
             row["compiled_as"] = first.key
         if prog.group in ("kernel", "planted", "probe"):
